@@ -1,0 +1,37 @@
+"""The contract of a KV pipe: a FIFO of tensors (or ``None``) between two processes.
+
+Same names as vLLM v0's ``kv_transfer.kv_pipe.base.KVPipeBase``, so code written against that design fits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVPipeBase(ABC):
+    """One end of a pipe. Both ends may send and receive: each direction is its own FIFO."""
+
+    @abstractmethod
+    def send_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Send a tensor, or ``None``, to the other end.
+
+        Returns once the data sits in the receiver's memory (not necessarily received yet). The tensor may be
+        reused by the caller as soon as this returns. Raises ``PipeTimeout`` if the receiver makes no room within
+        the timeout, ``PeerDisconnected`` / ``TransferError`` if the peer is gone, ``PipeClosed`` after ``close()``,
+        ``TypeError`` for a dtype the pipe cannot carry.
+        """
+
+    @abstractmethod
+    def recv_tensor(self) -> torch.Tensor | None:
+        """Receive the next tensor (or ``None``) sent by the other end, in send order.
+
+        The result equals what was sent bit for bit (dtype, shape, values) and lives on the pipe's device.
+        Raises ``PipeTimeout`` if nothing arrives within the timeout, ``PeerDisconnected`` if the peer died,
+        ``ProtocolError`` on a malformed frame, ``PipeClosed`` if ``close()`` is called meanwhile.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every resource and unblock any call blocked in this pipe. Idempotent."""

@@ -1,0 +1,221 @@
+"""The side channel of one pipe direction: a TCP connection carrying frames (``wire``) plus the ring bookkeeping.
+
+The sender owns an ``Outbound``: it reserves space in the receiver's staging ring, writes the bytes there with the
+Transfer Engine, then announces them with a frame; the receiver's ACK frames free the space again. The receiver
+owns an ``Inbound``: a reader thread validates incoming frames and queues them for ``recv_tensor``.
+
+Ring positions are absolute byte counters (never wrap); a chunk sits at ``position % ring_size`` and never
+straddles the end of the ring (the sender skips to the start instead), so each chunk is one contiguous slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from kv_pipe import wire
+from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.wire import Chunk, Kind
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.25  # how often a blocked wait re-checks for close(); wake-ups on events are immediate
+MAX_QUEUED_FRAMES = 4096
+
+
+class Connection:
+    """A connected, handshaken socket with a reader thread; subclasses handle the frames."""
+
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, name: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._closed = closed  # the owning pipe's close flag
+        self._send_lock = threading.Lock()
+        self._dead = threading.Event()
+        self.error: PipeError | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead.is_set()
+
+    def send(self, frame: bytes) -> None:
+        if self._dead.is_set():
+            raise self.error or PeerDisconnected(f"connection to {self.peer} is closed")
+        try:
+            with self._send_lock:
+                self.sock.sendall(frame)
+        except TimeoutError:
+            self.fail(PipeTimeout(f"sending to {self.peer} blocked longer than the timeout: the peer is not reading"))
+            raise self.error from None
+        except OSError as e:
+            self.fail(PeerDisconnected(f"connection to {self.peer} lost: {e}"))
+            raise self.error from None
+
+    def fail(self, error: PipeError) -> None:
+        """Mark the connection dead with ``error`` (the first error wins) and close the socket."""
+        if self._dead.is_set():
+            return
+        self.error = error
+        self._dead.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._on_dead()
+
+    def close(self, say_bye: bool = True) -> None:
+        if say_bye and not self._dead.is_set():
+            try:
+                with self._send_lock:
+                    self.sock.settimeout(1.0)
+                    self.sock.sendall(wire.encode(Kind.BYE))
+            except OSError:
+                pass
+        self.fail(PipeClosed("the pipe was closed"))
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(timeout=2.0)
+
+    def _read_loop(self) -> None:
+        keep_waiting = lambda: not self._closed.is_set() and not self._dead.is_set()  # noqa: E731
+        try:
+            while not self._dead.is_set():
+                kind, payload = wire.recv_frame(self.sock, keep_waiting)
+                self._handle(kind, payload)
+        except ProtocolError as e:
+            logger.error("dropping the connection to %s: %s", self.peer, e)
+            self.fail(ProtocolError(f"peer {self.peer} sent a malformed frame: {e}"))
+        except (ConnectionError, TimeoutError, OSError) as e:
+            self.fail(PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
+        except PipeError as e:
+            self.fail(e)
+
+    def _handle(self, kind: Kind, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_dead(self) -> None:
+        """Wake whoever waits on this connection."""
+
+
+class Outbound(Connection):
+    """Sender side: ring reservations and the ACKs that release them."""
+
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
+                 ring_addr: int, ring_size: int, chunk_size: int) -> None:
+        super().__init__(sock, peer, closed, f"kv-pipe-acks-{peer}")
+        self.session = session
+        self.ring_addr = ring_addr
+        self.ring_size = ring_size
+        self.chunk_size = chunk_size
+        self.written = 0  # absolute ring position after the last reserved chunk
+        self.acked = 0  # absolute ring position the receiver has consumed up to
+        self._cv = threading.Condition()
+
+    def reserve(self, length: int, timeout: float) -> Chunk:
+        """Wait until ``length`` contiguous bytes are free in the receiver's ring and claim them."""
+        if not 0 < length <= self.ring_size // 2:
+            raise ValueError(f"chunk of {length} bytes does not fit a ring of {self.ring_size}")
+        start = self.written
+        offset = start % self.ring_size
+        if offset + length > self.ring_size:  # never straddle the end: skip to the ring's start
+            start += self.ring_size - offset
+            offset = 0
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while start + length - self.acked > self.ring_size:
+                if self._dead.is_set():
+                    raise self.error or PeerDisconnected(f"connection to {self.peer} is closed")
+                if self._closed.is_set():
+                    raise PipeClosed("the pipe was closed")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PipeTimeout(f"the receiver at {self.peer} freed no staging space for {timeout:.1f} s "
+                                      "(it is not calling recv_tensor, or it is frozen)")
+                self._cv.wait(min(remaining, _POLL))
+            self.written = start + length
+        return Chunk(offset, length, start + length)
+
+    def _handle(self, kind: Kind, payload: bytes) -> None:
+        if kind == Kind.ACK:
+            end = wire.decode_ack(payload)
+            with self._cv:
+                if not self.acked <= end <= self.written:
+                    raise ProtocolError(f"ACK for ring position {end} outside [{self.acked}, {self.written}]")
+                self.acked = end
+                self._cv.notify_all()
+        elif kind == Kind.BYE:
+            raise PeerDisconnected(f"peer {self.peer} closed the pipe")
+        elif kind == Kind.ERROR:
+            raise PeerDisconnected(f"peer {self.peer} dropped us: {payload.decode('utf-8', 'replace')}")
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame on the sending side")
+
+    def _on_dead(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+
+class Inbound(Connection):
+    """Receiver side: validated frames queued in arrival order for ``recv_tensor``."""
+
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, max_tensor_size: int) -> None:
+        super().__init__(sock, peer, closed, f"kv-pipe-frames-{peer}")
+        self.max_tensor_size = max_tensor_size
+        self.consumed = 0  # absolute ring position up to which data was copied out
+        self.frames: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUED_FRAMES)
+        self.reported = False  # its error was raised to a caller already
+
+    def _handle(self, kind: Kind, payload: bytes) -> None:
+        if kind == Kind.TENSOR:
+            item: Any = wire.decode_tensor(payload, self.max_tensor_size)
+        elif kind == Kind.CHUNK:
+            item = wire.decode_chunk(payload)
+        elif kind == Kind.NONE:
+            item = None
+        elif kind == Kind.BYE:
+            raise PeerDisconnected(f"peer {self.peer} closed the pipe")
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame on the receiving side")
+        while True:  # a full queue back-pressures the sender through TCP
+            try:
+                self.frames.put((kind, item), timeout=_POLL)
+                return
+            except queue.Full:
+                if self._closed.is_set() or self._dead.is_set():
+                    return
+
+    def _on_dead(self) -> None:
+        try:
+            self.frames.put_nowait((None, self.error))
+        except queue.Full:
+            pass  # next_frame notices the dead flag on its own
+
+    def next_frame(self, timeout: float) -> tuple[Kind, Any]:
+        """The next validated frame; raises the connection's error once it is dead and drained."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, item = self.frames.get(timeout=min(max(deadline - time.monotonic(), 0), _POLL))
+            except queue.Empty:
+                if self._closed.is_set():
+                    raise PipeClosed("the pipe was closed") from None
+                if self._dead.is_set() and self.frames.empty():
+                    raise self.error or PeerDisconnected(f"peer {self.peer} disconnected") from None
+                if time.monotonic() >= deadline:
+                    raise PipeTimeout(f"nothing arrived from {self.peer} within {timeout:.1f} s") from None
+                continue
+            if kind is None:
+                raise item
+            return kind, item
+
+    def ack(self, end: int) -> None:
+        self.consumed = end
+        self.send(wire.encode_ack(end))

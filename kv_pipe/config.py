@@ -1,0 +1,247 @@
+"""mooncake.json: the one configuration file of the stack, validated up front.
+
+Every mistake is reported as a ``ConfigError`` naming the field, the bad value and how to fix it, before any
+socket is opened or any Transfer Engine is started (the engine itself accepts nonsense silently or aborts the
+whole process, see ``_check_metadata``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kv_pipe.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+P2PHANDSHAKE = "P2PHANDSHAKE"
+PROTOCOLS = ("tcp", "rdma")
+METADATA_BACKENDS = ("etcd", "http", "redis")
+DECODE_PORT_OFFSET = 100  # Mooncake's guide: same URL for both roles -> decode listens 100 ports higher
+MiB = 1 << 20
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def parse_host_port(value: Any, field: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6addr]:port`` for IPv6) and validate both parts; ``field`` names the key in errors."""
+    hint = f'write it as "host:port", e.g. "127.0.0.1:13003"'
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{field}: expected a string \"host:port\", got {value!r}; {hint}")
+    text = value.strip()
+    if "://" in text:
+        raise ConfigError(f"{field}: {value!r} has a scheme; {hint} (no scheme)")
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep:
+            raise ConfigError(f"{field}: {value!r} is not \"[ipv6]:port\"; {hint}")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"{field}: {value!r} has no port; {hint}")
+        if ":" in host:
+            raise ConfigError(f"{field}: {value!r}: put an IPv6 address in brackets, e.g. \"[::1]:13003\"")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ConfigError(f"{field}: port {port_text!r} in {value!r} is not a number from 1 to 65535; {hint}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise ConfigError(f"{field}: {host!r} in {value!r} is neither an IP address nor a hostname; {hint}") from None
+    return host, int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@lru_cache(maxsize=1)
+def engine_has_redis_plugin() -> bool:
+    """Whether the installed Transfer Engine was built with its redis metadata plugin.
+
+    Without it, ``initialize`` with a redis server aborts the whole process (SIGABRT), which Python cannot catch,
+    so we look for the hiredis client symbols in the engine's shared objects instead of trying.
+    """
+    try:
+        import mooncake  # noqa: PLC0415 - optional at config time
+    except ImportError:
+        return False
+    for so in Path(mooncake.__file__).parent.rglob("*.so*"):
+        try:
+            if b"redisConnect" in so.read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class MetadataServer:
+    """Where the engines publish their segments: ``backend`` is p2p, etcd or http; ``conn`` is what the engine gets."""
+
+    backend: str
+    conn: str
+
+
+def _check_metadata(server: Any, backend: Any) -> MetadataServer:
+    hint = ('use "P2PHANDSHAKE" (no metadata service), "etcd://host:port[,host:port]", '
+            '"http://host:port/path", or a bare "host:port" meaning etcd')
+    if not isinstance(server, str) or not server.strip():
+        raise ConfigError(f"metadata_server: expected a string, got {server!r}; {hint}")
+    if backend is not None and backend not in METADATA_BACKENDS:
+        raise ConfigError(f"metadata_backend: {backend!r} is not one of {', '.join(METADATA_BACKENDS)}; "
+                          "leave it out to take the backend from metadata_server's scheme")
+    server = server.strip()
+    if server == P2PHANDSHAKE:
+        if backend is not None:
+            raise ConfigError(f"metadata_backend: {backend!r} makes no sense with metadata_server \"P2PHANDSHAKE\"; remove it")
+        return MetadataServer("p2p", P2PHANDSHAKE)
+    scheme, sep, rest = server.partition("://")
+    if not sep:
+        scheme, rest = (backend or "etcd"), server
+    scheme = scheme.lower()
+    if backend is not None and backend != scheme:
+        raise ConfigError(f"metadata_backend {backend!r} disagrees with metadata_server {server!r} (scheme {scheme!r}); "
+                          "make them agree or drop metadata_backend")
+    if scheme == "redis":
+        if not engine_has_redis_plugin():
+            raise ConfigError(f"metadata_server {server!r}: the installed Mooncake Transfer Engine has no redis plugin "
+                              "(it would abort the process); use etcd, http or P2PHANDSHAKE instead")
+        parse_host_port(rest, "metadata_server")
+        return MetadataServer("redis", f"redis://{rest}")
+    if scheme == "etcd":
+        for endpoint in rest.split(","):
+            parse_host_port(endpoint, "metadata_server")
+        return MetadataServer("etcd", f"etcd://{rest}")
+    if scheme == "http":
+        hostport, slash, path = rest.partition("/")
+        parse_host_port(hostport, "metadata_server")
+        if not slash or not path:
+            raise ConfigError(f"metadata_server {server!r}: an http metadata server needs a path, e.g. "
+                              "\"http://127.0.0.1:8080/metadata\"")
+        return MetadataServer("http", f"http://{rest}")
+    raise ConfigError(f"metadata_server {server!r}: unknown scheme {scheme!r}; {hint}")
+
+
+def _positive(value: Any, field: str, kind: type, hint: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ConfigError(f"{field}: expected a positive {kind.__name__}, got {value!r}; {hint}")
+    if value <= 0:
+        raise ConfigError(f"{field}: must be > 0, got {value!r}; {hint}")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class MooncakeTransferEngineConfig:
+    """The validated contents of mooncake.json.
+
+    URLs are ``host:port``; the port is the base of the pipe's side channel (port + local_rank). The Transfer Engine
+    itself picks its own ports. ``staging_buffer_size`` bytes are registered per direction and per pipe; no tensor
+    moves through more memory than that plus the result tensor itself.
+    """
+
+    prefill_url: str = "127.0.0.1:13003"
+    decode_url: str = "127.0.0.1:13103"
+    metadata_server: str = P2PHANDSHAKE
+    metadata_backend: str | None = None
+    protocol: str = "tcp"
+    device_name: str = ""
+    staging_buffer_size: int = 64 * MiB
+    chunk_size: int = 4 * MiB
+    max_chunks_in_flight: int = 4
+    max_tensor_size: int = 64 << 30
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
+        d_host, d_port = parse_host_port(self.decode_url, "decode_url")
+        if (p_host, p_port) == (d_host, d_port):
+            d_port += DECODE_PORT_OFFSET
+            if d_port > 65535:
+                raise ConfigError(f"decode_url: equal to prefill_url and port + {DECODE_PORT_OFFSET} = {d_port} is out of range")
+            logger.info("prefill_url and decode_url are both %s: the decode side uses port %d (+%d)",
+                        self.prefill_url, d_port, DECODE_PORT_OFFSET)
+            object.__setattr__(self, "decode_url", join_host_port(d_host, d_port))
+        self.metadata  # noqa: B018 - validates metadata_server/metadata_backend
+        if not isinstance(self.protocol, str) or self.protocol.lower() not in PROTOCOLS:
+            raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)} "
+                              "(the engine would silently fall back to TCP); set \"protocol\": \"tcp\" or \"rdma\"")
+        object.__setattr__(self, "protocol", self.protocol.lower())
+        if not isinstance(self.device_name, str):
+            raise ConfigError(f"device_name: expected a string such as \"mlx5_0\", got {self.device_name!r}")
+        if self.protocol == "rdma" and not self.device_name.strip():
+            raise ConfigError("device_name: protocol \"rdma\" needs the RDMA NIC(s) to use, e.g. \"mlx5_0\" or "
+                              "\"mlx5_0,mlx5_1\" (list them with `ibv_devices`)")
+        size_hint = "a number of bytes, e.g. 67108864 for 64 MiB"
+        _positive(self.staging_buffer_size, "staging_buffer_size", int, size_hint)
+        _positive(self.chunk_size, "chunk_size", int, size_hint)
+        _positive(self.max_chunks_in_flight, "max_chunks_in_flight", int, "e.g. 4")
+        _positive(self.max_tensor_size, "max_tensor_size", int, size_hint)
+        object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30"))
+        if self.chunk_size * 2 > self.staging_buffer_size:
+            raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "
+                              f"({self.staging_buffer_size}) so that a chunk always fits; lower chunk_size or raise the staging size")
+
+    @property
+    def metadata(self) -> MetadataServer:
+        return _check_metadata(self.metadata_server, self.metadata_backend)
+
+    def pipe_address(self, kv_rank: int, local_rank: int) -> tuple[str, int]:
+        """The side-channel address of one pipe end: kv_rank 0 = producer (prefill_url), 1 = consumer (decode_url)."""
+        if kv_rank not in (0, 1):
+            raise ConfigError(f"kv_rank must be 0 (producer) or 1 (consumer), got {kv_rank!r}")
+        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+            raise ConfigError(f"local_rank must be an int >= 0, got {local_rank!r}")
+        host, port = parse_host_port(self.prefill_url if kv_rank == 0 else self.decode_url, "url")
+        if port + local_rank > 65535:
+            raise ConfigError(f"port {port} + local_rank {local_rank} is out of range; pick a lower base port")
+        return host, port + local_rank
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config") -> MooncakeTransferEngineConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeTransferEngineConfig:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file; copy mooncake.json.example to {path} or point "
+                              f"{CONFIG_ENV} at an existing file") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def load_from_env(cls) -> MooncakeTransferEngineConfig:
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            raise ConfigError(f"{CONFIG_ENV} is not set; set it to the path of your mooncake.json "
+                              f"(see mooncake.json.example), e.g. {CONFIG_ENV}=mooncake.json")
+        return cls.from_file(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

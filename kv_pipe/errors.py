@@ -1,0 +1,33 @@
+"""Exceptions raised by the pipe layer.
+
+Every failure a caller can see is one of these, so a caller can tell a slow peer (``PipeTimeout``) from a
+dead one (``PeerDisconnected``), a hostile or buggy one (``ProtocolError``) and a misconfiguration (``ConfigError``).
+"""
+
+
+class ConfigError(ValueError):
+    """mooncake.json (or the arguments standing in for it) is wrong; the message says which field and how to fix it."""
+
+
+class PipeError(RuntimeError):
+    """Base class of every runtime error of the pipe."""
+
+
+class PipeTimeout(PipeError, TimeoutError):
+    """A blocking call did not complete within its timeout (a frozen, slow or absent peer)."""
+
+
+class PipeClosed(PipeError):
+    """The pipe was closed locally (``close()``), possibly while the call was blocked."""
+
+
+class PeerDisconnected(PipeError):
+    """The peer closed the connection or died; what was in flight is lost."""
+
+
+class ProtocolError(PipeError):
+    """The peer sent a malformed, truncated or oversized frame; the connection that carried it is dropped."""
+
+
+class TransferError(PipeError):
+    """The Mooncake Transfer Engine reported a failed transfer (peer dead, frozen, or the region rejected)."""

@@ -1,0 +1,322 @@
+"""MooncakePipe: a tensor FIFO between two processes over Mooncake Transfer Engine registered buffers.
+
+How one tensor travels (sender A -> receiver B):
+
+1. A holds a TCP side channel to B (opened on first send, see ``_connect``) on which B announced, in its WELCOME,
+   its engine session and the address of its registered *staging ring* (``staging_buffer_size`` bytes).
+2. A splits the tensor's bytes into chunks (``chunk_size``). For each: reserve ring space, copy the chunk into A's
+   own registered staging area, and start a one-sided Transfer Engine write into B's ring. Up to
+   ``max_chunks_in_flight`` writes run at once; as each completes, a TENSOR (first chunk, with dtype and shape) or
+   CHUNK frame tells B where it is.
+3. B's ``recv_tensor`` allocates the result once, copies each chunk out of the ring and ACKs it, which frees the
+   space for A's next chunks. Memory use is fixed: two staging areas plus the result tensor.
+
+Nothing on the side channel is executed or unpickled: frames are parsed by ``kv_pipe.wire`` and validated.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+
+import torch
+
+from kv_pipe import wire
+from kv_pipe.base import KVPipeBase
+from kv_pipe.channel import Inbound, Outbound
+from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
+from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.transfer_engine import MooncakeEngine
+from kv_pipe.wire import Chunk, Kind, TensorHeader
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+_HELLO = {"kv_rank": int, "local_rank": int, "session": str}
+_WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int}
+
+
+class MooncakePipe(KVPipeBase):
+    """One end of a full-duplex tensor pipe.
+
+    kv_rank 0 is the producer end (listens on ``prefill_url`` port + local_rank), kv_rank 1 the consumer end
+    (``decode_url`` port + local_rank); each end sends to the other. ``config=None`` reads MOONCAKE_CONFIG_PATH.
+    Received tensors are placed on ``device``. Thread-safe: concurrent senders (or receivers) are serialized.
+    """
+
+    def __init__(self, local_rank: int = 0, kv_rank: int = 0, config: MooncakeTransferEngineConfig | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.config = config if config is not None else MooncakeTransferEngineConfig.load_from_env()
+        self.kv_rank, self.local_rank = kv_rank, local_rank
+        self.device = torch.device(device)
+        self.host, self.port = self.config.pipe_address(kv_rank, local_rank)
+        self.peer_host, self.peer_port = self.config.pipe_address(1 - kv_rank, local_rank)
+        self.peer = join_host_port(self.peer_host, self.peer_port)
+        self._closed = threading.Event()
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._state = threading.Condition()  # guards _inbound / _outbound replacement
+        self._inbound: Inbound | None = None
+        self._outbound: Outbound | None = None
+        self._stage: torch.Tensor | None = None
+        try:
+            self._listener = socket.create_server((self.host, self.port), backlog=8)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {join_host_port(self.host, self.port)} for the pipe's side channel "
+                              f"({e.strerror}); another process holds the port - pick other ports in mooncake.json") from None
+        self._listener.settimeout(0.2)
+        try:
+            self._engine = MooncakeEngine(self.config, self.host, self.port)
+            pin = self.device.type == "cuda"  # CUDA results are copied out of pinned host memory
+            self._ring = self._engine.allocate(self.config.staging_buffer_size, pin=pin)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-pipe-accept-{self.port}", daemon=True)
+        self._acceptor.start()
+        logger.info("MooncakePipe kv_rank=%d local_rank=%d listening on %s, peer %s, engine session %s",
+                    kv_rank, local_rank, join_host_port(self.host, self.port), self.peer, self._engine.session)
+
+    # ------------------------------------------------------------------ sending
+    def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
+        timeout = self.config.timeout if timeout is None else timeout
+        if tensor is not None:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"send_tensor takes a torch.Tensor or None, got {type(tensor).__name__}")
+            if tensor.dtype not in wire.DTYPE_TO_CODE:
+                raise TypeError(f"dtype {tensor.dtype} cannot be sent through the pipe")
+            if tensor.dim() > wire.MAX_NDIM:
+                raise ValueError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {wire.MAX_NDIM}")
+        with self._send_lock:
+            self._check_open()
+            out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
+            try:
+                if tensor is None:
+                    out.send(wire.encode(Kind.NONE))
+                else:
+                    self._send(out, tensor, timeout)
+            except PipeError as e:
+                out.fail(e)  # a half-sent tensor leaves the stream unusable: the next send reconnects
+                raise
+
+    def _send(self, out: Outbound, tensor: torch.Tensor, timeout: float) -> None:
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        nbytes = src.numel() * src.element_size()
+        shape = tuple(src.shape)
+        if nbytes == 0:
+            out.send(wire.encode_tensor(src.dtype, shape, 0, Chunk(0, 0, out.written)))
+            return
+        flat = src.reshape(-1).view(torch.uint8)
+        stage = self._stage
+        assert stage is not None
+        stage_addr = stage.data_ptr()
+        inflight: deque[tuple[int, Chunk]] = deque()
+        sent_header = False
+        pos = 0
+        while pos < nbytes or inflight:
+            if pos < nbytes:
+                chunk = out.reserve(min(out.chunk_size, nbytes - pos), timeout)
+                stage[chunk.offset:chunk.offset + chunk.length].copy_(flat[pos:pos + chunk.length])
+                batch = self._engine.write_async(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset,
+                                                 chunk.length)
+                inflight.append((batch, chunk))
+                pos += chunk.length
+                if len(inflight) < self.config.max_chunks_in_flight and pos < nbytes:
+                    continue  # keep the engine busy: copy the next chunk while this one is on the wire
+            batch, chunk = inflight.popleft()
+            self._engine.wait(batch, out.session, chunk.length)
+            out.send(wire.encode_chunk(chunk) if sent_header else wire.encode_tensor(src.dtype, shape, nbytes, chunk))
+            sent_header = True
+
+    def _connect(self, timeout: float) -> Outbound:
+        """Open the side channel to the peer (retrying while it starts up) and handshake."""
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while True:
+            self._check_open()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PipeTimeout(f"could not reach the peer pipe at {self.peer} within {timeout:.1f} s ({last_error}); "
+                                  f"is the kv_rank {1 - self.kv_rank} side running with the same mooncake.json?")
+            try:
+                sock = socket.create_connection((self.peer_host, self.peer_port), timeout=min(remaining, 5.0),
+                                                source_address=(self.host, 0))
+            except OSError as e:
+                last_error = e
+                time.sleep(min(0.05, max(remaining, 0)))
+                continue
+            try:
+                return self._handshake_out(sock, min(max(remaining, 0.1), HANDSHAKE_TIMEOUT), timeout)
+            except (OSError, ProtocolError) as e:
+                sock.close()
+                if isinstance(e, ProtocolError):
+                    raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
+                last_error = e
+                time.sleep(0.05)
+
+    def _handshake_out(self, sock: socket.socket, handshake_timeout: float, timeout: float) -> Outbound:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(handshake_timeout)
+        sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": self.kv_rank, "local_rank": self.local_rank,
+                                                   "session": self._engine.session}))
+        kind, payload = wire.recv_frame(sock)
+        if kind == Kind.ERROR:
+            sock.close()
+            raise PeerDisconnected(f"peer {self.peer} refused the connection: {payload.decode('utf-8', 'replace')}")
+        if kind != Kind.WELCOME:
+            raise ProtocolError(f"expected WELCOME, got {kind.name}")
+        welcome = wire.decode_json(payload, _WELCOME)
+        if welcome["ring_size"] <= 0 or welcome["max_chunk"] <= 0 or welcome["ring_addr"] <= 0:
+            raise ProtocolError(f"WELCOME announces an unusable ring: {welcome}")
+        if self._stage is None:
+            self._stage = self._engine.allocate(self.config.staging_buffer_size, pin=torch.cuda.is_available())
+        ring_size = min(welcome["ring_size"], self._stage.numel())  # our stage mirrors the ring's offsets
+        chunk_size = min(self.config.chunk_size, welcome["max_chunk"], ring_size // 2)
+        sock.settimeout(timeout)
+        out = Outbound(sock, self.peer, self._closed, session=welcome["session"], ring_addr=welcome["ring_addr"],
+                       ring_size=ring_size, chunk_size=chunk_size)
+        out.start()
+        with self._state:
+            self._outbound = out
+        logger.info("pipe %s -> %s connected (peer engine %s, ring %d bytes, chunk %d bytes)",
+                    join_host_port(self.host, self.port), self.peer, out.session, ring_size, chunk_size)
+        return out
+
+    # ---------------------------------------------------------------- receiving
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._recv_lock:
+            inbound = self._wait_inbound(deadline, timeout)
+            try:
+                kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0))
+            except PipeTimeout:
+                raise  # idle: nothing was half-received, the connection stays
+            except PipeError:
+                inbound.reported = True
+                raise
+            try:
+                if kind == Kind.NONE:
+                    return None
+                if kind != Kind.TENSOR:
+                    raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
+                return self._receive(inbound, item, timeout)
+            except PipeError as e:
+                inbound.fail(e)  # a half-received tensor leaves the stream unusable
+                inbound.reported = True
+                raise
+
+    def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float) -> torch.Tensor:
+        result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        if header.nbytes == 0:
+            return result
+        out = result.reshape(-1).view(torch.uint8)
+        chunk, pos = header.first, 0
+        while True:
+            self._check_chunk(inbound, chunk, header.nbytes - pos)
+            out[pos:pos + chunk.length].copy_(self._ring[chunk.offset:chunk.offset + chunk.length])
+            inbound.ack(chunk.end)
+            pos += chunk.length
+            if pos == header.nbytes:
+                return result
+            kind, chunk = inbound.next_frame(timeout)
+            if kind != Kind.CHUNK:
+                raise ProtocolError(f"expected a CHUNK frame ({header.nbytes - pos} bytes of the tensor missing), "
+                                    f"got {kind.name}")
+
+    def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int) -> None:
+        if not 0 < chunk.length <= missing:
+            raise ProtocolError(f"chunk of {chunk.length} bytes where {missing} bytes of the tensor are missing")
+        if chunk.offset + chunk.length > self._ring.numel():
+            raise ProtocolError(f"chunk [{chunk.offset}, +{chunk.length}) lies outside the {self._ring.numel()}-byte ring")
+        if chunk.end < inbound.consumed + chunk.length:
+            raise ProtocolError(f"chunk ends at ring position {chunk.end}, before the consumed position {inbound.consumed}")
+
+    def _wait_inbound(self, deadline: float, timeout: float) -> Inbound:
+        with self._state:
+            while True:
+                self._check_open()
+                inbound = self._inbound
+                if inbound is not None and not (inbound.reported and not inbound.alive):
+                    return inbound
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PipeTimeout(f"no peer connected to {join_host_port(self.host, self.port)} within {timeout:.1f} s; "
+                                      f"is the kv_rank {1 - self.kv_rank} side running with the same mooncake.json?")
+                self._state.wait(min(remaining, 0.25))
+
+    # ---------------------------------------------------------------- accepting
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            who = join_host_port(str(addr[0]), addr[1])
+            try:
+                self._handshake_in(sock, who)
+            except (OSError, PipeError) as e:
+                logger.warning("rejected a side-channel connection from %s: %s", who, e)
+                try:
+                    sock.settimeout(1.0)
+                    sock.sendall(wire.encode(Kind.ERROR, str(e).encode()[:4000]))
+                except OSError:
+                    pass
+                sock.close()
+
+    def _handshake_in(self, sock: socket.socket, who: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))
+        kind, payload = wire.recv_frame(sock)
+        if kind != Kind.HELLO:
+            raise ProtocolError(f"expected HELLO, got {kind.name}")
+        hello = wire.decode_json(payload, _HELLO)
+        if hello["kv_rank"] != 1 - self.kv_rank or hello["local_rank"] != self.local_rank:
+            raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
+                                f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
+        with self._state:
+            if self._inbound is not None and self._inbound.alive:
+                raise PipeError(f"this pipe end already has a live peer ({self._inbound.peer})")
+            sock.sendall(wire.encode_json(Kind.WELCOME, {"session": self._engine.session, "ring_addr": self._ring.data_ptr(),
+                                                         "ring_size": self._ring.numel(), "max_chunk": self.config.chunk_size}))
+            sock.settimeout(self.config.timeout)
+            inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size)
+            self._inbound = inbound
+            inbound.start()
+            self._state.notify_all()
+        logger.info("pipe %s <- %s connected (peer engine %s)", join_host_port(self.host, self.port), who, hello["session"])
+
+    # ------------------------------------------------------------------ closing
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise PipeClosed("the pipe is closed")
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._state:
+            conns = [c for c in (self._outbound, self._inbound) if c is not None]
+            self._state.notify_all()
+        for conn in conns:
+            conn.close()
+        self._listener.close()
+        self._acceptor.join(timeout=2.0)
+        self._engine.close()
+        logger.info("MooncakePipe kv_rank=%d local_rank=%d closed", self.kv_rank, self.local_rank)
+
+    def __enter__(self) -> MooncakePipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,99 @@
+"""A thin, exception-raising wrapper over the Mooncake Transfer Engine's Python binding.
+
+The binding reports errors as return codes (-1, or batch id 0) and logs the reason through glog; this module
+turns them into ``TransferError`` / ``ConfigError`` with the peer and sizes in the message. It owns one engine
+and the host memory registered with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+
+import torch
+
+from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
+from kv_pipe.errors import ConfigError, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+def _import_engine() -> type:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: PLC0415
+    except ImportError as e:
+        raise ConfigError(
+            f"cannot import the Mooncake Transfer Engine ({e}). Install 'mooncake-transfer-engine' (CUDA hosts) or "
+            "'mooncake-transfer-engine-non-cuda' (CPU hosts), and the Debian/Ubuntu package libibverbs1") from e
+    return TransferEngine
+
+
+class MooncakeEngine:
+    """One initialized Transfer Engine bound to ``host``.
+
+    ``session`` is the name peers use to reach this engine: ``host:rpc_port`` with P2PHANDSHAKE, else the
+    ``host:port`` it was registered under in the metadata service.
+    """
+
+    def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int) -> None:
+        # Both are read when the engine is created: make the engine's own transfer timeout follow ours (it
+        # never goes below 5 s), and make it advertise the configured host rather than the first NIC it finds.
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(config.timeout))))
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+        engine_cls = _import_engine()
+        self._engine = engine_cls()
+        self._lock = threading.Lock()
+        self._registered: dict[int, torch.Tensor] = {}
+        metadata = config.metadata
+        local_name = join_host_port(host, port)
+        rc = self._engine.initialize(local_name, metadata.conn, config.protocol, config.device_name)
+        if rc != 0:
+            raise ConfigError(
+                f"Mooncake Transfer Engine failed to initialize (local {local_name}, metadata {metadata.conn}, protocol "
+                f"{config.protocol}, device {config.device_name!r}): check that the metadata server is running and reachable, "
+                "and that the RDMA device exists; the engine's log above says more")
+        if metadata.backend == "p2p":
+            self.session = join_host_port(host, self._engine.get_rpc_port())
+        else:
+            self.session = local_name
+        logger.debug("Transfer Engine up: session %s, metadata %s, protocol %s", self.session, metadata.conn, config.protocol)
+
+    def allocate(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """A host byte buffer registered with the engine (pinned when CUDA copies will use it)."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        rc = self._engine.register_memory(buf.data_ptr(), nbytes)
+        if rc != 0:
+            raise TransferError(f"registering {nbytes} bytes with the Transfer Engine failed (rc={rc})")
+        with self._lock:
+            self._registered[buf.data_ptr()] = buf
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._registered.pop(buf.data_ptr(), None) is None:
+                return
+        rc = self._engine.unregister_memory(buf.data_ptr())
+        if rc != 0:
+            logger.warning("unregistering a %d-byte staging buffer failed (rc=%d)", buf.numel(), rc)
+
+    def write_async(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> int:
+        """Start a one-sided write; returns a batch id for ``wait``."""
+        batch_id = self._engine.batch_transfer_async_write(peer, [local_addr], [remote_addr], [nbytes])
+        if not batch_id:
+            raise TransferError(f"could not start a {nbytes}-byte write to {peer}: the peer's engine is unreachable "
+                                "or its segment is unknown")
+        return batch_id
+
+    def wait(self, batch_id: int, peer: str, nbytes: int) -> None:
+        """Block (GIL released) until the write completes; bounded by MC_TRANSFER_TIMEOUT."""
+        if self._engine.get_batch_transfer_status([batch_id]) != 0:
+            raise TransferError(f"a {nbytes}-byte write to {peer} failed or timed out: the peer died, froze, "
+                                "or rejected the target region")
+
+    def close(self) -> None:
+        with self._lock:
+            bufs = list(self._registered.values())
+        for buf in bufs:
+            self.release(buf)

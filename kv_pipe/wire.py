@@ -1,0 +1,222 @@
+"""The pipe's side-channel wire format: versioned, length-checked frames; nothing on it is ever executed.
+
+Every frame is a 12-byte header followed by ``length`` payload bytes::
+
+    magic b"MKVP" | version u8 | kind u8 | flags u16 (0) | length u32      (network byte order)
+
+Kinds and payloads (the tensor bytes themselves never travel here: they are written by the Transfer Engine
+into the receiver's registered staging ring, and a frame only says where they are):
+
+- HELLO / WELCOME: a small JSON object (the handshake; parsed with ``json`` and every field validated).
+- ERROR: UTF-8 text, the reason the peer refused us.
+- TENSOR: dtype code u8, ndim u8, 6 pad, nbytes u64, first chunk (offset u64, length u64, end u64), ndim x dim u64.
+- NONE: empty; the value ``None`` (nothing a real tensor could carry is reserved for it).
+- CHUNK: offset u64, length u64, end u64 - the next piece of the current tensor sits at ``offset`` in the ring.
+- ACK: end u64 - the receiver has consumed the ring up to the absolute position ``end``.
+- BYE: empty; an orderly close.
+
+Decoding validates sizes and values and raises ``ProtocolError`` with a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kv_pipe.errors import ProtocolError
+
+MAGIC = b"MKVP"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHI")
+MAX_NDIM = 64
+MAX_JSON = 64 << 10
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    ERROR = 3
+    TENSOR = 4
+    NONE = 5
+    CHUNK = 6
+    ACK = 7
+    BYE = 8
+
+
+_CHUNK = struct.Struct("!QQQ")
+_TENSOR_HEAD = struct.Struct("!BB6xQ")
+_ACK = struct.Struct("!Q")
+_MAX_PAYLOAD = {
+    Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096,
+    Kind.TENSOR: _TENSOR_HEAD.size + _CHUNK.size + 8 * MAX_NDIM,
+    Kind.NONE: 0, Kind.CHUNK: _CHUNK.size, Kind.ACK: _ACK.size, Kind.BYE: 0,
+}
+
+# The wire code of every dtype is fixed forever; dtypes this torch lacks are simply absent.
+_DTYPE_CODES = {
+    1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "bool",
+    6: "uint8", 7: "int8", 8: "int16", 9: "int32", 10: "int64",
+    11: "complex64", 12: "complex128", 13: "complex32",
+    14: "uint16", 15: "uint32", 16: "uint64",
+    17: "float8_e4m3fn", 18: "float8_e5m2", 19: "float8_e4m3fnuz", 20: "float8_e5m2fnuz", 21: "float8_e8m0fnu",
+}
+CODE_TO_DTYPE: dict[int, torch.dtype] = {
+    code: getattr(torch, name) for code, name in _DTYPE_CODES.items() if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_TO_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in CODE_TO_DTYPE.items()}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a tensor in the receiver's ring: bytes [offset, offset+length); ``end`` is the absolute ring position after it."""
+
+    offset: int
+    length: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    first: Chunk
+
+
+def encode(kind: Kind, payload: bytes = b"") -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, 0, len(payload)) + payload
+
+
+def decode_header(raw: bytes) -> tuple[Kind, int]:
+    """Validate a frame header and return (kind, payload length)."""
+    if len(raw) != HEADER.size:
+        raise ProtocolError(f"truncated frame header: {len(raw)} of {HEADER.size} bytes")
+    magic, version, kind, flags, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): the peer does not speak this pipe's protocol")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this end speaks {VERSION}); run the same release on both ends")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if flags:
+        raise ProtocolError(f"frame flags must be 0, got {flags:#x}")
+    if length > _MAX_PAYLOAD[kind]:
+        raise ProtocolError(f"{kind.name} frame of {length} bytes exceeds its limit of {_MAX_PAYLOAD[kind]} bytes")
+    return kind, length
+
+
+def encode_json(kind: Kind, obj: dict[str, Any]) -> bytes:
+    payload = json.dumps(obj, separators=(",", ":")).encode()
+    if len(payload) > MAX_JSON:
+        raise ValueError(f"{kind.name} payload too large")
+    return encode(kind, payload)
+
+
+def decode_json(payload: bytes, schema: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """Parse a handshake object and check that it has exactly the keys of ``schema`` with those types."""
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"handshake is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"handshake must be a JSON object, got {type(obj).__name__}")
+    if set(obj) != set(schema):
+        raise ProtocolError(f"handshake keys {sorted(obj)} differ from the expected {sorted(schema)}")
+    for key, typ in schema.items():
+        if not isinstance(obj[key], typ) or isinstance(obj[key], bool) and typ is not bool:
+            raise ProtocolError(f"handshake field {key!r} has the wrong type {type(obj[key]).__name__}")
+    return obj
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    return encode(Kind.CHUNK, _CHUNK.pack(chunk.offset, chunk.length, chunk.end))
+
+
+def decode_chunk(payload: bytes) -> Chunk:
+    if len(payload) != _CHUNK.size:
+        raise ProtocolError(f"CHUNK payload has {len(payload)} bytes, expected {_CHUNK.size}")
+    return Chunk(*_CHUNK.unpack(payload))
+
+
+def encode_ack(end: int) -> bytes:
+    return encode(Kind.ACK, _ACK.pack(end))
+
+
+def decode_ack(payload: bytes) -> int:
+    if len(payload) != _ACK.size:
+        raise ProtocolError(f"ACK payload has {len(payload)} bytes, expected {_ACK.size}")
+    return _ACK.unpack(payload)[0]
+
+
+def encode_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, first: Chunk) -> bytes:
+    code = DTYPE_TO_CODE.get(dtype)
+    if code is None:
+        raise TypeError(f"dtype {dtype} cannot be sent through the pipe (supported: {sorted(map(str, DTYPE_TO_CODE))})")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensor has {len(shape)} dimensions; the pipe carries at most {MAX_NDIM}")
+    payload = (_TENSOR_HEAD.pack(code, len(shape), nbytes) + _CHUNK.pack(first.offset, first.length, first.end)
+               + struct.pack(f"!{len(shape)}Q", *shape))
+    return encode(Kind.TENSOR, payload)
+
+
+def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
+    """Parse and validate a TENSOR frame: known dtype, consistent shape and size, within ``max_nbytes``."""
+    fixed = _TENSOR_HEAD.size + _CHUNK.size
+    if len(payload) < fixed:
+        raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, fewer than the fixed {fixed}")
+    code, ndim, nbytes = _TENSOR_HEAD.unpack_from(payload)
+    first = Chunk(*_CHUNK.unpack_from(payload, _TENSOR_HEAD.size))
+    if len(payload) != fixed + 8 * ndim:
+        raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, but ndim={ndim} needs {fixed + 8 * ndim}")
+    dtype = CODE_TO_DTYPE.get(code)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype code {code}")
+    shape = struct.unpack_from(f"!{ndim}Q", payload, fixed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if numel * itemsize != nbytes:
+        raise ProtocolError(f"TENSOR shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, header says {nbytes}")
+    if nbytes > max_nbytes:
+        raise ProtocolError(f"TENSOR of {nbytes} bytes exceeds max_tensor_size={max_nbytes}; raise max_tensor_size "
+                            "in mooncake.json if this is intended")
+    if first.length > nbytes:
+        raise ProtocolError(f"first chunk of {first.length} bytes is larger than the tensor ({nbytes} bytes)")
+    return TensorHeader(dtype, tuple(shape), nbytes, first)
+
+
+def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | None = None) -> bytes:
+    """Read exactly n bytes; EOF before that raises ConnectionError.
+
+    On a socket timeout: re-raise ``socket.timeout`` unless ``keep_waiting()`` says to go on waiting (a reader
+    thread idling between frames, or inside a frame from a slow peer, must not lose the bytes it already has).
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if keep_waiting is not None and keep_waiting():
+                continue
+            raise
+        if k == 0:
+            raise ConnectionError("connection closed by peer" if got == 0 else f"connection closed mid-frame ({got}/{n} bytes)")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, keep_waiting: Callable[[], bool] | None = None) -> tuple[Kind, bytes]:
+    """Read and validate one frame; raises ProtocolError, ConnectionError or TimeoutError (see ``recv_exact``)."""
+    kind, length = decode_header(recv_exact(sock, HEADER.size, keep_waiting))
+    return kind, recv_exact(sock, length, keep_waiting) if length else b""
