@@ -29,12 +29,13 @@ METADATA_BACKENDS = ("etcd", "http", "redis")
 DECODE_PORT_OFFSET = 100  # Mooncake's guide: same URL for both roles -> decode listens 100 ports higher
 MiB = 1 << 20
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
 
 def parse_host_port(value: Any, field: str) -> tuple[str, int]:
     """Split ``host:port`` (``[v6addr]:port`` for IPv6) and validate both parts; ``field`` names the key in errors."""
-    hint = f'write it as "host:port", e.g. "127.0.0.1:13003"'
+    hint = 'write it as "host:port", e.g. "127.0.0.1:13003"'
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{field}: expected a string \"host:port\", got {value!r}; {hint}")
     text = value.strip()
@@ -167,7 +168,8 @@ class MooncakeTransferEngineConfig:
         if (p_host, p_port) == (d_host, d_port):
             d_port += DECODE_PORT_OFFSET
             if d_port > 65535:
-                raise ConfigError(f"decode_url: equal to prefill_url and port + {DECODE_PORT_OFFSET} = {d_port} is out of range")
+                raise ConfigError(f"decode_url: equal to prefill_url, and port + {DECODE_PORT_OFFSET} = {d_port} "
+                                  "is out of range; give decode_url its own port")
             logger.info("prefill_url and decode_url are both %s: the decode side uses port %d (+%d)",
                         self.prefill_url, d_port, DECODE_PORT_OFFSET)
             object.__setattr__(self, "decode_url", join_host_port(d_host, d_port))

@@ -24,9 +24,9 @@ import json
 import math
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,7 +69,9 @@ _DTYPE_CODES = {
     17: "float8_e4m3fn", 18: "float8_e5m2", 19: "float8_e4m3fnuz", 20: "float8_e5m2fnuz", 21: "float8_e8m0fnu",
 }
 CODE_TO_DTYPE: dict[int, torch.dtype] = {
-    code: getattr(torch, name) for code, name in _DTYPE_CODES.items() if isinstance(getattr(torch, name, None), torch.dtype)
+    code: getattr(torch, name)
+    for code, name in _DTYPE_CODES.items()
+    if isinstance(getattr(torch, name, None), torch.dtype)
 }
 DTYPE_TO_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in CODE_TO_DTYPE.items()}
 
@@ -103,7 +105,8 @@ def decode_header(raw: bytes) -> tuple[Kind, int]:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): the peer does not speak this pipe's protocol")
     if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (this end speaks {VERSION}); run the same release on both ends")
+        raise ProtocolError(f"unsupported protocol version {version} (this end speaks {VERSION}); "
+                            "run the same release on both ends")
     try:
         kind = Kind(kind)
     except ValueError:
@@ -182,7 +185,7 @@ def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
     if dtype is None:
         raise ProtocolError(f"unknown dtype code {code}")
     shape = struct.unpack_from(f"!{ndim}Q", payload, fixed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     numel = math.prod(shape)
     if numel * itemsize != nbytes:
         raise ProtocolError(f"TENSOR shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, header says {nbytes}")

@@ -72,3 +72,173 @@ def echo(cfg: dict[str, Any], kv_rank: int, count: int) -> int:
             pipe.send_tensor(item)
         pipe.recv_tensor()  # wait for the test's "done" before closing
     return tensors
+
+
+# ----------------------------------------------------------------------------- deterministic test data
+def dtype_cases() -> list[Any]:
+    """Every dtype the pipe supports in several shapes (0-d, empty, odd sizes, non-contiguous), plus Nones."""
+    import torch
+
+    from kv_pipe import wire
+
+    g = torch.Generator().manual_seed(1234)
+    cases: list[Any] = []
+    for dtype in sorted(wire.DTYPE_TO_CODE, key=str):
+        for shape in [(), (0,), (3, 0, 2), (7,), (5, 6), (2, 3, 4, 5), (257, 129)]:
+            n = int(torch.Size(shape).numel())
+            if dtype == torch.bool:
+                t = torch.randint(0, 2, (n,), generator=g).bool()
+            else:
+                t = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype)
+            cases.append(t.reshape(shape))
+        base = torch.randint(0, 256, (64 * 96 * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        if dtype == torch.bool:
+            base = base % 2
+        mat = base.view(dtype).reshape(64, 96) if dtype != torch.bool else base.bool().reshape(64, 96)
+        cases += [mat.t(), mat[::3, 1::2], mat[:, 5]]  # transposed, strided, a column: all non-contiguous
+    cases += [None, torch.zeros(()), None]
+    return cases
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of dtype, shape and bytes (NaN payloads included); None equals None."""
+    import torch
+
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def send_cases(cfg: dict[str, Any], kv_rank: int) -> int:
+    cases = dtype_cases()
+    with open_pipe(cfg, kv_rank) as pipe:
+        for t in cases:
+            pipe.send_tensor(t)
+        pipe.recv_tensor()  # the test's "done"
+    return len(cases)
+
+
+# ----------------------------------------------------------------------------- stress
+def stress_schedule(seed: int, rounds: int) -> list[tuple[int, bool]]:
+    """(sender kv_rank, is_none) per round; the sending side changes every 1-5 rounds, ~5% of rounds are Nones."""
+    import random
+
+    rng = random.Random(seed)
+    schedule: list[tuple[int, bool]] = []
+    sender = 0
+    while len(schedule) < rounds:
+        for _ in range(rng.randint(1, 5)):
+            schedule.append((sender, rng.random() < 0.05))
+        sender = 1 - sender
+    return schedule[:rounds]
+
+
+def stress(cfg: dict[str, Any], kv_rank: int, seed: int, rounds: int, pipe: Any = None) -> dict[str, int]:
+    """Both ends run this with the same seed: random ~900-1000 x 900-1000 tensors with mean and std, or 3 Nones."""
+    import torch
+
+    own = pipe is None
+    pipe = open_pipe(cfg, kv_rank) if own else pipe
+    g = torch.Generator().manual_seed(seed * 2 + kv_rank)
+    stats = {"sent": 0, "received": 0, "nones_sent": 0, "nones_received": 0}
+    try:
+        for rnd, (sender, is_none) in enumerate(stress_schedule(seed, rounds)):
+            if sender == kv_rank:
+                if is_none:
+                    for _ in range(3):
+                        pipe.send_tensor(None)
+                    stats["nones_sent"] += 1
+                else:
+                    rows, cols = (int(v) for v in torch.randint(900, 1001, (2,), generator=g))
+                    x = torch.randn(rows, cols, generator=g)
+                    pipe.send_tensor(x)
+                    pipe.send_tensor(x.mean())
+                    pipe.send_tensor(x.std())
+                    stats["sent"] += 1
+            else:
+                x, mean, std = pipe.recv_tensor(), pipe.recv_tensor(), pipe.recv_tensor()
+                if is_none:
+                    assert x is None and mean is None and std is None, f"round {rnd}: expected 3 Nones"
+                    stats["nones_received"] += 1
+                else:
+                    assert x is not None and 900 <= x.shape[0] <= 1000 and 900 <= x.shape[1] <= 1000, f"round {rnd}"
+                    assert torch.allclose(x.mean(), mean) and torch.allclose(x.std(), std), f"round {rnd}: mean/std differ"
+                    stats["received"] += 1
+        if own:
+            pipe.send_tensor(None)  # tell the other end we are done before closing
+            assert pipe.recv_tensor() is None
+    finally:
+        if own:
+            pipe.close()
+    return stats
+
+
+# ----------------------------------------------------------------------------- 1 GiB, peak RSS
+BLOCK = 64 << 20
+
+
+def fill_block(out_int32: Any, index: int) -> None:
+    import torch
+
+    n = out_int32.numel()
+    torch.arange(index * n, (index + 1) * n, dtype=torch.int32, out=out_int32)
+
+
+def big_sender(cfg: dict[str, Any], kv_rank: int, nbytes: int) -> dict[str, int]:
+    import resource
+
+    import psutil
+    import torch
+
+    with open_pipe(cfg, kv_rank) as pipe:
+        base = psutil.Process().memory_info().rss
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        for i in range(nbytes // BLOCK):
+            fill_block(t[i * BLOCK:(i + 1) * BLOCK].view(torch.int32), i)
+        pipe.send_tensor(t)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        assert pipe.recv_tensor(timeout=120) is None  # "received" from the other end
+    return {"base": base, "peak": peak}
+
+
+def big_receiver(cfg: dict[str, Any], kv_rank: int, nbytes: int) -> dict[str, Any]:
+    import resource
+    import time
+
+    import psutil
+    import torch
+
+    with open_pipe(cfg, kv_rank) as pipe:
+        base = psutil.Process().memory_info().rss
+        t = pipe.recv_tensor(timeout=120)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        expected = torch.empty(BLOCK // 4, dtype=torch.int32)
+        bad_blocks = 0
+        for i in range(nbytes // BLOCK):
+            fill_block(expected, i)
+            bad_blocks += not torch.equal(t[i * BLOCK:(i + 1) * BLOCK].view(torch.int32), expected)
+        pipe.send_tensor(None)
+        time.sleep(0.5)  # let the None land before closing
+    return {"base": base, "peak": peak, "numel": t.numel(), "dtype": str(t.dtype), "bad_blocks": bad_blocks}
+
+
+# ----------------------------------------------------------------------------- failure partners
+def sink(cfg: dict[str, Any], kv_rank: int, seconds: float) -> None:
+    """Accept the connection and never read: the sender fills the ring and waits."""
+    import time
+
+    with open_pipe(cfg, kv_rank):
+        time.sleep(seconds)
+
+
+def send_then_hang(cfg: dict[str, Any], kv_rank: int, nbytes: int, seconds: float) -> None:
+    """Send one big tensor (blocks once the receiver's ring is full), then linger."""
+    import time
+
+    import torch
+
+    with open_pipe(cfg, kv_rank) as pipe:
+        pipe.send_tensor(torch.ones(nbytes, dtype=torch.uint8))
+        time.sleep(seconds)

@@ -1,0 +1,623 @@
+"""One-way transfer benchmark: MooncakePipe vs. a raw Transfer Engine write vs. a plain loopback TCP socket.
+
+For each tensor size, the same bytes go from a *sender* process (a child started with multiprocessing "spawn") to
+a *receiver* process (this one), on 127.0.0.1, CPU only, over three transports:
+
+- ``ours``:   ``MooncakePipe.send_tensor(uint8 tensor)`` in the sender -> ``recv_tensor()`` in the receiver.
+- ``raw_te``: one ``TransferEngine.transfer_sync_write`` from a registered source buffer into a registered
+  destination buffer of the receiver's engine (P2PHANDSHAKE); the lower bound of what the pipe can reach.
+- ``socket``: ``sendall`` on a TCP_NODELAY loopback socket -> ``recv_into`` a preallocated buffer.
+
+One-way latency of one transfer: the sender stores ``time.perf_counter()`` (CLOCK_MONOTONIC, the same clock in
+every process on Linux) into shared memory right before sending; the receiver takes ``perf_counter()`` right after
+the receive completed; latency = the difference. A one-sided write tells the receiver nothing, so for ``raw_te``
+the latency is the duration of the synchronous write call on the sender. Transfers never overlap: the receiver
+hands the sender a token before each one. A few untimed warm-up transfers come first, and the last received
+bytes are checked against what was sent (untimed). Throughput = bytes / median latency, in GB/s (1e9 bytes/s).
+
+Run (from the repository root)::
+
+    .venv/bin/python benchmarks/bench_pipe.py             # 4 KiB .. 256 MiB, a few minutes
+    .venv/bin/python benchmarks/bench_pipe.py --quick     # 4 KiB .. 1 MiB, few repeats (smoke test)
+    .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 64M 256M --chunk-size 16M --inflight 2
+
+It prints a markdown table and whether the targets are met, and writes ``bench_pipe.json`` (every median/p90,
+the configuration and versions) and ``bench_pipe.png`` (throughput and latency vs. size) to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
+
+# The Transfer Engine reads these when it starts (in this process and in the spawned sender, which inherits them).
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the repository's test helpers importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.kv_pipe.peers import free_port, make_config  # noqa: E402
+
+HOST = "127.0.0.1"
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+QUICK_SIZES = [4 * KiB, 64 * KiB, 1 * MiB]
+QUICK_REPEATS_SCALE = 0.1
+MAX_SIZE = 512 * MiB  # each process holds about 2.5x the largest size at once
+WARMUP = 3
+MIN_REPEATS = 3
+TRANSPORTS = ("ours", "raw_te", "socket")
+STEP_TIMEOUT = 120.0  # seconds one transfer (or the sender's start-up) may take before the run is declared stuck
+TARGET_RATIO, TARGET_RATIO_FROM = 0.9, 16 * MiB
+TARGET_LATENCY_US, TARGET_LATENCY_SIZE = 200.0, 4 * KiB
+
+_ctx = mp.get_context("spawn")
+
+
+# ----------------------------------------------------------------------------- sizes, plan, statistics
+def parse_size(text: str) -> int:
+    """``4096``, ``4K``, ``4KiB``, ``16M``, ``1G`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 64K, 16MiB or 1G")
+    size = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+    if not 0 < size <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be between 1 byte and {fmt_size(MAX_SIZE)}")
+    return size
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def default_repeats(size: int) -> int:
+    """Many repeats for small transfers (noisy, cheap), few for big ones."""
+    for limit, repeats in ((4 * KiB, 200), (64 * KiB, 100), (1 * MiB, 50), (16 * MiB, 20), (64 * MiB, 10)):
+        if size <= limit:
+            return repeats
+    return 5
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one transport run does: for each size, ``warmup`` untimed then ``repeats[size]`` timed transfers."""
+
+    sizes: tuple[int, ...]
+    repeats: dict[int, int]
+    warmup: int = WARMUP
+
+    @classmethod
+    def make(cls, sizes: list[int], scale: float) -> Plan:
+        sizes = sorted(set(sizes))
+        return cls(tuple(sizes), {s: max(MIN_REPEATS, round(default_repeats(s) * scale)) for s in sizes})
+
+    def iterations(self, size: int) -> int:
+        return self.warmup + self.repeats[size]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (``q`` in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Stats:
+    size: int
+    repeats: int
+    median_s: float
+    p90_s: float
+    min_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, size: int, latencies: list[float]) -> Stats:
+        return cls(size, len(latencies), statistics.median(latencies), percentile(latencies, 90), min(latencies),
+                   max(latencies))
+
+    @property
+    def gbps(self) -> float:
+        return self.size / self.median_s / 1e9
+
+
+@dataclass
+class TransportResult:
+    name: str
+    stats: dict[int, Stats] = field(default_factory=dict)
+    error: str | None = None
+
+
+def pattern(size: int) -> torch.Tensor:
+    """Deterministic pseudo-random bytes (the same in every process), so the receiver can check what arrived."""
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+
+
+# ----------------------------------------------------------------------------- the two processes' plumbing
+@dataclass
+class Link:
+    """What the receiver (parent) and the sender (child) share."""
+
+    go: Any = field(default_factory=_ctx.Queue)  # receiver -> sender: one token per transfer, None = stop
+    done: Any = field(default_factory=_ctx.Queue)  # sender -> receiver: raw_te write durations
+    errors: Any = field(default_factory=_ctx.Queue)  # sender -> receiver: its traceback if it failed
+    stamp: Any = field(default_factory=lambda: _ctx.RawValue("d", 0.0))  # perf_counter() right before a send
+
+
+class SenderFailed(RuntimeError):
+    pass
+
+
+def check_sender_errors(link: Link) -> None:
+    """Raise ``SenderFailed`` with the sender's traceback if it reported an error."""
+    try:
+        error = link.errors.get_nowait()
+    except queue.Empty:
+        return
+    raise SenderFailed(error)
+
+
+def check_sender(proc: Any, link: Link) -> None:
+    """Raise ``SenderFailed`` if the sender reported an error or died."""
+    check_sender_errors(link)
+    if not proc.is_alive():
+        try:  # it may have reported just before exiting
+            raise SenderFailed(link.errors.get(timeout=1.0))
+        except queue.Empty:
+            raise SenderFailed(f"the sender process exited with code {proc.exitcode}") from None
+
+
+def get_from_sender(q: Any, proc: Any, link: Link, timeout: float = STEP_TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            check_sender(proc, link)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sender sent nothing for {timeout:.0f} s") from None
+
+
+# ----------------------------------------------------------------------------- senders (child process)
+class PipeSender:
+    def __init__(self, setup: dict[str, Any]) -> None:
+        self.pipe = MooncakePipe(local_rank=0, kv_rank=0, config=MooncakeTransferEngineConfig(**setup["config"]))
+        self.src = torch.empty(0, dtype=torch.uint8)
+
+    def prepare(self, size: int) -> None:
+        self.src = torch.empty(0, dtype=torch.uint8)
+        self.src = pattern(size)
+
+    def send(self, size: int) -> float | None:
+        self.pipe.send_tensor(self.src)
+        return None
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+class RawTESender:
+    def __init__(self, setup: dict[str, Any]) -> None:
+        self.engine = start_engine()
+        self.peer, self.dst_addr = setup["session"], setup["dst_addr"]
+        self.src = torch.empty(setup["max_size"], dtype=torch.uint8)
+        register(self.engine, self.src)
+
+    def prepare(self, size: int) -> None:
+        self.src[:size].copy_(pattern(size))
+
+    def send(self, size: int) -> float | None:
+        t0 = time.perf_counter()
+        rc = self.engine.transfer_sync_write(self.peer, self.src.data_ptr(), self.dst_addr, size)
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"transfer_sync_write of {size} bytes to {self.peer} failed (rc={rc})")
+        return elapsed
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.src.data_ptr())
+
+
+class SocketSender:
+    def __init__(self, setup: dict[str, Any]) -> None:
+        self.sock = socket.create_connection((HOST, setup["port"]), timeout=STEP_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.src = torch.empty(setup["max_size"], dtype=torch.uint8)
+        self.view = memoryview(self.src.numpy()).cast("B")
+
+    def prepare(self, size: int) -> None:
+        self.src[:size].copy_(pattern(size))
+
+    def send(self, size: int) -> float | None:
+        self.sock.sendall(self.view[:size])
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+SENDERS = {"ours": PipeSender, "raw_te": RawTESender, "socket": SocketSender}
+
+
+def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any]) -> None:
+    """The child process: one transport, every size; each transfer starts when the receiver's token arrives."""
+    try:
+        sender = SENDERS[transport](setup)
+        try:
+            for size in plan.sizes:
+                sender.prepare(size)
+                for _ in range(plan.iterations(size)):
+                    if link.go.get(timeout=STEP_TIMEOUT) is None:
+                        return
+                    link.stamp.value = time.perf_counter()
+                    elapsed = sender.send(size)
+                    if elapsed is not None:
+                        link.done.put(elapsed)
+            link.go.get(timeout=STEP_TIMEOUT)  # the receiver's "stop": it has everything, we may tear down
+        finally:
+            sender.close()
+    except BaseException as e:  # the receiver turns this into the transport's error
+        link.errors.put(f"sender ({transport}): {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+# ----------------------------------------------------------------------------- receivers (this process)
+def start_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(f"{HOST}:{free_port()}", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("the Transfer Engine failed to initialize (its log above says why)")
+    return engine
+
+
+def register(engine: Any, buf: torch.Tensor) -> None:
+    if engine.register_memory(buf.data_ptr(), buf.numel()) != 0:
+        raise RuntimeError(f"registering {buf.numel()} bytes with the Transfer Engine failed")
+
+
+class PipeReceiver:
+    def __init__(self, config: dict[str, Any], max_size: int) -> None:
+        self.pipe = MooncakePipe(local_rank=0, kv_rank=1, config=MooncakeTransferEngineConfig(**config))
+        self.setup = {"config": config}
+        self.last: torch.Tensor | None = None
+
+    def receive(self, size: int, proc: Any, link: Link) -> float:
+        self.last = None  # never hold two big results at once
+        received = self.pipe.recv_tensor()
+        done = time.perf_counter()
+        if received is None or received.numel() != size:
+            raise RuntimeError(f"expected {size} bytes, received {None if received is None else received.numel()}")
+        self.last = received
+        return done - link.stamp.value
+
+    def received(self, size: int) -> torch.Tensor:
+        assert self.last is not None
+        return self.last
+
+    def close(self) -> None:
+        self.last = None
+        self.pipe.close()
+
+
+class RawTEReceiver:
+    def __init__(self, config: dict[str, Any], max_size: int) -> None:
+        self.engine = start_engine()
+        self.dst = torch.zeros(max_size, dtype=torch.uint8)
+        register(self.engine, self.dst)
+        self.setup = {"session": f"{HOST}:{self.engine.get_rpc_port()}", "dst_addr": self.dst.data_ptr(),
+                      "max_size": max_size}
+
+    def receive(self, size: int, proc: Any, link: Link) -> float:
+        return float(get_from_sender(link.done, proc, link))
+
+    def received(self, size: int) -> torch.Tensor:
+        return self.dst[:size]
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.dst.data_ptr())
+
+
+class SocketReceiver:
+    def __init__(self, config: dict[str, Any], max_size: int) -> None:
+        port = free_port(HOST)
+        self.listener = socket.create_server((HOST, port))
+        self.listener.settimeout(STEP_TIMEOUT)
+        self.setup = {"port": port, "max_size": max_size}
+        self.conn: socket.socket | None = None
+        self.dst = torch.empty(max_size, dtype=torch.uint8)
+        self.view = memoryview(self.dst.numpy()).cast("B")
+
+    def _accept(self) -> socket.socket:
+        if self.conn is None:
+            self.conn, _ = self.listener.accept()
+            self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conn.settimeout(STEP_TIMEOUT)
+        return self.conn
+
+    def receive(self, size: int, proc: Any, link: Link) -> float:
+        conn, got = self._accept(), 0
+        while got < size:
+            n = conn.recv_into(self.view[got:size])
+            if n == 0:
+                raise ConnectionError(f"the sender closed the socket after {got} of {size} bytes")
+            got += n
+        return time.perf_counter() - link.stamp.value
+
+    def received(self, size: int) -> torch.Tensor:
+        return self.dst[:size]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+RECEIVERS = {"ours": PipeReceiver, "raw_te": RawTEReceiver, "socket": SocketReceiver}
+
+
+def measure_size(receiver: Any, size: int, plan: Plan, proc: Any, link: Link) -> Stats:
+    latencies = []
+    for i in range(plan.iterations(size)):
+        link.go.put(i)
+        latency = receiver.receive(size, proc, link)
+        if i >= plan.warmup:
+            latencies.append(latency)
+    if not torch.equal(receiver.received(size), pattern(size)):
+        raise RuntimeError(f"the {fmt_size(size)} received differ from what was sent")
+    return Stats.of(size, latencies)
+
+
+def run_transport(transport: str, plan: Plan, config: dict[str, Any]) -> TransportResult:
+    """Start the receiver here and a sender child, measure every size, tear both down (engines included)."""
+    result = TransportResult(transport)
+    link = Link()
+    receiver = None
+    proc = None
+    try:
+        receiver = RECEIVERS[transport](config, max(plan.sizes))
+        proc = _ctx.Process(target=sender_main, args=(transport, plan, link, receiver.setup), daemon=True)
+        proc.start()
+        for size in plan.sizes:
+            stats = measure_size(receiver, size, plan, proc, link)
+            result.stats[size] = stats
+            print(f"  {transport:6s} {fmt_size(size):>8s}: median {stats.median_s * 1e6:10.1f} us, "
+                  f"p90 {stats.p90_s * 1e6:10.1f} us, {stats.gbps:6.2f} GB/s", flush=True)
+        link.go.put(None)
+        proc.join(timeout=STEP_TIMEOUT)
+        check_sender_errors(link)
+    except Exception as e:
+        result.error = describe_failure(e, proc, link)
+        print(f"  {transport}: FAILED: {result.error.splitlines()[0]}", flush=True)
+    finally:
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        if receiver is not None:
+            try:
+                receiver.close()
+            except Exception as e:  # a failed teardown must not hide the measurements
+                print(f"  {transport}: teardown failed: {e}", flush=True)
+        del receiver
+        gc.collect()  # drops the Transfer Engine (its threads and sockets) before the next transport starts
+    return result
+
+
+def describe_failure(e: Exception, proc: Any, link: Link) -> str:
+    """The receiver's error, plus the sender's traceback if it has one (usually the root cause)."""
+    if isinstance(e, SenderFailed):
+        return str(e)
+    text = f"receiver: {type(e).__name__}: {e}"
+    if proc is not None:
+        try:
+            return f"{link.errors.get(timeout=15.0)}\n{text}"
+        except queue.Empty:
+            pass
+    return text
+
+
+# ----------------------------------------------------------------------------- report
+def ratio(a: Stats | None, b: Stats | None) -> float | None:
+    return a.gbps / b.gbps if a is not None and b is not None else None
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown_table(plan: Plan, results: dict[str, TransportResult]) -> str:
+    lines = ["| size | ours median us | ours GB/s | raw TE GB/s | socket GB/s | ours/raw TE | ours/socket |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for size in plan.sizes:
+        ours, raw, sock = (results[t].stats.get(size) for t in TRANSPORTS)
+        lines.append(f"| {fmt_size(size)} | {fmt(ours and ours.median_s * 1e6, '.1f')} | {fmt(ours and ours.gbps, '.3f')} "
+                     f"| {fmt(raw and raw.gbps, '.3f')} | {fmt(sock and sock.gbps, '.3f')} "
+                     f"| {fmt(ratio(ours, raw), '.2f')} | {fmt(ratio(ours, sock), '.2f')} |")
+    return "\n".join(lines)
+
+
+def evaluate_targets(plan: Plan, results: dict[str, TransportResult]) -> dict[str, Any]:
+    """The two targets; ``met`` is None when the run did not measure what a target needs."""
+    big = [s for s in plan.sizes if s >= TARGET_RATIO_FROM]
+    ratios = {s: ratio(results["ours"].stats.get(s), results["raw_te"].stats.get(s)) for s in big}
+    known = [r for r in ratios.values() if r is not None]
+    ratio_met = None if not big else (len(known) == len(big) and all(r >= TARGET_RATIO for r in known))
+    small = results["ours"].stats.get(TARGET_LATENCY_SIZE)
+    latency_us = small.median_s * 1e6 if small is not None else None
+    ours_failed = results["ours"].error is not None
+    return {
+        "ours_vs_raw_te": {"goal": f"ours >= {TARGET_RATIO}x raw TE at {fmt_size(TARGET_RATIO_FROM)} and up",
+                           "met": False if ours_failed and big else ratio_met,
+                           "ratios": {str(s): r for s, r in ratios.items()}},
+        "ours_latency": {"goal": f"ours {fmt_size(TARGET_LATENCY_SIZE)} one-way latency median <= {TARGET_LATENCY_US:.0f} us",
+                         "met": None if latency_us is None else latency_us <= TARGET_LATENCY_US, "median_us": latency_us},
+    }
+
+
+def targets_line(targets: dict[str, Any]) -> str:
+    verdict = {True: "MET", False: "NOT MET", None: "not measured"}
+    t1, t2 = targets["ours_vs_raw_te"], targets["ours_latency"]
+    ratios = ", ".join(f"{fmt_size(int(s))} {fmt(r, '.2f')}" for s, r in t1["ratios"].items()) or "-"
+    return (f"Targets: {t1['goal']}: {verdict[t1['met']]} ({ratios}); "
+            f"{t2['goal']}: {verdict[t2['met']]} ({fmt(t2['median_us'], '.1f')} us).")
+
+
+def package_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[str, Any],
+               results: dict[str, TransportResult], targets: dict[str, Any]) -> None:
+    data = {
+        "benchmark": "bench_pipe",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "versions": {"torch": torch.__version__,
+                     "mooncake": package_version("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")},
+        "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "pipe_config": config,
+        "env": {k: os.environ.get(k) for k in ("MC_LOG_LEVEL", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT")},
+        "method": {"warmup": plan.warmup, "latency": "one-way, sender perf_counter() before send -> receiver perf_counter() "
+                   "after receive; raw_te: duration of transfer_sync_write on the sender", "gbps": "bytes / median / 1e9"},
+        "sizes": list(plan.sizes),
+        "results": {name: {"error": r.error, "sizes": {str(s): {**asdict(st), "gbps": st.gbps} for s, st in r.stats.items()}}
+                    for name, r in results.items()},
+        "targets": targets,
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def write_plot(path: Path, plan: Plan, results: dict[str, TransportResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"ours": "MooncakePipe (ours)", "raw_te": "raw TE transfer_sync_write", "socket": "Python TCP socket"}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 9), sharex=True)
+    for name, r in results.items():
+        sizes = [s for s in plan.sizes if s in r.stats]
+        if not sizes:
+            continue
+        top.plot(sizes, [r.stats[s].gbps for s in sizes], marker="o", label=labels[name])
+        line, = bottom.plot(sizes, [r.stats[s].median_s * 1e6 for s in sizes], marker="o", label=f"{labels[name]} median")
+        bottom.plot(sizes, [r.stats[s].p90_s * 1e6 for s in sizes], linestyle=":", color=line.get_color(),
+                    label=f"{labels[name]} p90")
+    top.set(xscale="log", ylabel="throughput, GB/s (bytes / median)", title="One-way transfer, 127.0.0.1, CPU")
+    bottom.set(xscale="log", yscale="log", xlabel="transfer size", ylabel="one-way latency, us")
+    bottom.axhline(TARGET_LATENCY_US, color="grey", linewidth=0.8, linestyle="--")
+    bottom.set_xticks(list(plan.sizes), [fmt_size(s) for s in plan.sizes], rotation=30)
+    bottom.minorticks_off()
+    for ax in (top, bottom):
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = MooncakeTransferEngineConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=None,
+                   help="transfer sizes, e.g. 4K 64K 1M 16M 64M 256M (default: those six)")
+    p.add_argument("--repeats-scale", type=float, default=1.0,
+                   help="multiplies the timed repeats per size (200 at 4 KiB ... 5 at 256 MiB)")
+    p.add_argument("--chunk-size", type=parse_size, default=defaults.chunk_size, help="MooncakePipe chunk_size")
+    p.add_argument("--staging-size", type=parse_size, default=defaults.staging_buffer_size,
+                   help="MooncakePipe staging_buffer_size")
+    p.add_argument("--inflight", type=int, default=defaults.max_chunks_in_flight, help="MooncakePipe max_chunks_in_flight")
+    p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
+                   help="which transports to measure")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="where bench_pipe.json and bench_pipe.png go")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke test: sizes {' '.join(fmt_size(s) for s in QUICK_SIZES)} unless --sizes is given, "
+                        f"repeats x{QUICK_REPEATS_SCALE}")
+    args = p.parse_args(argv)
+    if args.repeats_scale <= 0:
+        p.error("--repeats-scale must be > 0")
+    if args.quick:
+        args.repeats_scale *= QUICK_REPEATS_SCALE
+    if args.sizes is None:
+        args.sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
+    return args
+
+
+def pipe_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Two free ports on 127.0.0.1 plus the pipe knobs; validated here so that a bad combination fails fast."""
+    config = make_config(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size,
+                         max_chunks_in_flight=args.inflight)
+    MooncakeTransferEngineConfig(**config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = Plan.make(args.sizes, args.repeats_scale)
+    config = pipe_config(args)
+    print(f"bench_pipe: sizes {', '.join(fmt_size(s) for s in plan.sizes)}; repeats "
+          f"{', '.join(str(plan.repeats[s]) for s in plan.sizes)} (+{plan.warmup} warm-up); chunk {fmt_size(args.chunk_size)}, "
+          f"staging {fmt_size(args.staging_size)}, in flight {args.inflight}", flush=True)
+    results = {name: TransportResult(name, error="not run") for name in TRANSPORTS}
+    for name in args.transports:
+        results[name] = run_transport(name, plan, config)
+    targets = evaluate_targets(plan, results)
+    print()
+    print(markdown_table(plan, results))
+    print()
+    print(targets_line(targets))
+    for name, r in results.items():
+        if r.error and r.error != "not run":
+            print(f"\n{name} failed:\n{r.error}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_dir / "bench_pipe.json", args, plan, config, results, targets)
+    write_plot(args.out_dir / "bench_pipe.png", plan, results)
+    print(f"\nwrote {args.out_dir / 'bench_pipe.json'} and {args.out_dir / 'bench_pipe.png'}")
+    return 1 if any(results[t].error and results[t].error != "not run" for t in args.transports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""MooncakePipe between two real processes over the real Mooncake Transfer Engine (TCP, P2PHANDSHAKE, 127.0.0.1).
+
+The test process is one end (kv_rank 1 unless said otherwise); a spawned child is the other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_pipe import PeerDisconnected, PipeClosed, PipeTimeout, ProtocolError, TransferError, wire
+from kv_pipe.wire import Chunk, Kind
+from tests.kv_pipe import peers
+from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@pytest.fixture
+def cfg():
+    return make_config()
+
+
+def test_round_trip_both_ways(cfg):
+    items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5)]
+    peer = Peer(peers.echo, cfg, 0, len(items))
+    with open_pipe(cfg, 1) as pipe:
+        for item in items:
+            pipe.send_tensor(item)
+        back = [pipe.recv_tensor() for _ in items]
+        pipe.send_tensor(None)
+    assert peer.result() == 3
+    assert all(same(a, b) for a, b in zip(items, back, strict=True))
+
+
+def test_dtype_and_shape_matrix_is_bit_exact(cfg):
+    peer = Peer(peers.send_cases, cfg, 0)
+    expected = peers.dtype_cases()
+    with open_pipe(cfg, 1) as pipe:
+        got = [pipe.recv_tensor() for _ in expected]
+        pipe.send_tensor(None)
+    assert peer.result() == len(expected)
+    mismatches = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not same(a, b)]
+    assert not mismatches, f"cases {mismatches} differ"
+    assert all(t.is_contiguous() for t in got if t is not None)
+
+
+def test_none_is_not_confused_with_any_tensor(cfg):
+    # v0 encoded None as a magic tensor value; here a tensor holding any value stays a tensor.
+    items = [torch.tensor([-1.0]), None, torch.tensor([]), torch.tensor(float("nan")), torch.zeros(0, dtype=torch.bool)]
+    peer = Peer(peers.echo, cfg, 0, len(items))
+    with open_pipe(cfg, 1) as pipe:
+        for item in items:
+            pipe.send_tensor(item)
+        back = [pipe.recv_tensor() for _ in items]
+        pipe.send_tensor(None)
+    peer.result()
+    assert [b is None for b in back] == [False, True, False, False, False]
+    assert all(same(a, b) for a, b in zip(items, back, strict=True))
+
+
+def test_stress_500_rounds_changing_sides(cfg):
+    seed, rounds = 7, 500
+    peer = Peer(peers.stress, cfg, 0, seed, rounds)
+    mine = peers.stress(cfg, 1, seed, rounds)
+    theirs = peer.result(timeout=300)
+    schedule = peers.stress_schedule(seed, rounds)
+    by_rank = {r: sum(1 for s, n in schedule if s == r and not n) for r in (0, 1)}
+    nones = sum(1 for _, n in schedule if n)
+    assert theirs["sent"] == mine["received"] == by_rank[0]
+    assert mine["sent"] == theirs["received"] == by_rank[1]
+    assert theirs["nones_sent"] + mine["nones_sent"] == nones >= 10
+    assert sum(1 for i in range(1, rounds) if schedule[i][0] != schedule[i - 1][0]) > 100
+
+
+def test_one_gib_tensor_with_bounded_memory():
+    cfg = make_config(timeout=60.0)
+    receiver = Peer(peers.big_receiver, cfg, 1, GiB)
+    sender = Peer(peers.big_sender, cfg, 0, GiB)
+    got = receiver.result(timeout=300)
+    sent = sender.result(timeout=300)
+    assert (got["numel"], got["dtype"], got["bad_blocks"]) == (GiB, "torch.uint8", 0)
+    # Each side holds the tensor itself, its staging areas (64 MiB each) and nothing that grows with the tensor.
+    slack = 300 * MiB
+    assert got["peak"] - got["base"] < GiB + slack, f"receiver grew by {(got['peak'] - got['base']) / MiB:.0f} MiB"
+    assert sent["peak"] - sent["base"] < GiB + slack, f"sender grew by {(sent['peak'] - sent['base']) / MiB:.0f} MiB"
+
+
+def test_sender_killed_mid_transfer_raises_quickly():
+    cfg = make_config(timeout=20.0)
+    peer = Peer(peers.send_then_hang, cfg, 0, 512 * MiB, 60)
+    with open_pipe(cfg, 1) as pipe:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not peer.proc.is_alive():
+            time.sleep(0.05)
+        time.sleep(3.0)  # the sender has filled our 64 MiB ring and waits for room
+        peer.kill()
+        start = time.monotonic()
+        with pytest.raises(PeerDisconnected, match="disconnected|closed"):
+            pipe.recv_tensor()
+        assert time.monotonic() - start < 5.0
+
+
+def test_receiver_killed_mid_transfer_raises_quickly(cfg):
+    peer = Peer(peers.sink, cfg, 0, 60)
+    with open_pipe(cfg, 1) as pipe:
+        threading.Timer(3.0, peer.kill).start()  # the ring fills within ~0.1 s; the kill lands mid-send
+        start = time.monotonic()
+        with pytest.raises((PeerDisconnected, TransferError)):
+            pipe.send_tensor(torch.ones(512 * MiB, dtype=torch.uint8))
+        assert 2.5 < time.monotonic() - start < 8.0
+
+
+def test_frozen_peer_times_out_both_ways():
+    cfg = make_config(timeout=2.0)
+    peer = Peer(peers.send_then_hang, cfg, 0, 256 * MiB, 60)
+    try:
+        with open_pipe(cfg, 1) as pipe:
+            time.sleep(3.0)  # connected, ring full, sender blocked
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(PipeTimeout):
+                pipe.recv_tensor()  # copies what sits in the ring, then waits for more that never comes
+            assert time.monotonic() - start < 2.0 + 3.0
+            start = time.monotonic()
+            with pytest.raises((PipeTimeout, TransferError)):
+                pipe.send_tensor(torch.ones(256 * MiB, dtype=torch.uint8))  # the frozen side never reads
+            assert time.monotonic() - start < 5.0 + 5.0  # the engine's own transfer timeout is at least 5 s
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.kill()
+
+
+def test_no_peer_gives_a_clear_timeout(cfg):
+    with open_pipe(cfg, 1) as pipe:
+        start = time.monotonic()
+        with pytest.raises(PipeTimeout, match="could not reach the peer pipe.*same mooncake.json"):
+            pipe.send_tensor(torch.ones(3), timeout=1.0)
+        with pytest.raises(PipeTimeout, match="no peer connected"):
+            pipe.recv_tensor(timeout=1.0)
+        assert time.monotonic() - start < 4.0
+
+
+def test_close_unblocks_recv_and_is_idempotent(cfg):
+    pipe = open_pipe(cfg, 1)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            pipe.recv_tensor(timeout=60)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    pipe.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and time.monotonic() - start < 3.0
+    assert len(errors) == 1 and isinstance(errors[0], PipeClosed)
+    pipe.close()
+    with pytest.raises(PipeClosed):
+        pipe.send_tensor(None)
+
+
+def test_side_channel_binds_only_the_configured_host(cfg):
+    with open_pipe(cfg, 1) as pipe:
+        other = [a for a in _local_addresses() if not a.startswith("127.")]
+        if not other:
+            pytest.skip("this machine has no non-loopback address to probe")
+        with pytest.raises(OSError):
+            socket.create_connection((other[0], pipe.port), timeout=1.0).close()
+        socket.create_connection(("127.0.0.1", pipe.port), timeout=1.0).close()
+
+
+def _local_addresses() -> list[str]:
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+
+
+# ----------------------------------------------------------------------------- hostile input
+def _raw_connect(pipe) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", pipe.port), timeout=5.0)
+
+
+def _handshake(sock: socket.socket, pipe) -> dict:
+    sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "session": "fake:1"}))
+    kind, payload = wire.recv_frame(sock)
+    assert kind == Kind.WELCOME
+    return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int})
+
+
+def _assert_still_serves(cfg, pipe) -> None:
+    peer = Peer(peers.echo, cfg, 0, 1)
+    pipe.send_tensor(torch.full((4, 4), 7.0))
+    assert same(pipe.recv_tensor(), torch.full((4, 4), 7.0))
+    pipe.send_tensor(None)
+    assert peer.result() == 1
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    os.urandom(4096),
+    wire.encode(Kind.HELLO, b'{"kv_rank": 0'),
+    wire.encode_json(Kind.HELLO, {"kv_rank": 1, "local_rank": 0, "session": "x"}),  # same role as the pipe
+    b"MKVP",
+])
+def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, garbage, caplog):
+    with open_pipe(cfg, 1) as pipe:
+        with _raw_connect(pipe) as sock:
+            sock.sendall(garbage)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(15)
+            reply = sock.recv(65536)
+        assert reply == b"" or wire.decode_header(reply[:wire.HEADER.size])[0] == Kind.ERROR
+        assert "rejected a side-channel connection" in caplog.text
+        _assert_still_serves(cfg, pipe)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (lambda w: wire.encode_tensor(torch.uint8, (1 << 40,), 1 << 40, Chunk(0, 1, 1)),
+     "exceeds max_tensor_size"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100, Chunk(w["ring_size"] - 10, 100, 100)), "lies outside"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100, Chunk(0, 0, 0)), "chunk of 0 bytes"),
+    (lambda w: wire.encode_chunk(Chunk(0, 8, 8)), "expected a TENSOR or NONE frame"),
+    (lambda w: wire.encode(Kind.WELCOME, b"{}"), "unexpected WELCOME frame"),
+    (lambda w: b"MKVP\x01\x04\x00\x00\xff\xff\xff\xff", "exceeds its limit"),
+    (lambda w: wire.encode_tensor(torch.float32, (3,), 12, Chunk(0, 12, 12))[:20], "disconnected"),
+])
+def test_malformed_frames_after_handshake(cfg, frame, message):
+    with open_pipe(cfg, 1) as pipe:
+        with _raw_connect(pipe) as sock:
+            welcome = _handshake(sock, pipe)
+            sock.sendall(frame(welcome))
+            if message == "disconnected":
+                sock.shutdown(socket.SHUT_WR)  # a truncated frame, then the peer goes away
+            with pytest.raises((ProtocolError, PeerDisconnected), match=message):
+                pipe.recv_tensor(timeout=5.0)
+        _assert_still_serves(cfg, pipe)
+
+
+def test_a_second_live_peer_is_refused(cfg):
+    peer = Peer(peers.echo, cfg, 0, 1)
+    with open_pipe(cfg, 1) as pipe:
+        pipe.send_tensor(torch.ones(2))
+        assert same(pipe.recv_tensor(), torch.ones(2))
+        with _raw_connect(pipe) as sock:
+            sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": 0, "local_rank": 0, "session": "intruder:1"}))
+            kind, payload = wire.recv_frame(sock)
+        assert kind == Kind.ERROR and b"already has a live peer" in payload
+        pipe.send_tensor(None)
+    assert peer.result() == 1

@@ -1,0 +1,192 @@
+"""Real metadata servers for tests, started on 127.0.0.1 with free ports and always stopped afterwards.
+
+``etcd_server`` runs Debian's ``etcd`` (package etcd-server); ``http_metadata_server`` runs the Mooncake wheel's
+``mooncake_http_metadata_server``. Both are context managers yielding the address the pipe's config takes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 20.0
+STOP_TIMEOUT = 10.0
+ATTEMPTS = 3  # a free port can be taken between picking it and the server binding it: retry with new ones
+
+
+class ServerUnavailable(RuntimeError):
+    """A server binary is missing or would not start; the message says what to do."""
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").is_file() else None)
+    if path is None:
+        raise ServerUnavailable("the etcd binary was not found (PATH, /usr/bin/etcd): run scripts/setup.sh, "
+                                "which installs the Debian package etcd-server")
+    return path
+
+
+def find_http_metadata_server() -> str:
+    path = Path(sys.executable).parent / "mooncake_http_metadata_server"
+    if not path.is_file():
+        raise ServerUnavailable(f"{path} not found: run scripts/setup.sh, which installs the Mooncake Transfer Engine "
+                                "wheel (it provides mooncake_http_metadata_server)")
+    return str(path)
+
+
+def _log_tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it does not exit in time; always reaps the process."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT)
+
+
+def _start(cmd: list[str], log: Path, ready: Callable[[], bool], what: str) -> subprocess.Popen:
+    """Start ``cmd`` (output to ``log``) and wait until ``ready()``; raises with the log's tail if it dies or is late."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise ServerUnavailable(f"{what} exited with code {proc.returncode} before it was ready; "
+                                        f"command {' '.join(cmd)}; log tail:\n{_log_tail(log)}")
+            if ready():
+                return proc
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"{what} did not answer within {START_TIMEOUT:.0f} s; "
+                                        f"command {' '.join(cmd)}; log tail:\n{_log_tail(log)}")
+            time.sleep(0.1)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def _http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+    return check
+
+
+def _metadata_answers(port: int, log: Path) -> Callable[[], bool]:
+    """Ready when the port accepts and a GET of an unknown key gets the server's own 404 "metadata not found".
+
+    The server catches its own bind error in a thread and keeps running, so its log is checked too.
+    """
+    def check() -> bool:
+        if "Server error" in _log_tail(log):
+            raise ServerUnavailable(f"mooncake_http_metadata_server failed on port {port}: {_log_tail(log)}")
+        try:
+            with socket.create_connection((HOST, port), timeout=1.0):
+                pass
+        except OSError:
+            return False
+        try:
+            urllib.request.urlopen(f"http://{HOST}:{port}/metadata?key=readiness-probe", timeout=1.0).close()
+        except urllib.error.HTTPError as e:
+            return e.code == 404 and b"metadata not found" in e.read()
+        except OSError:
+            return False
+        return False
+    return check
+
+
+@contextlib.contextmanager
+def etcd_server(data_root: Path) -> Iterator[str]:
+    """A one-member etcd cluster on 127.0.0.1 with its data under ``data_root``; yields its "host:port"."""
+    binary = find_etcd()
+    error: ServerUnavailable | None = None
+    for attempt in range(ATTEMPTS):
+        client, peer = free_port(), free_port()
+        data_dir = data_root / f"etcd-{attempt}"
+        client_url, peer_url = f"http://{HOST}:{client}", f"http://{HOST}:{peer}"
+        cmd = [binary, "--name", "test", "--data-dir", str(data_dir),
+               "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+               "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+               "--initial-cluster", f"test={peer_url}", "--initial-cluster-state", "new"]
+        try:
+            proc = _start(cmd, data_root / f"etcd-{attempt}.log", _http_ok(f"{client_url}/health"), "etcd")
+        except ServerUnavailable as e:
+            error = e
+            continue
+        try:
+            yield f"{HOST}:{client}"
+        finally:
+            stop(proc)
+        return
+    raise ServerUnavailable(f"etcd would not start in {ATTEMPTS} attempts: {error}")
+
+
+@contextlib.contextmanager
+def http_metadata_server(log_dir: Path) -> Iterator[str]:
+    """The wheel's HTTP metadata server on 127.0.0.1; yields "http://127.0.0.1:PORT/metadata"."""
+    binary = find_http_metadata_server()
+    error: ServerUnavailable | None = None
+    for attempt in range(ATTEMPTS):
+        port = free_port()
+        cmd = [binary, "--host", HOST, "--port", str(port)]
+        try:
+            log = log_dir / f"http-metadata-{attempt}.log"
+            proc = _start(cmd, log, _metadata_answers(port, log), "mooncake_http_metadata_server")
+        except ServerUnavailable as e:
+            error = e
+            continue
+        try:
+            yield f"http://{HOST}:{port}/metadata"
+        finally:
+            stop(proc)
+        return
+    raise ServerUnavailable(f"mooncake_http_metadata_server would not start in {ATTEMPTS} attempts: {error}")
+
+
+def etcd_get(endpoint: str, key: str) -> bytes | None:
+    """The value of ``key`` in the etcd at ``host:port`` (v3 JSON gateway), or None if absent."""
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=5.0) as resp:
+        kvs = json.loads(resp.read()).get("kvs", [])
+    return base64.b64decode(kvs[0]["value"]) if kvs else None
+
+
+def http_metadata_get(url: str, key: str) -> bytes | None:
+    """The value of ``key`` in the HTTP metadata server at ``url`` (".../metadata"), or None if absent."""
+    try:
+        with urllib.request.urlopen(f"{url}?key={urllib.parse.quote(key, safe='')}", timeout=5.0) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
