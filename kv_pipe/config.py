@@ -191,7 +191,8 @@ class MooncakeTransferEngineConfig:
         object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30"))
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "
-                              f"({self.staging_buffer_size}) so that a chunk always fits; lower chunk_size or raise the staging size")
+                              f"({self.staging_buffer_size}) so that a chunk always fits; "
+                              "lower chunk_size or raise staging_buffer_size")
 
     @property
     def metadata(self) -> MetadataServer:

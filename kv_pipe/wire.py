@@ -78,7 +78,10 @@ DTYPE_TO_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in CODE_TO_
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a tensor in the receiver's ring: bytes [offset, offset+length); ``end`` is the absolute ring position after it."""
+    """A piece of a tensor in the receiver's ring: bytes [offset, offset+length).
+
+    ``end`` is the absolute ring position just after it (positions only grow; offsets wrap).
+    """
 
     offset: int
     length: int
