@@ -71,6 +71,7 @@ MAX_SIZE = 512 * MiB  # each process holds about 2.5x the largest size at once
 WARMUP = 3
 MIN_REPEATS = 3
 TRANSPORTS = ("ours", "raw_te", "socket")
+BUSY_LOAD = 0.5  # a 1-minute load average above this before the run means someone else is using the CPU
 STEP_TIMEOUT = 120.0  # seconds one transfer (or the sender's start-up) may take before the run is declared stuck
 TARGET_RATIO, TARGET_RATIO_FROM = 0.9, 16 * MiB
 TARGET_LATENCY_US, TARGET_LATENCY_SIZE = 200.0, 4 * KiB
@@ -507,17 +508,18 @@ def git_commit() -> str | None:
 
 
 def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[str, Any],
-               results: dict[str, TransportResult], targets: dict[str, Any]) -> None:
+               results: dict[str, TransportResult], targets: dict[str, Any], load_start: tuple[float, ...]) -> None:
     data = {
         "benchmark": "bench_pipe",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "versions": {"torch": torch.__version__,
                      "mooncake": package_version("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")},
         "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "pipe_config": config,
-        "env": {k: os.environ.get(k) for k in ("MC_LOG_LEVEL", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT")},
+        "env": {k: os.environ.get(k) for k in ("MC_LOG_LEVEL", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT", "OMP_NUM_THREADS")},
         "method": {"warmup": plan.warmup, "latency": "one-way, sender perf_counter() before send -> receiver perf_counter() "
                    "after receive; raw_te: duration of transfer_sync_write on the sender", "gbps": "bytes / median / 1e9"},
         "sizes": list(plan.sizes),
@@ -601,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_pipe: sizes {', '.join(fmt_size(s) for s in plan.sizes)}; repeats "
           f"{', '.join(str(plan.repeats[s]) for s in plan.sizes)} (+{plan.warmup} warm-up); chunk {fmt_size(args.chunk_size)}, "
           f"staging {fmt_size(args.staging_size)}, in flight {args.inflight}", flush=True)
+    load_start = os.getloadavg()
+    if load_start[0] > BUSY_LOAD:
+        print(f"note: load average {load_start[0]:.2f} - other processes use the CPU, expect noisy numbers", flush=True)
     results = {name: TransportResult(name, error="not run") for name in TRANSPORTS}
     for name in args.transports:
         results[name] = run_transport(name, plan, config)
@@ -613,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.error and r.error != "not run":
             print(f"\n{name} failed:\n{r.error}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "bench_pipe.json", args, plan, config, results, targets)
+    write_json(args.out_dir / "bench_pipe.json", args, plan, config, results, targets, load_start)
     write_plot(args.out_dir / "bench_pipe.png", plan, results)
     print(f"\nwrote {args.out_dir / 'bench_pipe.json'} and {args.out_dir / 'bench_pipe.png'}")
     return 1 if any(results[t].error and results[t].error != "not run" for t in args.transports) else 0

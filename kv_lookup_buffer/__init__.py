@@ -1,1 +1,6 @@
-"""Layer 2: the KV lookup buffer (insert / drop_select) over a KV pipe. Arrives with the SimpleBuffer issue."""
+"""Layer 2: the KV lookup buffer (insert on the producer, drop_select on the consumer) over a KV pipe."""
+
+from kv_lookup_buffer.base import KVLookupBufferBase
+from kv_lookup_buffer.simple_buffer import BufferClosed, SimpleBuffer
+
+__all__ = ["BufferClosed", "KVLookupBufferBase", "SimpleBuffer"]

@@ -14,9 +14,10 @@ class KVPipeBase(ABC):
     """One end of a pipe. Both ends may send and receive: each direction is its own FIFO."""
 
     @abstractmethod
-    def send_tensor(self, tensor: torch.Tensor | None) -> None:
+    def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         """Send a tensor, or ``None``, to the other end.
 
+        ``timeout`` (seconds, default: the pipe's configured one) bounds each wait for the receiver.
         Returns once the data sits in the receiver's memory (not necessarily received yet). The tensor may be
         reused by the caller as soon as this returns. Raises ``PipeTimeout`` if the receiver makes no room within
         the timeout, ``PeerDisconnected`` / ``TransferError`` if the peer is gone, ``PipeClosed`` after ``close()``,
@@ -24,9 +25,10 @@ class KVPipeBase(ABC):
         """
 
     @abstractmethod
-    def recv_tensor(self) -> torch.Tensor | None:
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         """Receive the next tensor (or ``None``) sent by the other end, in send order.
 
+        ``timeout`` (seconds, default: the pipe's configured one) bounds the wait for the next frame.
         The result equals what was sent bit for bit (dtype, shape, values) and lives on the pipe's device.
         Raises ``PipeTimeout`` if nothing arrives within the timeout, ``PeerDisconnected`` if the peer died,
         ``ProtocolError`` on a malformed frame, ``PipeClosed`` if ``close()`` is called meanwhile.

@@ -1,0 +1,39 @@
+"""The contract of a KV lookup buffer: the producer inserts KV by tokens, the consumer takes it out by tokens.
+
+Same names as vLLM v0's ``kv_transfer.kv_lookup_buffer.base.KVLookupBufferBase``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVLookupBufferBase(ABC):
+    """A buffer shared by a producer process (``insert``) and a consumer process (``drop_select``)."""
+
+    @abstractmethod
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor | None, key: torch.Tensor | None,
+               value: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """Producer side: store an entry (a copy: the caller may reuse its tensors at once).
+
+        ``roi`` is a boolean mask over ``input_tokens`` (None: all tokens) selecting the tokens the entry is
+        keyed by. Blocks while the buffer is over its size threshold, until a ``drop_select`` frees room; raises
+        ``TimeoutError`` if none does within the timeout, ``ValueError`` at once for an entry larger than the
+        whole threshold.
+        """
+
+    @abstractmethod
+    def drop_select(self, input_tokens: torch.Tensor | None,
+                    roi: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Consumer side: ask the producer for an entry matching these tokens, and take it.
+
+        Matches when one of the roi-masked token sequences is a prefix of the other. On a match the producer
+        sends ``[input_tokens, roi, key, value, hidden]`` as inserted and forgets the entry; otherwise the
+        result is five ``None``. ``drop_select(None, None)`` takes any entry (the oldest).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and tell the other side, which gets a clear error if it is blocked on us. Idempotent."""

@@ -1,0 +1,253 @@
+"""SimpleBuffer: the producer holds KV entries keyed by tokens; the consumer asks for one over a KV pipe and takes it.
+
+The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
+
+- consumer -> producer, signal pipe: an int64 tensor ``[op, seq]``: ``OP_DROP_SELECT`` (then, on the data pipe,
+  the query tokens and roi, each a 1-D tensor or None) or ``OP_CLOSE`` (the consumer is going away).
+- producer -> consumer, data pipe: an int64 tensor ``[status, seq]`` echoing the request's ``seq``: ``HIT``
+  followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going away).
+  A consumer whose request timed out recognises the late answer by its ``seq`` and discards it (counted as lost).
+
+Requests are validated by the producer; a malformed one is answered with MISS (or skipped, if even the signal is
+malformed) and logged, and the serving thread goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kv_lookup_buffer.base import KVLookupBufferBase
+from kv_lookup_buffer.token_index import TokenIndex
+from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeTimeout
+
+logger = logging.getLogger(__name__)
+
+OP_DROP_SELECT, OP_CLOSE = 1, 2
+HIT, MISS, CLOSED = 0, 1, 2
+DEFAULT_TIMEOUT = 30.0
+
+
+class BufferClosed(RuntimeError):
+    """The buffer, or the other side of it, was closed."""
+
+
+@dataclass
+class _Entry:
+    tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
+    nbytes: int
+
+
+def _nbytes(tensors: list[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> list[int]:
+    if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"input_tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {list(tokens.shape)}")
+    if roi is None:
+        return tokens.tolist()
+    if roi.shape != tokens.shape:
+        raise ValueError(f"roi must have the shape of input_tokens {list(tokens.shape)}, got {list(roi.shape)}")
+    return tokens[_as_mask(roi)].tolist()
+
+
+def _as_mask(roi: torch.Tensor) -> torch.Tensor:
+    return roi if roi.dtype == torch.bool else roi > 0.5
+
+
+def _message(code: int, seq: int) -> torch.Tensor:
+    return torch.tensor([code, seq], dtype=torch.int64)
+
+
+def _read_message(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int]:
+    if t is None or t.dtype != torch.int64 or t.shape != (2,) or int(t[0]) not in allowed:
+        desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+        raise ValueError(f"malformed {what}: expected an int64 tensor [one of {allowed}, seq], got {desc}")
+    return int(t[0]), int(t[1])
+
+
+class SimpleBuffer(KVLookupBufferBase):
+    """A lookup buffer holding at most ``buffer_size_thresh`` bytes of tensors.
+
+    The producer calls ``insert``; a thread serving the consumer's requests starts with the first insert (or
+    ``start_serving()``). The consumer calls ``drop_select``. ``role`` is taken from the first of those calls
+    unless given; ``close()`` uses it to tell the right side. ``timeout`` bounds every wait (default: the data
+    pipe's configured timeout, else 30 s).
+    """
+
+    def __init__(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase, buffer_size_thresh: float,
+                 timeout: float | None = None, role: Literal["producer", "consumer"] | None = None) -> None:
+        if buffer_size_thresh <= 0:
+            raise ValueError(f"buffer_size_thresh must be > 0 bytes, got {buffer_size_thresh}")
+        self.signal_pipe = signal_pipe
+        self.data_pipe = data_pipe
+        self.buffer_size_threshold = buffer_size_thresh
+        config = getattr(data_pipe, "config", None)
+        self.timeout = timeout if timeout is not None else getattr(config, "timeout", DEFAULT_TIMEOUT)
+        self.buffer_size = 0  # bytes held
+        self._index: TokenIndex[_Entry] = TokenIndex()
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self._consumer_closes = 0  # bumped when the consumer says goodbye: wakes blocked inserts
+        self._server: threading.Thread | None = None
+        self._request_lock = threading.Lock()  # one consumer request on the wire at a time
+        if role not in (None, "producer", "consumer"):
+            raise ValueError(f"role must be 'producer', 'consumer' or None, got {role!r}")
+        self.role = role
+        self._seq = 0  # the consumer's request counter
+        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0}
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._index)
+
+    # ---------------------------------------------------------------- producer
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor | None, key: torch.Tensor | None,
+               value: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        if self._closed.is_set():
+            raise BufferClosed("insert on a closed buffer")
+        self._take_role("producer")
+        tokens = _masked_tokens(input_tokens, roi)
+        tensors = [None if t is None else t.detach().clone() for t in (input_tokens, roi, key, value, hidden)]
+        nbytes = _nbytes(tensors)
+        if nbytes > self.buffer_size_threshold:
+            raise ValueError(f"an entry of {nbytes} bytes can never fit a buffer of buffer_size_thresh="
+                             f"{self.buffer_size_threshold:.0f} bytes; raise the threshold")
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            closes = self._consumer_closes
+            while self.buffer_size + nbytes > self.buffer_size_threshold:
+                if self._closed.is_set():
+                    raise BufferClosed("the buffer was closed while insert waited for room")
+                if self._consumer_closes != closes:
+                    raise BufferClosed("the consumer closed the buffer while insert waited for room")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the buffer stayed full ({self.buffer_size} of {self.buffer_size_threshold:.0f} "
+                                       f"bytes) for {self.timeout:.1f} s: no consumer took an entry")
+                self._cv.wait(remaining)
+            self._index.add(tokens, _Entry(tensors, nbytes))
+            self.buffer_size += nbytes
+        self.start_serving()
+
+    def start_serving(self) -> None:
+        """Start answering the consumer's requests (idempotent; insert calls it)."""
+        self._take_role("producer")
+        with self._cv:
+            if self._server is None and not self._closed.is_set():
+                self._server = threading.Thread(target=self._serve, name="kv-buffer-server", daemon=True)
+                self._server.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                signal = self.signal_pipe.recv_tensor(timeout=1.0)
+                op, seq = _read_message(signal, (OP_DROP_SELECT, OP_CLOSE), "request signal")
+                if op == OP_CLOSE:
+                    logger.info("the consumer closed the buffer")
+                    with self._cv:
+                        self._consumer_closes += 1
+                        self._cv.notify_all()
+                    continue
+                tokens, roi = self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()
+                self._answer(seq, tokens, roi)
+            except PipeTimeout:
+                continue
+            except PipeClosed:
+                return
+            except PeerDisconnected as e:
+                logger.warning("buffer consumer went away (%s); waiting for it to come back", e)
+            except (PipeError, ValueError) as e:
+                self.stats["malformed"] += 1
+                logger.error("ignored a malformed or broken request from the consumer: %s", e)
+
+    def _answer(self, seq: int, tokens: torch.Tensor | None, roi: torch.Tensor | None) -> None:
+        try:
+            if tokens is None and roi is not None:
+                raise ValueError("roi given without input_tokens")
+            query = None if tokens is None else _masked_tokens(tokens, roi)
+        except ValueError as e:
+            self.stats["malformed"] += 1
+            logger.error("malformed drop_select request (%s): answering MISS", e)
+            self.data_pipe.send_tensor(_message(MISS, seq))
+            return
+        with self._cv:
+            ident = self._index.find(query)
+            entry = None if ident is None else self._index.remove(ident)
+        if entry is None:
+            self.stats["misses"] += 1
+            self.data_pipe.send_tensor(_message(MISS, seq))
+            return
+        try:
+            self.data_pipe.send_tensor(_message(HIT, seq))
+            for t in entry.tensors:
+                self.data_pipe.send_tensor(t)
+        except PipeError:
+            with self._cv:  # the consumer did not get it: keep it for the next request
+                self._index.add(_masked_tokens(entry.tensors[0], entry.tensors[1]), entry)
+            raise
+        self.stats["hits"] += 1
+        with self._cv:
+            self.buffer_size -= entry.nbytes
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------- consumer
+    def drop_select(self, input_tokens: torch.Tensor | None,
+                    roi: torch.Tensor | None) -> list[torch.Tensor | None]:
+        if self._closed.is_set():
+            raise BufferClosed("drop_select on a closed buffer")
+        self._take_role("consumer")
+        if input_tokens is not None:
+            _masked_tokens(input_tokens, roi)  # refuse a bad query here rather than at the producer
+        elif roi is not None:
+            raise ValueError("roi given without input_tokens")
+        with self._request_lock:
+            self._seq += 1
+            self.signal_pipe.send_tensor(_message(OP_DROP_SELECT, self._seq))
+            self.data_pipe.send_tensor(input_tokens)
+            self.data_pipe.send_tensor(roi)
+            while True:
+                status, seq = _read_message(self.data_pipe.recv_tensor(), (HIT, MISS, CLOSED), "drop_select answer")
+                if status == CLOSED:
+                    raise BufferClosed("the producer closed the buffer")
+                entry = [None] * 5 if status == MISS else [self.data_pipe.recv_tensor() for _ in range(5)]
+                if seq == self._seq:
+                    return entry
+                if status == HIT:  # the answer to an earlier request that timed out: nobody wants it any more
+                    self.stats["late_hits_dropped"] += 1
+                    logger.warning("dropped a late answer to drop_select request %d (its caller timed out)", seq)
+
+    def _take_role(self, role: str) -> None:
+        if self.role is None:
+            self.role = role
+        elif self.role != role:
+            raise RuntimeError(f"this SimpleBuffer is the {self.role}'s end; "
+                               f"{'insert' if role == 'producer' else 'drop_select'} belongs to the {role}")
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Producer: stop serving and answer CLOSED to the consumer. Consumer: tell the producer. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._cv:
+            self._cv.notify_all()
+            server = self._server
+        try:
+            if self.role == "producer":
+                if server is not None:
+                    server.join(timeout=5.0)
+                self.data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
+            elif self.role == "consumer" and self._request_lock.acquire(timeout=1.0):
+                try:
+                    self.signal_pipe.send_tensor(_message(OP_CLOSE, -1), timeout=1.0)
+                finally:
+                    self._request_lock.release()
+        except PipeError as e:
+            logger.info("could not tell the other side that the buffer closed: %s", e)
