@@ -136,7 +136,7 @@ class MooncakePipe(KVPipeBase):
     def _connect(self, timeout: float) -> Outbound:
         """Open the side channel to the peer (retrying while it starts up) and handshake."""
         deadline = time.monotonic() + timeout
-        last_error: Exception | None = None
+        last_error = "no attempt yet"  # text only: a kept exception would pin this frame (and the pipe) via its traceback
         while True:
             self._check_open()
             remaining = deadline - time.monotonic()
@@ -147,7 +147,7 @@ class MooncakePipe(KVPipeBase):
                 sock = socket.create_connection((self.peer_host, self.peer_port), timeout=min(remaining, 5.0),
                                                 source_address=(self.host, 0))
             except OSError as e:
-                last_error = e
+                last_error = str(e)
                 time.sleep(min(0.05, max(remaining, 0)))
                 continue
             try:
@@ -156,7 +156,7 @@ class MooncakePipe(KVPipeBase):
                 sock.close()
                 if isinstance(e, ProtocolError):
                     raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
-                last_error = e
+                last_error = str(e)
                 time.sleep(0.05)
 
     def _handshake_out(self, sock: socket.socket, handshake_timeout: float, timeout: float) -> Outbound:

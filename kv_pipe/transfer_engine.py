@@ -93,7 +93,12 @@ class MooncakeEngine:
                                 "or rejected the target region")
 
     def close(self) -> None:
+        """Unregister every buffer and free the engine (its listeners and its metadata entry go with it).
+
+        A call still running inside the engine holds its own reference, so this is safe under a blocked send.
+        """
         with self._lock:
             bufs = list(self._registered.values())
         for buf in bufs:
             self.release(buf)
+        self._engine = None

@@ -129,12 +129,6 @@ def test_round_trip(mode: str, request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "kv_pipe bug: close() does not release the Transfer Engine (MooncakeEngine.close() only unregisters memory and "
-    "keeps the engine object), so the engine stays registered in the metadata server, keeps its RPC and TCP "
-    "listeners and its 2 x staging_buffer_size of memory until the pipe object is freed; and the pipe is only "
-    "freed by the cyclic GC, because _connect keeps the ConnectionRefusedError of its first attempts in "
-    "last_error, whose traceback holds the _connect frame, which holds the pipe"))
 def test_close_deregisters_from_metadata_server(http_metadata: str) -> None:
     cfg = make_config(metadata_server=http_metadata)
     child = Peer(echo, cfg, 0, 1)
