@@ -1,0 +1,188 @@
+"""SimpleBuffer between two real processes over the real MooncakePipe: the producer is a child, the test the consumer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_lookup_buffer import BufferClosed, SimpleBuffer
+from tests.kv_lookup_buffer import programs
+from tests.kv_pipe import peers
+from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+
+ctx = mp.get_context("spawn")
+
+
+@pytest.fixture
+def cfg():
+    return make_config()
+
+
+def consumer(cfg):
+    pipe = open_pipe(cfg, 1)
+    return pipe, SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
+
+
+def test_exact_round_trip(cfg):
+    done = ctx.Event()
+    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        got = buf.drop_select(torch.tensor([1, 2, 3]), None)
+        done.set()
+        left = producer.result()
+    tokens, roi, key, value, hidden = programs.basic_entries()[0]
+    assert same(got[0], tokens) and got[1] is None and same(got[2], key) and same(got[3], value) and got[4] is None
+    assert left == {"entries": 0, "bytes": 0, "stats": {"hits": 1, "misses": 0, "malformed": 0, "late_hits_dropped": 0}}
+
+
+def test_prefix_and_roi_matching(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full)
+    entries = programs.prefix_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        shorter = buf.drop_select(torch.tensor([1, 2]), None)
+        longer = buf.drop_select(torch.tensor([10, 11, 12, 13, 14]), None)
+        masked = buf.drop_select(torch.tensor([20, 55, 21, 66]), torch.tensor([True, False, True, False]))
+        float_roi = buf.drop_select(torch.tensor([30, 31, 32, 7]), torch.tensor([1.0, 1.0, 1.0, 0.0]))
+        differs = buf.drop_select(torch.tensor([1, 2, 5]), None)
+        taken = buf.drop_select(torch.tensor([1, 2, 3, 4]), None)
+        empty = buf.drop_select(None, None)
+        done.set()
+        left = producer.result()
+    assert all(same(a, b) for a, b in zip(shorter, entries[0], strict=True))
+    assert all(same(a, b) for a, b in zip(longer, entries[1], strict=True))
+    assert all(same(a, b) for a, b in zip(masked, entries[2], strict=True))
+    assert all(same(a, b) for a, b in zip(float_roi, entries[3], strict=True))
+    assert differs == [None] * 5 and taken == [None] * 5 and empty == [None] * 5
+    assert left["entries"] == 0 and left["stats"]["hits"] == 4 and left["stats"]["misses"] == 3
+
+
+def test_drop_select_none_takes_the_oldest(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full)
+    entries = programs.prefix_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        got = [buf.drop_select(None, None) for _ in range(5)]
+        done.set()
+        producer.result()
+    for i in range(4):
+        assert all(same(a, b) for a, b in zip(got[i], entries[i], strict=True))
+    assert got[4] == [None] * 5
+
+
+def test_stress_200_requests_with_a_100_entry_buffer(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    thresh = 100 * programs.STRESS_ENTRY_BYTES
+    producer = Peer(programs.produce, cfg, "stress", thresh, done, 0, full)
+    queries = programs.shuffled(programs.stress_entries(), seed=1)
+    pipe, buf = consumer(cfg)
+    misses = 0
+    with pipe:
+        assert full.wait(60), "the producer did not fill its buffer"
+        for entry in queries:
+            got = buf.drop_select(entry[0], entry[1])
+            if got[0] is None:
+                assert got == [None] * 5
+                misses += 1
+            else:
+                assert all(same(a, b) for a, b in zip(got, entry, strict=True))
+        done.set()
+        left = producer.result(timeout=120)
+    assert 0 < misses < 100  # some entries were not inserted yet when asked for: they stay with the producer
+    assert left["entries"] == misses
+    assert left["bytes"] == misses * programs.STRESS_ENTRY_BYTES
+    assert left["stats"]["hits"] == 200 - misses
+
+
+def test_concurrent_consumers_get_their_own_entries(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "stress", 1 << 30, done, None, full)
+    entries = programs.stress_entries()
+    pipe, buf = consumer(cfg)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for entry in entries[k::4][:25]:
+            got = buf.drop_select(entry[0], entry[1])
+            if not all(same(a, b) for a, b in zip(got, entry, strict=True)):
+                errors.append(f"thread {k}: wrong or missing entry")
+
+    with pipe:
+        assert full.wait(60)
+        time.sleep(1.0)  # the other 100 are inserted too (the buffer has room for all)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        done.set()
+        left = producer.result()
+    assert not errors
+    assert left["entries"] == 100 and left["stats"]["hits"] == 100
+
+
+def test_consumer_close_unblocks_a_blocked_insert(cfg):
+    producer = Peer(programs.blocked_insert, cfg, programs.STRESS_ENTRY_BYTES, 60.0)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        time.sleep(3.0)  # the producer's second insert is waiting for room
+        buf.close()
+        result = producer.result()
+    assert result["outcome"].startswith("BufferClosed: the consumer closed the buffer")
+    assert result["after"] < 10.0
+
+
+def test_producer_close_unblocks_a_blocked_drop_select(cfg):
+    producer = Peer(programs.close_later, cfg, 3.0)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        start = time.monotonic()
+        with pytest.raises(BufferClosed, match="the producer closed the buffer"):
+            buf.drop_select(torch.tensor([1, 2, 3]), None)
+        assert time.monotonic() - start < 10.0
+        producer.result()
+
+
+def test_insert_times_out_with_a_clear_error(cfg):
+    sink = Peer(peers.sink, cfg, 1, 30)  # a consumer that never asks
+    result = programs.blocked_insert(cfg, programs.STRESS_ENTRY_BYTES, 1.5)
+    sink.kill()
+    assert result["outcome"].startswith("TimeoutError: the buffer stayed full")
+    assert 1.4 < result["after"] < 5.0
+
+
+def test_entry_larger_than_the_buffer_is_refused_at_once(cfg):
+    with open_pipe(cfg, 0) as pipe:
+        buf = SimpleBuffer(pipe, pipe, 1000)
+        with pytest.raises(ValueError, match="can never fit"):
+            buf.insert(torch.arange(10), None, torch.zeros(1000), None, None)
+        with pytest.raises(ValueError, match="1-D integer tensor"):
+            buf.insert(torch.zeros(3), None, None, None, None)
+        assert len(buf) == 0 and buf.buffer_size == 0
+
+
+def test_malformed_requests_do_not_kill_the_producer(cfg):
+    done = ctx.Event()
+    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        pipe.send_tensor(torch.tensor([3.0, 1.0]))  # a signal of the wrong dtype: skipped
+        pipe.send_tensor(torch.tensor([1, 7], dtype=torch.int64))  # DROP_SELECT with a bad query:
+        pipe.send_tensor(torch.zeros(2, 2))  # 2-D float "tokens"
+        pipe.send_tensor(None)
+        status = pipe.recv_tensor()
+        assert status.tolist() == [1, 7]  # MISS for request 7
+        got = buf.drop_select(torch.tensor([1, 2, 3]), None)
+        done.set()
+        left = producer.result()
+    assert got[0] is not None and same(got[2], programs.basic_entries()[0][2])
+    assert left["stats"]["malformed"] >= 2 and left["stats"]["hits"] == 1
