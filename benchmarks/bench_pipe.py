@@ -548,7 +548,8 @@ def write_plot(path: Path, plan: Plan, results: dict[str, TransportResult]) -> N
                     label=f"{labels[name]} p90")
     top.set(xscale="log", ylabel="throughput, GB/s (bytes / median)", title="One-way transfer, 127.0.0.1, CPU")
     bottom.set(xscale="log", yscale="log", xlabel="transfer size", ylabel="one-way latency, us")
-    bottom.axhline(TARGET_LATENCY_US, color="grey", linewidth=0.8, linestyle="--")
+    bottom.axhline(TARGET_LATENCY_US, color="grey", linewidth=0.8, linestyle="--",
+                   label=f"target: ours at {fmt_size(TARGET_LATENCY_SIZE)} <= {TARGET_LATENCY_US:.0f} us")
     bottom.set_xticks(list(plan.sizes), [fmt_size(s) for s in plan.sizes], rotation=30)
     bottom.minorticks_off()
     for ax in (top, bottom):

@@ -2,7 +2,7 @@
 
 The sender owns an ``Outbound``: it reserves space in the receiver's staging ring, writes the bytes there with the
 Transfer Engine, then announces them with a frame; the receiver's ACK frames free the space again. The receiver
-owns an ``Inbound``: a reader thread validates incoming frames and queues them for ``recv_tensor``.
+owns an ``Inbound``: ``recv_tensor`` reads and validates the frames itself.
 
 Ring positions are absolute byte counters (never wrap); a chunk sits at ``position % ring_size`` and never
 straddles the end of the ring (the sender skips to the start instead), so each chunk is one contiguous slice.
@@ -11,7 +11,6 @@ straddles the end of the ring (the sender skips to the start instead), so each c
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -24,7 +23,6 @@ from kv_pipe.wire import Chunk, Kind
 logger = logging.getLogger(__name__)
 
 _POLL = 0.25  # how often a blocked wait re-checks for close(); wake-ups on events are immediate
-MAX_QUEUED_FRAMES = 4096
 
 
 class Connection:
@@ -32,6 +30,7 @@ class Connection:
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, name: str) -> None:
         self.sock = sock
+        self.send_timeout = sock.gettimeout()
         self.peer = peer
         self._closed = closed  # the owning pipe's close flag
         self._send_lock = threading.Lock()
@@ -56,7 +55,7 @@ class Connection:
             self.fail(PipeTimeout(f"sending to {self.peer} blocked longer than the timeout: the peer is not reading"))
             raise self.error from None
         except OSError as e:
-            self.fail(PeerDisconnected(f"connection to {self.peer} lost: {e}"))
+            self.fail(PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
             raise self.error from None
 
     def fail(self, error: PipeError) -> None:
@@ -164,58 +163,95 @@ class Outbound(Connection):
 
 
 class Inbound(Connection):
-    """Receiver side: validated frames queued in arrival order for ``recv_tensor``."""
+    """Receiver side: ``recv_tensor`` reads and validates frames straight from the socket (no thread, no queue:
+    the kernel's socket buffer is the queue and back-pressures the sender)."""
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, max_tensor_size: int) -> None:
         super().__init__(sock, peer, closed, f"kv-pipe-frames-{peer}")
         self.max_tensor_size = max_tensor_size
         self.consumed = 0  # absolute ring position up to which data was copied out
-        self.frames: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUED_FRAMES)
         self.reported = False  # its error was raised to a caller already
 
-    def _handle(self, kind: Kind, payload: bytes) -> None:
-        if kind == Kind.TENSOR:
-            item: Any = wire.decode_tensor(payload, self.max_tensor_size)
-        elif kind == Kind.CHUNK:
-            item = wire.decode_chunk(payload)
-        elif kind == Kind.NONE:
-            item = None
-        elif kind == Kind.BYE:
-            raise PeerDisconnected(f"peer {self.peer} closed the pipe")
-        else:
-            raise ProtocolError(f"unexpected {kind.name} frame on the receiving side")
-        while True:  # a full queue back-pressures the sender through TCP
-            try:
-                self.frames.put((kind, item), timeout=_POLL)
-                return
-            except queue.Full:
-                if self._closed.is_set() or self._dead.is_set():
-                    return
+    def start(self) -> None:
+        """Nothing to start: frames are read by the caller of ``next_frame``."""
 
-    def _on_dead(self) -> None:
+    def probe_alive(self) -> bool:
+        """Whether the peer still holds the connection open (it may have died without anyone reading since)."""
+        if self._dead.is_set():
+            return False
         try:
-            self.frames.put_nowait((None, self.error))
-        except queue.Full:
-            pass  # next_frame notices the dead flag on its own
+            state = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return False
+        if state != _TCP_ESTABLISHED:
+            self.fail(PeerDisconnected(f"peer {self.peer} disconnected"))
+            return False
+        return True
 
     def next_frame(self, timeout: float) -> tuple[Kind, Any]:
-        """The next validated frame; raises the connection's error once it is dead and drained."""
+        """Read the next frame and validate it; ``PipeTimeout`` if none starts within ``timeout`` (the connection
+        stays usable), any other error kills the connection (a half-read frame cannot be resynchronised)."""
+        if self._dead.is_set():
+            raise self.error or PeerDisconnected(f"peer {self.peer} disconnected")
         deadline = time.monotonic() + timeout
-        while True:
+        try:
+            head = self._read(wire.HEADER.size, deadline, idle_ok=True)
+            kind, length = wire.decode_header(head)
+            payload = self._read(length, time.monotonic() + timeout, idle_ok=False) if length else b""
+            if kind == Kind.TENSOR:
+                return kind, wire.decode_tensor(payload, self.max_tensor_size)
+            if kind == Kind.CHUNK:
+                return kind, wire.decode_chunk(payload)
+            if kind == Kind.NONE:
+                return kind, None
+            if kind == Kind.BYE:
+                raise PeerDisconnected(f"peer {self.peer} closed the pipe")
+            raise ProtocolError(f"unexpected {kind.name} frame on the receiving side")
+        except _Idle:
+            raise PipeTimeout(f"nothing arrived from {self.peer} within {timeout:.1f} s") from None
+        except ProtocolError as e:
+            logger.error("dropping the connection from %s: %s", self.peer, e)
+            self.fail(ProtocolError(f"peer {self.peer} sent a malformed frame: {e}"))
+        except PipeError as e:
+            self.fail(e)
+        except (ConnectionError, OSError) as e:
+            self.fail(PipeClosed("the pipe was closed") if self._closed.is_set()
+                      else PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
+        raise self.error  # type: ignore[misc]
+
+    def _read(self, n: int, deadline: float, idle_ok: bool) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if idle_ok and got == 0:
+                    raise _Idle
+                raise PipeTimeout(f"{self.peer} stalled in the middle of a frame ({got} of {n} bytes)")
+            self.sock.settimeout(min(remaining, _POLL))
             try:
-                kind, item = self.frames.get(timeout=min(max(deadline - time.monotonic(), 0), _POLL))
-            except queue.Empty:
+                k = self.sock.recv_into(view[got:])
+            except TimeoutError:
                 if self._closed.is_set():
                     raise PipeClosed("the pipe was closed") from None
-                if self._dead.is_set() and self.frames.empty():
-                    raise self.error or PeerDisconnected(f"peer {self.peer} disconnected") from None
-                if time.monotonic() >= deadline:
-                    raise PipeTimeout(f"nothing arrived from {self.peer} within {timeout:.1f} s") from None
                 continue
-            if kind is None:
-                raise item
-            return kind, item
+            if k == 0:
+                if self._closed.is_set():
+                    raise PipeClosed("the pipe was closed")
+                where = "" if got == 0 else f" mid-frame ({got}/{n} bytes)"
+                raise ConnectionError(f"connection closed by peer{where}")
+            got += k
+        return bytes(buf)
 
     def ack(self, end: int) -> None:
         self.consumed = end
+        self.sock.settimeout(self.send_timeout)  # reads shorten it
         self.send(wire.encode_ack(end))
+
+
+class _Idle(Exception):
+    """No frame started before the deadline."""
+
+
+_TCP_ESTABLISHED = 1  # tcp_info.tcpi_state

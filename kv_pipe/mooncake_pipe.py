@@ -115,6 +115,12 @@ class MooncakePipe(KVPipeBase):
         stage = self._stage
         assert stage is not None
         stage_addr = stage.data_ptr()
+        if nbytes <= out.chunk_size:  # one chunk: a synchronous write has the lowest latency
+            chunk = out.reserve(nbytes, timeout)
+            stage[chunk.offset:chunk.offset + nbytes].copy_(flat)
+            self._engine.write(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset, nbytes)
+            out.send(wire.encode_tensor(src.dtype, shape, nbytes, chunk))
+            return
         inflight: deque[tuple[int, Chunk]] = deque()
         sent_header = False
         pos = 0
@@ -129,7 +135,7 @@ class MooncakePipe(KVPipeBase):
                 if len(inflight) < self.config.max_chunks_in_flight and pos < nbytes:
                     continue  # keep the engine busy: copy the next chunk while this one is on the wire
             batch, chunk = inflight.popleft()
-            self._engine.wait(batch, out.session, chunk.length)
+            self._engine.wait(batch, out.session, chunk.length, timeout)
             out.send(wire.encode_chunk(chunk) if sent_header else wire.encode_tensor(src.dtype, shape, nbytes, chunk))
             sent_header = True
 
@@ -285,7 +291,7 @@ class MooncakePipe(KVPipeBase):
             raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
                                 f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
         with self._state:
-            if self._inbound is not None and self._inbound.alive:
+            if self._inbound is not None and self._inbound.probe_alive():
                 raise PipeError(f"this pipe end already has a live peer ({self._inbound.peer})")
             sock.sendall(wire.encode_json(Kind.WELCOME, {"session": self._engine.session, "ring_addr": self._ring.data_ptr(),
                                                          "ring_size": self._ring.numel(), "max_chunk": self.config.chunk_size}))
