@@ -3,7 +3,10 @@
 For each tensor size, the same bytes go from a *sender* process (a child started with multiprocessing "spawn") to
 a *receiver* process (this one), on 127.0.0.1, CPU only, over three transports:
 
-- ``ours``:   ``MooncakePipe.send_tensor(uint8 tensor)`` in the sender -> ``recv_tensor()`` in the receiver.
+- ``ours``:   ``MooncakePipe.send_tensor(uint8 tensor)`` in the sender -> ``recv_tensor()`` in the receiver
+  (a new result tensor each time, so the receiver pays the page faults of fresh memory).
+- ``ours_out``: the same, received with ``recv_tensor(out=buffer)`` into a reused buffer, as the raw TE and socket
+  baselines do (what a caller with a reusable destination, like the KV connector, gets).
 - ``raw_te``: one ``TransferEngine.transfer_sync_write`` from a registered source buffer into a registered
   destination buffer of the receiver's engine (P2PHANDSHAKE); the lower bound of what the pipe can reach.
 - ``socket``: ``sendall`` on a TCP_NODELAY loopback socket -> ``recv_into`` a preallocated buffer.
@@ -17,7 +20,7 @@ bytes are checked against what was sent (untimed). Throughput = bytes / median l
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/bench_pipe.py             # 4 KiB .. 256 MiB, a few minutes
+    .venv/bin/python benchmarks/bench_pipe.py             # 4 KiB .. 256 MiB, about a minute
     .venv/bin/python benchmarks/bench_pipe.py --quick     # 4 KiB .. 1 MiB, few repeats (smoke test)
     .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 64M 256M --chunk-size 16M --inflight 2
 
@@ -33,6 +36,7 @@ import importlib.metadata
 import json
 import math
 import multiprocessing as mp
+import multiprocessing.queues as mpq
 import os
 import platform
 import queue
@@ -43,14 +47,16 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
+from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig
 
 # The Transfer Engine reads these when it starts (in this process and in the spawned sender, which inherits them).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -70,7 +76,8 @@ QUICK_REPEATS_SCALE = 0.1
 MAX_SIZE = 512 * MiB  # each process holds about 2.5x the largest size at once
 WARMUP = 3
 MIN_REPEATS = 3
-TRANSPORTS = ("ours", "raw_te", "socket")
+TRANSPORTS = ("ours", "ours_out", "raw_te", "socket")
+NOT_RUN = "not run"  # the error of a transport left out with --transports
 BUSY_LOAD = 0.5  # a 1-minute load average above this before the run means someone else is using the CPU
 STEP_TIMEOUT = 120.0  # seconds one transfer (or the sender's start-up) may take before the run is declared stuck
 TARGET_RATIO, TARGET_RATIO_FROM = 0.9, 16 * MiB
@@ -155,6 +162,15 @@ class TransportResult:
     name: str
     stats: dict[int, Stats] = field(default_factory=dict)
     error: str | None = None
+    latencies: dict[int, list[float]] = field(default_factory=dict)  # every timed sample, over all rounds
+
+    def merge(self, other: TransportResult) -> None:
+        """Pool another round's samples into this result (medians are then taken over all rounds)."""
+        if other.error:
+            self.error = other.error
+        for size, samples in other.latencies.items():
+            self.latencies.setdefault(size, []).extend(samples)
+            self.stats[size] = Stats.of(size, self.latencies[size])
 
 
 def pattern(size: int) -> torch.Tensor:
@@ -167,9 +183,9 @@ def pattern(size: int) -> torch.Tensor:
 class Link:
     """What the receiver (parent) and the sender (child) share."""
 
-    go: Any = field(default_factory=_ctx.Queue)  # receiver -> sender: one token per transfer, None = stop
-    done: Any = field(default_factory=_ctx.Queue)  # sender -> receiver: raw_te write durations
-    errors: Any = field(default_factory=_ctx.Queue)  # sender -> receiver: its traceback if it failed
+    go: mpq.Queue[int | None] = field(default_factory=_ctx.Queue)  # receiver -> sender: a token per transfer, None = stop
+    done: mpq.Queue[float] = field(default_factory=_ctx.Queue)  # sender -> receiver: raw_te write durations
+    errors: mpq.Queue[str] = field(default_factory=_ctx.Queue)  # sender -> receiver: its traceback if it failed
     stamp: Any = field(default_factory=lambda: _ctx.RawValue("d", 0.0))  # perf_counter() right before a send
 
 
@@ -186,7 +202,7 @@ def check_sender_errors(link: Link) -> None:
     raise SenderFailed(error)
 
 
-def check_sender(proc: Any, link: Link) -> None:
+def check_sender(proc: BaseProcess, link: Link) -> None:
     """Raise ``SenderFailed`` if the sender reported an error or died."""
     check_sender_errors(link)
     if not proc.is_alive():
@@ -196,7 +212,7 @@ def check_sender(proc: Any, link: Link) -> None:
             raise SenderFailed(f"the sender process exited with code {proc.exitcode}") from None
 
 
-def get_from_sender(q: Any, proc: Any, link: Link, timeout: float = STEP_TIMEOUT) -> Any:
+def get_from_sender(q: mpq.Queue[Any], proc: BaseProcess, link: Link, timeout: float = STEP_TIMEOUT) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -208,13 +224,23 @@ def get_from_sender(q: Any, proc: Any, link: Link, timeout: float = STEP_TIMEOUT
 
 
 # ----------------------------------------------------------------------------- senders (child process)
+class Sender(Protocol):
+    """One transport's sending end; ``send`` returns the transfer's duration if only the sender can know it."""
+
+    def prepare(self, size: int) -> None: ...
+
+    def send(self, size: int) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
 class PipeSender:
     def __init__(self, setup: dict[str, Any]) -> None:
         self.pipe = MooncakePipe(local_rank=0, kv_rank=0, config=MooncakeTransferEngineConfig(**setup["config"]))
         self.src = torch.empty(0, dtype=torch.uint8)
 
     def prepare(self, size: int) -> None:
-        self.src = torch.empty(0, dtype=torch.uint8)
+        self.src = torch.empty(0, dtype=torch.uint8)  # free the previous size's tensor before making the next
         self.src = pattern(size)
 
     def send(self, size: int) -> float | None:
@@ -265,7 +291,8 @@ class SocketSender:
         self.sock.close()
 
 
-SENDERS = {"ours": PipeSender, "raw_te": RawTESender, "socket": SocketSender}
+SENDERS: dict[str, Callable[[dict[str, Any]], Sender]] = {
+    "ours": PipeSender, "ours_out": PipeSender, "raw_te": RawTESender, "socket": SocketSender}
 
 
 def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any]) -> None:
@@ -290,6 +317,19 @@ def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any]) -
 
 
 # ----------------------------------------------------------------------------- receivers (this process)
+class Receiver(Protocol):
+    """One transport's receiving end. ``setup`` is what the sender needs to reach it; ``receive`` waits for one
+    transfer and returns its one-way latency; ``received`` is the last transfer's bytes, for the check."""
+
+    setup: dict[str, Any]
+
+    def receive(self, size: int, proc: BaseProcess, link: Link) -> float: ...
+
+    def received(self, size: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
 def start_engine() -> Any:
     from mooncake.engine import TransferEngine
 
@@ -310,7 +350,7 @@ class PipeReceiver:
         self.setup = {"config": config}
         self.last: torch.Tensor | None = None
 
-    def receive(self, size: int, proc: Any, link: Link) -> float:
+    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
         self.last = None  # never hold two big results at once
         received = self.pipe.recv_tensor()
         done = time.perf_counter()
@@ -328,6 +368,24 @@ class PipeReceiver:
         self.pipe.close()
 
 
+class PipeIntoBufferReceiver(PipeReceiver):
+    def __init__(self, config: dict[str, Any], max_size: int) -> None:
+        super().__init__(config, max_size)
+        self.buffer = torch.ones(max_size, dtype=torch.uint8)  # touched once, reused for every transfer
+
+    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
+        received = self.pipe.recv_tensor(out=self.buffer)
+        done = time.perf_counter()
+        if received is None or received.numel() != size or received.data_ptr() != self.buffer.data_ptr():
+            raise RuntimeError(f"expected {size} bytes in the reused buffer")
+        self.last = received
+        return done - link.stamp.value
+
+    def close(self) -> None:
+        super().close()
+        self.buffer = torch.empty(0)
+
+
 class RawTEReceiver:
     def __init__(self, config: dict[str, Any], max_size: int) -> None:
         self.engine = start_engine()
@@ -336,7 +394,7 @@ class RawTEReceiver:
         self.setup = {"session": f"{HOST}:{self.engine.get_rpc_port()}", "dst_addr": self.dst.data_ptr(),
                       "max_size": max_size}
 
-    def receive(self, size: int, proc: Any, link: Link) -> float:
+    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
         return float(get_from_sender(link.done, proc, link))
 
     def received(self, size: int) -> torch.Tensor:
@@ -363,7 +421,7 @@ class SocketReceiver:
             self.conn.settimeout(STEP_TIMEOUT)
         return self.conn
 
-    def receive(self, size: int, proc: Any, link: Link) -> float:
+    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
         conn, got = self._accept(), 0
         while got < size:
             n = conn.recv_into(self.view[got:size])
@@ -381,10 +439,12 @@ class SocketReceiver:
         self.listener.close()
 
 
-RECEIVERS = {"ours": PipeReceiver, "raw_te": RawTEReceiver, "socket": SocketReceiver}
+RECEIVERS: dict[str, Callable[[dict[str, Any], int], Receiver]] = {
+    "ours": PipeReceiver, "ours_out": PipeIntoBufferReceiver, "raw_te": RawTEReceiver, "socket": SocketReceiver,
+}
 
 
-def measure_size(receiver: Any, size: int, plan: Plan, proc: Any, link: Link) -> Stats:
+def measure_size(receiver: Receiver, size: int, plan: Plan, proc: BaseProcess, link: Link) -> list[float]:
     latencies = []
     for i in range(plan.iterations(size)):
         link.go.put(i)
@@ -393,22 +453,22 @@ def measure_size(receiver: Any, size: int, plan: Plan, proc: Any, link: Link) ->
             latencies.append(latency)
     if not torch.equal(receiver.received(size), pattern(size)):
         raise RuntimeError(f"the {fmt_size(size)} received differ from what was sent")
-    return Stats.of(size, latencies)
+    return latencies
 
 
 def run_transport(transport: str, plan: Plan, config: dict[str, Any]) -> TransportResult:
     """Start the receiver here and a sender child, measure every size, tear both down (engines included)."""
     result = TransportResult(transport)
     link = Link()
-    receiver = None
-    proc = None
+    receiver: Receiver | None = None
+    proc: BaseProcess | None = None
     try:
         receiver = RECEIVERS[transport](config, max(plan.sizes))
         proc = _ctx.Process(target=sender_main, args=(transport, plan, link, receiver.setup), daemon=True)
         proc.start()
         for size in plan.sizes:
-            stats = measure_size(receiver, size, plan, proc, link)
-            result.stats[size] = stats
+            result.latencies[size] = measure_size(receiver, size, plan, proc, link)
+            stats = result.stats[size] = Stats.of(size, result.latencies[size])
             print(f"  {transport:6s} {fmt_size(size):>8s}: median {stats.median_s * 1e6:10.1f} us, "
                   f"p90 {stats.p90_s * 1e6:10.1f} us, {stats.gbps:6.2f} GB/s", flush=True)
         link.go.put(None)
@@ -431,7 +491,7 @@ def run_transport(transport: str, plan: Plan, config: dict[str, Any]) -> Transpo
     return result
 
 
-def describe_failure(e: Exception, proc: Any, link: Link) -> str:
+def describe_failure(e: Exception, proc: BaseProcess | None, link: Link) -> str:
     """The receiver's error, plus the sender's traceback if it has one (usually the root cause)."""
     if isinstance(e, SenderFailed):
         return str(e)
@@ -454,13 +514,15 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def markdown_table(plan: Plan, results: dict[str, TransportResult]) -> str:
-    lines = ["| size | ours median us | ours GB/s | raw TE GB/s | socket GB/s | ours/raw TE | ours/socket |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| size | ours median us | ours GB/s | ours into buffer GB/s | raw TE GB/s | socket GB/s | ours/raw TE "
+             "| ours into buffer/raw TE | ours/socket |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size in plan.sizes:
-        ours, raw, sock = (results[t].stats.get(size) for t in TRANSPORTS)
+        ours, ours_out, raw, sock = (results[t].stats.get(size) for t in TRANSPORTS)
         lines.append(f"| {fmt_size(size)} | {fmt(ours and ours.median_s * 1e6, '.1f')} | {fmt(ours and ours.gbps, '.3f')} "
-                     f"| {fmt(raw and raw.gbps, '.3f')} | {fmt(sock and sock.gbps, '.3f')} "
-                     f"| {fmt(ratio(ours, raw), '.2f')} | {fmt(ratio(ours, sock), '.2f')} |")
+                     f"| {fmt(ours_out and ours_out.gbps, '.3f')} | {fmt(raw and raw.gbps, '.3f')} "
+                     f"| {fmt(sock and sock.gbps, '.3f')} | {fmt(ratio(ours, raw), '.2f')} "
+                     f"| {fmt(ratio(ours_out, raw), '.2f')} | {fmt(ratio(ours, sock), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -468,15 +530,21 @@ def evaluate_targets(plan: Plan, results: dict[str, TransportResult]) -> dict[st
     """The two targets; ``met`` is None when the run did not measure what a target needs."""
     big = [s for s in plan.sizes if s >= TARGET_RATIO_FROM]
     ratios = {s: ratio(results["ours"].stats.get(s), results["raw_te"].stats.get(s)) for s in big}
+    ratios_out = {s: ratio(results["ours_out"].stats.get(s), results["raw_te"].stats.get(s)) for s in big}
+    known_out = [r for r in ratios_out.values() if r is not None]
     known = [r for r in ratios.values() if r is not None]
     ratio_met = None if not big else (len(known) == len(big) and all(r >= TARGET_RATIO for r in known))
     small = results["ours"].stats.get(TARGET_LATENCY_SIZE)
     latency_us = small.median_s * 1e6 if small is not None else None
-    ours_failed = results["ours"].error is not None
+    ours_failed = results["ours"].error not in (None, NOT_RUN)
     return {
         "ours_vs_raw_te": {"goal": f"ours >= {TARGET_RATIO}x raw TE at {fmt_size(TARGET_RATIO_FROM)} and up",
                            "met": False if ours_failed and big else ratio_met,
                            "ratios": {str(s): r for s, r in ratios.items()}},
+        "ours_into_buffer_vs_raw_te": {
+            "goal": f"ours into a reused buffer >= {TARGET_RATIO}x raw TE at {fmt_size(TARGET_RATIO_FROM)} and up",
+            "met": None if not big or len(known_out) != len(big) else all(r >= TARGET_RATIO for r in known_out),
+            "ratios": {str(s): r for s, r in ratios_out.items()}},
         "ours_latency": {"goal": f"ours {fmt_size(TARGET_LATENCY_SIZE)} one-way latency median <= {TARGET_LATENCY_US:.0f} us",
                          "met": None if latency_us is None else latency_us <= TARGET_LATENCY_US, "median_us": latency_us},
     }
@@ -484,9 +552,13 @@ def evaluate_targets(plan: Plan, results: dict[str, TransportResult]) -> dict[st
 
 def targets_line(targets: dict[str, Any]) -> str:
     verdict = {True: "MET", False: "NOT MET", None: "not measured"}
-    t1, t2 = targets["ours_vs_raw_te"], targets["ours_latency"]
-    ratios = ", ".join(f"{fmt_size(int(s))} {fmt(r, '.2f')}" for s, r in t1["ratios"].items()) or "-"
-    return (f"Targets: {t1['goal']}: {verdict[t1['met']]} ({ratios}); "
+    t1, t1b, t2 = targets["ours_vs_raw_te"], targets["ours_into_buffer_vs_raw_te"], targets["ours_latency"]
+
+    def listed(ratios: dict[str, float | None]) -> str:
+        return ", ".join(f"{fmt_size(int(s))} {fmt(r, '.2f')}" for s, r in ratios.items()) or "-"
+
+    return (f"Targets: {t1['goal']}: {verdict[t1['met']]} ({listed(t1['ratios'])}); "
+            f"{t1b['goal']}: {verdict[t1b['met']]} ({listed(t1b['ratios'])}); "
             f"{t2['goal']}: {verdict[t2['met']]} ({fmt(t2['median_us'], '.1f')} us).")
 
 
@@ -499,12 +571,12 @@ def package_version(*names: str) -> str | None:
     return None
 
 
-def git_commit() -> str | None:
+def git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[str, Any],
@@ -512,7 +584,8 @@ def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[st
     data = {
         "benchmark": "bench_pipe",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "kv_pipe_uncommitted_changes": git("status", "--porcelain", "--", "kv_pipe") not in (None, ""),
         "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                  "torch_threads": torch.get_num_threads(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "versions": {"torch": torch.__version__,
@@ -536,7 +609,8 @@ def write_plot(path: Path, plan: Plan, results: dict[str, TransportResult]) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"ours": "MooncakePipe (ours)", "raw_te": "raw TE transfer_sync_write", "socket": "Python TCP socket"}
+    labels = {"ours": "MooncakePipe (ours)", "ours_out": "MooncakePipe into a reused buffer",
+              "raw_te": "raw TE transfer_sync_write", "socket": "Python TCP socket"}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 9), sharex=True)
     for name, r in results.items():
         sizes = [s for s in plan.sizes if s in r.stats]
@@ -563,38 +637,47 @@ def write_plot(path: Path, plan: Plan, results: dict[str, TransportResult]) -> N
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = MooncakeTransferEngineConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", type=parse_size, default=None,
-                   help="transfer sizes, e.g. 4K 64K 1M 16M 64M 256M (default: those six)")
+                   help="transfer sizes in bytes or with K/M/G (default: 4K 64K 1M 16M 64M 256M)")
     p.add_argument("--repeats-scale", type=float, default=1.0,
-                   help="multiplies the timed repeats per size (200 at 4 KiB ... 5 at 256 MiB)")
-    p.add_argument("--chunk-size", type=parse_size, default=defaults.chunk_size, help="MooncakePipe chunk_size")
+                   help="multiplies the timed repeats per size: 200 at 4 KiB ... 5 at 256 MiB (default: %(default)s)")
+    p.add_argument("--chunk-size", type=parse_size, default=defaults.chunk_size,
+                   help="MooncakePipe chunk_size (default: the config default, %(default)s)")
     p.add_argument("--staging-size", type=parse_size, default=defaults.staging_buffer_size,
-                   help="MooncakePipe staging_buffer_size")
-    p.add_argument("--inflight", type=int, default=defaults.max_chunks_in_flight, help="MooncakePipe max_chunks_in_flight")
+                   help="MooncakePipe staging_buffer_size (default: the config default, %(default)s)")
+    p.add_argument("--inflight", type=int, default=defaults.max_chunks_in_flight,
+                   help="MooncakePipe max_chunks_in_flight (default: the config default, %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every transport this many times in rotating order and pool the samples (default: 3)")
     p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
-                   help="which transports to measure")
+                   help="which transports to measure (default: all three)")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="where bench_pipe.json and bench_pipe.png go")
+                   help="where bench_pipe.json and bench_pipe.png go (default: benchmarks/results)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: sizes {' '.join(fmt_size(s) for s in QUICK_SIZES)} unless --sizes is given, "
                         f"repeats x{QUICK_REPEATS_SCALE}")
     args = p.parse_args(argv)
     if args.repeats_scale <= 0:
         p.error("--repeats-scale must be > 0")
+    try:  # the pipe refuses bad knobs itself; say so before anything starts
+        MooncakeTransferEngineConfig(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size,
+                                     max_chunks_in_flight=args.inflight)
+    except ConfigError as e:
+        p.error(f"--chunk-size/--staging-size/--inflight: {e}")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.quick:
         args.repeats_scale *= QUICK_REPEATS_SCALE
+        args.rounds = 1
     if args.sizes is None:
         args.sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
     return args
 
 
 def pipe_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Two free ports on 127.0.0.1 plus the pipe knobs; validated here so that a bad combination fails fast."""
-    config = make_config(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size,
-                         max_chunks_in_flight=args.inflight)
-    MooncakeTransferEngineConfig(**config)
-    return config
+    """Two free ports on 127.0.0.1 (P2PHANDSHAKE, TCP) plus the pipe knobs from the command line."""
+    return make_config(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size, max_chunks_in_flight=args.inflight)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,22 +690,27 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     if load_start[0] > BUSY_LOAD:
         print(f"note: load average {load_start[0]:.2f} - other processes use the CPU, expect noisy numbers", flush=True)
-    results = {name: TransportResult(name, error="not run") for name in TRANSPORTS}
+    results = {name: TransportResult(name, error=NOT_RUN) for name in TRANSPORTS}
     for name in args.transports:
-        results[name] = run_transport(name, plan, config)
+        results[name].error = None
+    for rnd in range(args.rounds):  # rounds in rotating order, pooled: drift on a shared host hits every transport
+        order = args.transports[rnd % len(args.transports):] + args.transports[:rnd % len(args.transports)]
+        print(f"round {rnd + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+        for name in order:
+            results[name].merge(run_transport(name, plan, config))
     targets = evaluate_targets(plan, results)
     print()
     print(markdown_table(plan, results))
     print()
     print(targets_line(targets))
     for name, r in results.items():
-        if r.error and r.error != "not run":
+        if r.error and r.error != NOT_RUN:
             print(f"\n{name} failed:\n{r.error}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / "bench_pipe.json", args, plan, config, results, targets, load_start)
     write_plot(args.out_dir / "bench_pipe.png", plan, results)
     print(f"\nwrote {args.out_dir / 'bench_pipe.json'} and {args.out_dir / 'bench_pipe.png'}")
-    return 1 if any(results[t].error and results[t].error != "not run" for t in args.transports) else 0
+    return 1 if any(results[t].error for t in args.transports) else 0
 
 
 if __name__ == "__main__":

@@ -108,9 +108,10 @@ class Outbound(Connection):
     """Sender side: ring reservations and the ACKs that release them."""
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
-                 ring_addr: int, ring_size: int, chunk_size: int) -> None:
+                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int) -> None:
         super().__init__(sock, peer, closed, f"kv-pipe-acks-{peer}")
         self.session = session
+        self.inline_max = inline_max  # tensors up to this size travel inside their frame
         self.ring_addr = ring_addr
         self.ring_size = ring_size
         self.chunk_size = chunk_size
@@ -118,15 +119,32 @@ class Outbound(Connection):
         self.acked = 0  # absolute ring position the receiver has consumed up to
         self._cv = threading.Condition()
 
-    def reserve(self, length: int, timeout: float) -> Chunk:
-        """Wait until ``length`` contiguous bytes are free in the receiver's ring and claim them."""
+    def _place(self, length: int) -> tuple[int, int]:
+        """(absolute start, ring offset) of the next chunk: never straddle the end, skip to the ring's start."""
         if not 0 < length <= self.ring_size // 2:
             raise ValueError(f"chunk of {length} bytes does not fit a ring of {self.ring_size}")
         start = self.written
         offset = start % self.ring_size
-        if offset + length > self.ring_size:  # never straddle the end: skip to the ring's start
+        if offset + length > self.ring_size:
             start += self.ring_size - offset
             offset = 0
+        return start, offset
+
+    def try_reserve(self, length: int) -> Chunk | None:
+        """Claim ``length`` contiguous bytes of the receiver's ring if they are free now, else None."""
+        start, offset = self._place(length)
+        with self._cv:
+            if start + length - self.acked > self.ring_size:
+                return None
+            self.written = start + length
+        return Chunk(offset, length, start + length)
+
+    def reserve(self, length: int, timeout: float) -> Chunk:
+        """Wait until ``length`` contiguous bytes are free in the receiver's ring and claim them.
+
+        Only ACKs free space, so the caller must have announced every chunk it wrote before waiting here.
+        """
+        start, offset = self._place(length)
         deadline = time.monotonic() + timeout
         with self._cv:
             while start + length - self.acked > self.ring_size:
@@ -166,9 +184,11 @@ class Inbound(Connection):
     """Receiver side: ``recv_tensor`` reads and validates frames straight from the socket (no thread, no queue:
     the kernel's socket buffer is the queue and back-pressures the sender)."""
 
-    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, max_tensor_size: int) -> None:
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, max_tensor_size: int,
+                 inline_max: int) -> None:
         super().__init__(sock, peer, closed, f"kv-pipe-frames-{peer}")
         self.max_tensor_size = max_tensor_size
+        self.inline_max = inline_max
         self.consumed = 0  # absolute ring position up to which data was copied out
         self.reported = False  # its error was raised to a caller already
 
@@ -200,6 +220,8 @@ class Inbound(Connection):
             payload = self._read(length, time.monotonic() + timeout, idle_ok=False) if length else b""
             if kind == Kind.TENSOR:
                 return kind, wire.decode_tensor(payload, self.max_tensor_size)
+            if kind == Kind.TENSOR_INLINE:
+                return kind, wire.decode_tensor_inline(payload, self.inline_max)
             if kind == Kind.CHUNK:
                 return kind, wire.decode_chunk(payload)
             if kind == Kind.NONE:
@@ -219,7 +241,7 @@ class Inbound(Connection):
                       else PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
         raise self.error  # type: ignore[misc]
 
-    def _read(self, n: int, deadline: float, idle_ok: bool) -> bytes:
+    def _read(self, n: int, deadline: float, idle_ok: bool) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -242,7 +264,7 @@ class Inbound(Connection):
                 where = "" if got == 0 else f" mid-frame ({got}/{n} bytes)"
                 raise ConnectionError(f"connection closed by peer{where}")
             got += k
-        return bytes(buf)
+        return buf
 
     def ack(self, end: int) -> None:
         self.consumed = end

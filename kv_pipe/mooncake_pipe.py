@@ -29,6 +29,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.memory import copy_bytes, prefault
 from kv_pipe.transfer_engine import MooncakeEngine
 from kv_pipe.wire import Chunk, Kind, TensorHeader
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 _HELLO = {"kv_rank": int, "local_rank": int, "session": str}
-_WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int}
+_WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int}
 
 
 class MooncakePipe(KVPipeBase):
@@ -108,36 +109,55 @@ class MooncakePipe(KVPipeBase):
             src = src.contiguous()
         nbytes = src.numel() * src.element_size()
         shape = tuple(src.shape)
-        if nbytes == 0:
-            out.send(wire.encode_tensor(src.dtype, shape, 0, Chunk(0, 0, out.written)))
-            return
         flat = src.reshape(-1).view(torch.uint8)
+        if nbytes <= out.inline_max:  # small: the bytes ride in the frame that announces them
+            data = flat.cpu().numpy().tobytes() if nbytes else b""
+            out.send(wire.encode_tensor_inline(src.dtype, shape, data))
+            return
         stage = self._stage
         assert stage is not None
         stage_addr = stage.data_ptr()
-        if nbytes <= out.chunk_size:  # one chunk: a synchronous write has the lowest latency
-            chunk = out.reserve(nbytes, timeout)
-            stage[chunk.offset:chunk.offset + nbytes].copy_(flat)
-            self._engine.write(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset, nbytes)
-            out.send(wire.encode_tensor(src.dtype, shape, nbytes, chunk))
-            return
         inflight: deque[tuple[int, Chunk]] = deque()
         sent_header = False
-        pos = 0
-        while pos < nbytes or inflight:
-            if pos < nbytes:
-                chunk = out.reserve(min(out.chunk_size, nbytes - pos), timeout)
-                stage[chunk.offset:chunk.offset + chunk.length].copy_(flat[pos:pos + chunk.length])
-                batch = self._engine.write_async(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset,
-                                                 chunk.length)
-                inflight.append((batch, chunk))
-                pos += chunk.length
-                if len(inflight) < self.config.max_chunks_in_flight and pos < nbytes:
-                    continue  # keep the engine busy: copy the next chunk while this one is on the wire
+
+        def announce_oldest() -> None:
+            nonlocal sent_header
             batch, chunk = inflight.popleft()
             self._engine.wait(batch, out.session, chunk.length, timeout)
             out.send(wire.encode_chunk(chunk) if sent_header else wire.encode_tensor(src.dtype, shape, nbytes, chunk))
             sent_header = True
+
+        pos = 0
+        try:
+            while pos < nbytes:
+                length = min(out.chunk_size, nbytes - pos)
+                chunk = out.try_reserve(length)
+                if chunk is None and inflight:
+                    announce_oldest()  # only announced chunks can be ACKed and so free ring space
+                    continue
+                if chunk is None:
+                    chunk = out.reserve(length, timeout)
+                copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
+                batch = self._engine.write_async(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset,
+                                                 length)
+                inflight.append((batch, chunk))
+                pos += length
+                if len(inflight) >= self.config.max_chunks_in_flight:
+                    announce_oldest()  # copy the next chunk while the others are on the wire, up to the limit
+            while inflight:
+                announce_oldest()
+        except BaseException:
+            self._drain(inflight, out.session)
+            raise
+
+    def _drain(self, inflight: deque[tuple[int, Chunk]], peer: str) -> None:
+        """After a failure, let writes still in flight finish (or fail) before the stage is reused."""
+        for batch, chunk in inflight:
+            try:
+                self._engine.wait(batch, peer, chunk.length, min(self.config.timeout, 5.0))
+            except PipeError:
+                pass
+        inflight.clear()
 
     def _connect(self, timeout: float) -> Outbound:
         """Open the side channel to the peer (retrying while it starts up) and handshake."""
@@ -184,8 +204,9 @@ class MooncakePipe(KVPipeBase):
         ring_size = min(welcome["ring_size"], self._stage.numel())  # our stage mirrors the ring's offsets
         chunk_size = min(self.config.chunk_size, welcome["max_chunk"], ring_size // 2)
         sock.settimeout(timeout)
+        inline_max = min(self.config.inline_max, welcome["inline_max"])
         out = Outbound(sock, self.peer, self._closed, session=welcome["session"], ring_addr=welcome["ring_addr"],
-                       ring_size=ring_size, chunk_size=chunk_size)
+                       ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max)
         out.start()
         with self._state:
             self._outbound = out
@@ -194,8 +215,13 @@ class MooncakePipe(KVPipeBase):
         return out
 
     # ---------------------------------------------------------------- receiving
-    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
+    def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """See ``KVPipeBase.recv_tensor``. ``out``: an optional contiguous buffer on the pipe's device to receive into
+        (any dtype; the result is then a view of its first bytes, saving the page faults of a fresh allocation);
+        if it is too small for the incoming tensor, a new tensor is allocated instead."""
         timeout = self.config.timeout if timeout is None else timeout
+        if out is not None and (not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous tensor on {self.device}")
         deadline = time.monotonic() + timeout
         with self._recv_lock:
             inbound = self._wait_inbound(deadline, timeout)
@@ -209,27 +235,39 @@ class MooncakePipe(KVPipeBase):
             try:
                 if kind == Kind.NONE:
                     return None
+                if kind == Kind.TENSOR_INLINE:
+                    result = self._result(item, out)
+                    if item.nbytes:
+                        copy_bytes(result.reshape(-1).view(torch.uint8), torch.frombuffer(item.data, dtype=torch.uint8))
+                    return result
                 if kind != Kind.TENSOR:
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
-                return self._receive(inbound, item, timeout)
+                return self._receive(inbound, item, timeout, self._result(item, out))
             except PipeError as e:
                 inbound.fail(e)  # a half-received tensor leaves the stream unusable
                 inbound.reported = True
                 raise
 
-    def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float) -> torch.Tensor:
-        result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
+    def _result(self, header: TensorHeader, out: torch.Tensor | None) -> torch.Tensor:
+        if out is not None and 0 < header.nbytes <= out.numel() * out.element_size():
+            return out.reshape(-1).view(torch.uint8)[:header.nbytes].view(header.dtype).view(header.shape)
+        return torch.empty(header.shape, dtype=header.dtype, device=self.device)
+
+    def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float, result: torch.Tensor) -> torch.Tensor:
         if header.nbytes == 0:
             return result
         out = result.reshape(-1).view(torch.uint8)
         chunk, pos = header.first, 0
         while True:
             self._check_chunk(inbound, chunk, header.nbytes - pos)
-            out[pos:pos + chunk.length].copy_(self._ring[chunk.offset:chunk.offset + chunk.length])
+            copy_bytes(out[pos:pos + chunk.length], self._ring[chunk.offset:chunk.offset + chunk.length])
             inbound.ack(chunk.end)
             pos += chunk.length
             if pos == header.nbytes:
                 return result
+            # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh result's
+            # page faults would otherwise double the cost of that copy).
+            prefault(out[pos:pos + chunk.length])
             kind, chunk = inbound.next_frame(timeout)
             if kind != Kind.CHUNK:
                 raise ProtocolError(f"expected a CHUNK frame ({header.nbytes - pos} bytes of the tensor missing), "
@@ -293,10 +331,12 @@ class MooncakePipe(KVPipeBase):
         with self._state:
             if self._inbound is not None and self._inbound.probe_alive():
                 raise PipeError(f"this pipe end already has a live peer ({self._inbound.peer})")
-            sock.sendall(wire.encode_json(Kind.WELCOME, {"session": self._engine.session, "ring_addr": self._ring.data_ptr(),
-                                                         "ring_size": self._ring.numel(), "max_chunk": self.config.chunk_size}))
+            sock.sendall(wire.encode_json(Kind.WELCOME, {
+                "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
+                "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max}))
             sock.settimeout(self.config.timeout)
-            inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size)
+            inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
+                              inline_max=self.config.inline_max)
             self._inbound = inbound
             inbound.start()
             self._state.notify_all()

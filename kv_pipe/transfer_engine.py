@@ -79,11 +79,6 @@ class MooncakeEngine:
         if rc != 0:
             logger.warning("unregistering a %d-byte staging buffer failed (rc=%d)", buf.numel(), rc)
 
-    def write(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
-        """A synchronous one-sided write (lowest latency for a single small chunk)."""
-        if self._engine.transfer_sync_write(peer, local_addr, remote_addr, nbytes) != 0:
-            raise TransferError(f"a {nbytes}-byte write to {peer} failed: the peer died, froze, or rejected the target region")
-
     def write_async(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> int:
         """Start a one-sided write; returns a batch id for ``wait``."""
         batch_id = self._engine.batch_transfer_async_write(peer, [local_addr], [remote_addr], [nbytes])

@@ -10,6 +10,8 @@ into the receiver's registered staging ring, and a frame only says where they ar
 - HELLO / WELCOME: a small JSON object (the handshake; parsed with ``json`` and every field validated).
 - ERROR: UTF-8 text, the reason the peer refused us.
 - TENSOR: dtype code u8, ndim u8, 6 pad, nbytes u64, first chunk (offset u64, length u64, end u64), ndim x dim u64.
+- TENSOR_INLINE: dtype code u8, ndim u8, 6 pad, nbytes u64, ndim x dim u64, then the nbytes of the tensor itself
+  (small tensors ride in the frame that has to be sent anyway; at most ``MAX_INLINE`` bytes).
 - NONE: empty; the value ``None`` (nothing a real tensor could carry is reserved for it).
 - CHUNK: offset u64, length u64, end u64 - the next piece of the current tensor sits at ``offset`` in the ring.
 - ACK: end u64 - the receiver has consumed the ring up to the absolute position ``end``.
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kv_pipe.config import MAX_INLINE as MAX_INLINE_BYTES
 from kv_pipe.errors import ProtocolError
 
 MAGIC = b"MKVP"
@@ -38,6 +41,7 @@ VERSION = 1
 HEADER = struct.Struct("!4sBBHI")
 MAX_NDIM = 64
 MAX_JSON = 64 << 10
+MAX_INLINE = MAX_INLINE_BYTES  # protocol cap; each receiver announces its own (smaller) limit in WELCOME
 
 
 class Kind(IntEnum):
@@ -49,6 +53,7 @@ class Kind(IntEnum):
     CHUNK = 6
     ACK = 7
     BYE = 8
+    TENSOR_INLINE = 9
 
 
 _CHUNK = struct.Struct("!QQQ")
@@ -58,6 +63,7 @@ _MAX_PAYLOAD = {
     Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096,
     Kind.TENSOR: _TENSOR_HEAD.size + _CHUNK.size + 8 * MAX_NDIM,
     Kind.NONE: 0, Kind.CHUNK: _CHUNK.size, Kind.ACK: _ACK.size, Kind.BYE: 0,
+    Kind.TENSOR_INLINE: _TENSOR_HEAD.size + 8 * MAX_NDIM + MAX_INLINE,
 }
 
 # The wire code of every dtype is fixed forever; dtypes this torch lacks are simply absent.
@@ -93,7 +99,8 @@ class TensorHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-    first: Chunk
+    first: Chunk | None  # where the first chunk sits in the ring; None for an inline tensor
+    data: memoryview | None = None  # an inline tensor's bytes
 
 
 def encode(kind: Kind, payload: bytes = b"") -> bytes:
@@ -164,15 +171,39 @@ def decode_ack(payload: bytes) -> int:
     return _ACK.unpack(payload)[0]
 
 
-def encode_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, first: Chunk) -> bytes:
+def _dtype_code(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     code = DTYPE_TO_CODE.get(dtype)
     if code is None:
         raise TypeError(f"dtype {dtype} cannot be sent through the pipe (supported: {sorted(map(str, DTYPE_TO_CODE))})")
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensor has {len(shape)} dimensions; the pipe carries at most {MAX_NDIM}")
-    payload = (_TENSOR_HEAD.pack(code, len(shape), nbytes) + _CHUNK.pack(first.offset, first.length, first.end)
-               + struct.pack(f"!{len(shape)}Q", *shape))
+    return code
+
+
+def encode_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, first: Chunk) -> bytes:
+    payload = (_TENSOR_HEAD.pack(_dtype_code(dtype, shape), len(shape), nbytes)
+               + _CHUNK.pack(first.offset, first.length, first.end) + struct.pack(f"!{len(shape)}Q", *shape))
     return encode(Kind.TENSOR, payload)
+
+
+def encode_tensor_inline(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> bytes:
+    if len(data) > MAX_INLINE:
+        raise ValueError(f"an inline tensor carries at most {MAX_INLINE} bytes, got {len(data)}")
+    head = _TENSOR_HEAD.pack(_dtype_code(dtype, shape), len(shape), len(data)) + struct.pack(f"!{len(shape)}Q", *shape)
+    return encode(Kind.TENSOR_INLINE, head + data)
+
+
+def _check_shape(code: int, shape: tuple[int, ...], nbytes: int, max_nbytes: int, limit: str) -> torch.dtype:
+    dtype = CODE_TO_DTYPE.get(code)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype code {code}")
+    numel = math.prod(shape)
+    if numel * dtype.itemsize != nbytes:
+        raise ProtocolError(f"TENSOR shape {list(shape)} of {dtype} needs {numel * dtype.itemsize} bytes, header says {nbytes}")
+    if nbytes > max_nbytes:
+        raise ProtocolError(f"TENSOR of {nbytes} bytes exceeds {limit}={max_nbytes}; raise {limit} "
+                            "in mooncake.json if this is intended")
+    return dtype
 
 
 def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
@@ -184,20 +215,25 @@ def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
     first = Chunk(*_CHUNK.unpack_from(payload, _TENSOR_HEAD.size))
     if len(payload) != fixed + 8 * ndim:
         raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, but ndim={ndim} needs {fixed + 8 * ndim}")
-    dtype = CODE_TO_DTYPE.get(code)
-    if dtype is None:
-        raise ProtocolError(f"unknown dtype code {code}")
     shape = struct.unpack_from(f"!{ndim}Q", payload, fixed)
-    itemsize = dtype.itemsize
-    numel = math.prod(shape)
-    if numel * itemsize != nbytes:
-        raise ProtocolError(f"TENSOR shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, header says {nbytes}")
-    if nbytes > max_nbytes:
-        raise ProtocolError(f"TENSOR of {nbytes} bytes exceeds max_tensor_size={max_nbytes}; raise max_tensor_size "
-                            "in mooncake.json if this is intended")
+    dtype = _check_shape(code, shape, nbytes, max_nbytes, "max_tensor_size")
     if first.length > nbytes:
         raise ProtocolError(f"first chunk of {first.length} bytes is larger than the tensor ({nbytes} bytes)")
     return TensorHeader(dtype, tuple(shape), nbytes, first)
+
+
+def decode_tensor_inline(payload: bytes | bytearray, max_inline: int) -> TensorHeader:
+    """Parse and validate a TENSOR_INLINE frame; its data must be exactly the tensor's bytes, within ``max_inline``."""
+    if len(payload) < _TENSOR_HEAD.size:
+        raise ProtocolError(f"TENSOR_INLINE payload has {len(payload)} bytes, fewer than the fixed {_TENSOR_HEAD.size}")
+    code, ndim, nbytes = _TENSOR_HEAD.unpack_from(payload)
+    start = _TENSOR_HEAD.size + 8 * ndim
+    if ndim > MAX_NDIM or len(payload) != start + nbytes:
+        raise ProtocolError(f"TENSOR_INLINE payload has {len(payload)} bytes, but ndim={ndim} and nbytes={nbytes} "
+                            f"need {start + nbytes}")
+    shape = struct.unpack_from(f"!{ndim}Q", payload, _TENSOR_HEAD.size)
+    dtype = _check_shape(code, shape, nbytes, max_inline, "inline_max")
+    return TensorHeader(dtype, tuple(shape), nbytes, None, memoryview(payload)[start:])
 
 
 def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | None = None) -> bytes:

@@ -196,7 +196,8 @@ def _handshake(sock: socket.socket, pipe) -> dict:
     sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "session": "fake:1"}))
     kind, payload = wire.recv_frame(sock)
     assert kind == Kind.WELCOME
-    return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int})
+    return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int,
+                                      "inline_max": int})
 
 
 def _assert_still_serves(cfg, pipe) -> None:
@@ -237,6 +238,11 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
     (lambda w: wire.encode_chunk(Chunk(0, 8, 8)), "expected a TENSOR or NONE frame"),
     (lambda w: wire.encode(Kind.WELCOME, b"{}"), "unexpected WELCOME frame"),
     (lambda w: b"MKVP\x01\x04\x00\x00\xff\xff\xff\xff", "exceeds its limit"),
+    (lambda w: wire.encode_tensor_inline(torch.uint8, (w["inline_max"] + 1,), bytes(w["inline_max"] + 1)),
+     "exceeds inline_max"),
+    (lambda w: wire.encode_tensor_inline(torch.float32, (4,), bytes(16))[:-4], "disconnected"),
+    (lambda w: wire.encode(Kind.TENSOR_INLINE, wire.encode_tensor_inline(torch.float32, (4,), bytes(16))[12:-4]),
+     "need 40"),
     (lambda w: wire.encode_tensor(torch.float32, (3,), 12, Chunk(0, 12, 12))[:20], "disconnected"),
 ])
 def test_malformed_frames_after_handshake(cfg, frame, message):
@@ -249,6 +255,40 @@ def test_malformed_frames_after_handshake(cfg, frame, message):
             with pytest.raises((ProtocolError, PeerDisconnected), match=message):
                 pipe.recv_tensor(timeout=5.0)
         _assert_still_serves(cfg, pipe)
+
+
+def test_a_chunked_tensor_after_an_unaligned_one_does_not_stall():
+    # The ring must be freed chunk by chunk even when every chunk in flight is waiting for room (a past bug).
+    cfg = make_config(staging_buffer_size=8 * MiB, chunk_size=4 * MiB, max_chunks_in_flight=8, timeout=10.0)
+    items = [torch.ones(300_000, dtype=torch.uint8), torch.arange(16 * MiB, dtype=torch.int32)]
+    peer = Peer(peers.echo, cfg, 0, len(items))
+    with open_pipe(cfg, 1) as pipe:
+        for item in items:
+            pipe.send_tensor(item)
+        back = [pipe.recv_tensor() for _ in items]
+        pipe.send_tensor(None)
+    peer.result()
+    assert all(same(a, b) for a, b in zip(items, back, strict=True))
+
+
+def test_receive_into_a_caller_buffer(cfg):
+    items = [torch.arange(3 * MiB, dtype=torch.float32), torch.tensor([1.5, 2.5]), torch.arange(10, dtype=torch.int64)]
+    peer = Peer(peers.echo, cfg, 0, len(items))
+    buffer = torch.zeros(16 * MiB, dtype=torch.uint8)
+    small = torch.zeros(8, dtype=torch.uint8)
+    with open_pipe(cfg, 1) as pipe:
+        for item in items:
+            pipe.send_tensor(item)
+        big = pipe.recv_tensor(out=buffer)
+        inline = pipe.recv_tensor(out=buffer[-64:])
+        fresh = pipe.recv_tensor(out=small)  # too small: a new tensor instead
+        with pytest.raises(ValueError, match="contiguous"):
+            pipe.recv_tensor(out=buffer[::2])
+        pipe.send_tensor(None)
+    peer.result()
+    assert same(big, items[0]) and big.data_ptr() == buffer.data_ptr()
+    assert same(inline, items[1]) and inline.data_ptr() == buffer[-64:].data_ptr()
+    assert same(fresh, items[2]) and fresh.data_ptr() != small.data_ptr()
 
 
 def test_a_second_live_peer_is_refused(cfg):
