@@ -25,6 +25,7 @@ import torch
 from kv_lookup_buffer.base import KVLookupBufferBase
 from kv_lookup_buffer.token_index import TokenIndex
 from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeTimeout
+from kv_pipe.memory import copy_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,52 @@ def _masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> list[int]:
     if roi.shape != tokens.shape:
         raise ValueError(f"roi must have the shape of input_tokens {list(tokens.shape)}, got {list(roi.shape)}")
     return tokens[_as_mask(roi)].tolist()
+
+
+RECYCLE_MIN = 1 << 20  # smaller tensors are cheap to allocate
+
+
+class _Recycler:
+    """Host buffers of entries already handed to the consumer, reused by later inserts of the same byte size.
+
+    A fresh allocation page-faults on first write, which roughly doubles the cost of copying a KV-sized entry in;
+    reusing the memory of a dropped entry avoids that. Holds at most ``limit`` bytes (oldest dropped first).
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.held = 0
+        self.free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        bufs = self.free.get(nbytes)
+        if not bufs:
+            return None
+        self.held -= nbytes
+        return bufs.pop()
+
+    def give(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or nbytes < RECYCLE_MIN or nbytes > self.limit:
+            return
+        self.free.setdefault(nbytes, []).append(t.reshape(-1).view(torch.uint8))
+        self.held += nbytes
+        while self.held > self.limit:
+            size = next(iter(self.free))
+            self.free[size].pop(0)
+            self.held -= size
+            if not self.free[size]:
+                del self.free[size]
+
+
+def _copy(t: torch.Tensor, recycled: torch.Tensor | None = None) -> torch.Tensor:
+    """A private, contiguous copy, into ``recycled`` bytes if given (host tensors by a single-threaded memmove:
+    see ``kv_pipe.memory.copy_bytes``)."""
+    src = t.detach().contiguous()
+    out = torch.empty_like(src) if recycled is None else recycled.view(src.dtype).view(src.shape)
+    if src.numel():
+        copy_bytes(out.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8))
+    return out
 
 
 def _as_mask(roi: torch.Tensor) -> torch.Tensor:
@@ -92,6 +139,7 @@ class SimpleBuffer(KVLookupBufferBase):
         self.timeout = timeout if timeout is not None else getattr(config, "timeout", DEFAULT_TIMEOUT)
         self.buffer_size = 0  # bytes held
         self._index: TokenIndex[_Entry] = TokenIndex()
+        self._recycler = _Recycler(buffer_size_thresh)
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._consumer_closes = 0  # bumped when the consumer says goodbye: wakes blocked inserts
@@ -114,13 +162,13 @@ class SimpleBuffer(KVLookupBufferBase):
             raise BufferClosed("insert on a closed buffer")
         self._take_role("producer")
         tokens = _masked_tokens(input_tokens, roi)
-        tensors = [None if t is None else t.detach().clone() for t in (input_tokens, roi, key, value, hidden)]
-        nbytes = _nbytes(tensors)
+        originals = (input_tokens, roi, key, value, hidden)
+        nbytes = _nbytes(list(originals))
         if nbytes > self.buffer_size_threshold:
             raise ValueError(f"an entry of {nbytes} bytes can never fit a buffer of buffer_size_thresh="
                              f"{self.buffer_size_threshold:.0f} bytes; raise the threshold")
         deadline = time.monotonic() + self.timeout
-        with self._cv:
+        with self._cv:  # claim room first, then copy: no copy is held outside the threshold
             closes = self._consumer_closes
             while self.buffer_size + nbytes > self.buffer_size_threshold:
                 if self._closed.is_set():
@@ -132,8 +180,17 @@ class SimpleBuffer(KVLookupBufferBase):
                     raise TimeoutError(f"the buffer stayed full ({self.buffer_size} of {self.buffer_size_threshold:.0f} "
                                        f"bytes) for {self.timeout:.1f} s: no consumer took an entry")
                 self._cv.wait(remaining)
-            self._index.add(tokens, _Entry(tensors, nbytes))
             self.buffer_size += nbytes
+            recycled = [None if t is None else self._recycler.take(t.numel() * t.element_size()) for t in originals]
+        try:
+            tensors = [None if t is None else _copy(t, r) for t, r in zip(originals, recycled, strict=True)]
+        except BaseException:
+            with self._cv:
+                self.buffer_size -= nbytes
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self._index.add(tokens, _Entry(tensors, nbytes))
         self.start_serving()
 
     def start_serving(self) -> None:
@@ -195,6 +252,9 @@ class SimpleBuffer(KVLookupBufferBase):
         self.stats["hits"] += 1
         with self._cv:
             self.buffer_size -= entry.nbytes
+            for t in entry.tensors:
+                if t is not None:
+                    self._recycler.give(t)
             self._cv.notify_all()
 
     # ---------------------------------------------------------------- consumer
