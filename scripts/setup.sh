@@ -68,7 +68,10 @@ else
     log "Python environment up to date"
 fi
 
-# 4. Smoke checks, so that a broken environment fails here and not deep inside a test.
+# 4. The tiny local models the connector tests and benchmarks serve (no model hub here); cached under .cache/.
+.venv/bin/python scripts/build_tiny_model.py --preset all
+
+# 5. Smoke checks, so that a broken environment fails here and not deep inside a test.
 .venv/bin/python -c 'from mooncake.engine import TransferEngine' \
     || { echo "[setup] the Mooncake Transfer Engine does not import (see above)" >&2; exit 1; }
 .venv/bin/vllm --version >/dev/null 2>&1 \
