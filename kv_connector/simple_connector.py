@@ -1,0 +1,343 @@
+"""SimpleConnector: a vLLM v1 KV connector that ships each request's prompt KV from a kv_producer instance to a
+kv_consumer instance through SimpleBuffer over MooncakePipe (pull mode).
+
+Producer: in the step where a request's prefill completes (every chunk of a chunked prefill is in the paged cache
+by then), the worker gathers the prompt's blocks of every layer and ``insert``s them keyed by the prompt's token ids.
+Consumer: the scheduler claims all prompt tokens but the last (vLLM recomputes that one, so no hidden states are
+needed) as an asynchronous load; the worker ``drop_select``s the entry in a background thread and writes the blocks
+into the paged cache while other requests keep decoding. A miss, a timeout, a dead producer or a layout mismatch is
+reported as a failed load, and vLLM recomputes the prompt: the answer is the same, only slower.
+
+Blocks are copied whole (their inside is backend specific), so both instances must run the same model with the same
+KV layout; the first transfer checks layers, block shape and dtype and refuses a mismatch with a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+
+from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.options import ConnectorOptions
+from kv_connector.stats import MooncakeConnectorStats
+from kv_lookup_buffer import BufferClosed, SimpleBuffer
+from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig, PipeError
+from kv_pipe.config import CONFIG_ENV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
+
+
+class LayoutMismatch(RuntimeError):
+    """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
+
+
+def _load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineConfig:
+    if os.environ.get(CONFIG_ENV):
+        return MooncakeTransferEngineConfig.load_from_env()
+    if options.mooncake_config_path:
+        return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
+    raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
+                      "kv_connector_extra_config.mooncake_config_path")
+
+
+class SimpleConnector(KVConnectorBase_V1):
+    """See the module docstring. ``kv_role`` kv_producer or kv_consumer (kv_both is refused: one role per instance)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError(f"kv_role {transfer.kv_role!r}: MooncakeConnector needs \"kv_producer\" (prefill instance) or "
+                              "\"kv_consumer\" (decode instance)")
+        self.is_producer = transfer.kv_role == "kv_producer"
+        self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        self.mooncake = _load_mooncake_config(self.options)  # fail at start-up, not on the first request
+        self.block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self.is_producer, self.block_size)
+            if not self.is_producer and transfer.kv_load_failure_policy != "recompute":
+                # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
+                logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
+                            "load falls back to recomputing the prompt", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
+        else:
+            self._worker = _WorkerSide(self, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler side (EngineCore process)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.forget(request.request_id)
+        return False, None  # a save completes within its step (wait_for_save): blocks can be freed at once
+
+    # ------------------------------------------------------------------ worker side (Worker process)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeConnectorMetadata)
+        for load in meta.loads:
+            self._worker.start_load(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request runs only after its load finished (get_finished)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saving happens once per request in wait_for_save, when every layer of the final chunk is written."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeConnectorMetadata)
+        for save in meta.saves:
+            self._worker.save(save)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.collect_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> MooncakeConnectorStats | None:
+        if self._kv_connector_role_is_worker():
+            return self._worker.take_stats()
+        return None
+
+    def _kv_connector_role_is_worker(self) -> bool:
+        return self.role == KVConnectorRole.WORKER
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeConnectorStats | None:
+        return MooncakeConnectorStats(data=data) if data is not None else MooncakeConnectorStats()
+
+    def shutdown(self) -> None:
+        if self._kv_connector_role_is_worker():
+            self._worker.close()
+
+
+class _SchedulerSide:
+    """Decides what to save and load; knows requests and blocks, never touches KV."""
+
+    def __init__(self, is_producer: bool, block_size: int) -> None:
+        self.is_producer = is_producer
+        self.block_size = block_size
+        self.prompts: dict[str, list[int]] = {}  # producer: prompts still prefilling
+        self.local_hits: dict[str, int] = {}  # consumer: locally cached tokens when the load was claimed
+        self.loads: list[LoadRequest] = []  # consumer: loads to start in the next step
+
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.is_producer:
+            return 0, False
+        claim = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens  # vLLM recomputes the last token
+        if claim <= 0:
+            return 0, False
+        self.local_hits[request.request_id] = num_computed_tokens
+        return claim, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.is_producer:
+            self.prompts[request.request_id] = list(request.prompt_token_ids or ())
+        elif num_external_tokens > 0:
+            local = self.local_hits.pop(request.request_id, 0)
+            corrupt = bool((request.kv_transfer_params or {}).get(CORRUPT_PARAM))
+            self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()),
+                                          list(blocks.get_block_ids()[0]), local // self.block_size, num_external_tokens,
+                                          corrupt))
+
+    def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
+        meta = MooncakeConnectorMetadata(loads=self.loads)
+        self.loads = []
+        if not self.is_producer:
+            return meta
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, start in starts.items():
+            prompt = self.prompts.get(req_id)
+            end = start + out.num_scheduled_tokens.get(req_id, 0)
+            if prompt is None or not start < len(prompt) <= end:
+                continue  # not the step that completes this prompt
+            block_ids = out.kv_connector_block_state.get_block_ids(req_id)[0]
+            meta.saves.append(SaveRequest(req_id, prompt, list(block_ids[:-(-len(prompt) // self.block_size)])))
+            del self.prompts[req_id]
+        return meta
+
+    def forget(self, req_id: str) -> None:
+        self.prompts.pop(req_id, None)
+        self.local_hits.pop(req_id, None)
+
+
+class _WorkerSide:
+    """Owns the pipe, the buffer and the KV cache tensors; saves synchronously, loads in a background thread."""
+
+    def __init__(self, connector: SimpleConnector, kv_cache_config: KVCacheConfig | None) -> None:
+        self.connector = connector
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.layers: list[torch.Tensor] = []
+        self.block_dim = 0
+        self.buffer: SimpleBuffer | None = None
+        self.pipe: MooncakePipe | None = None
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-kv-load")
+        self.loading: dict[str, Future[tuple[bool, list[int]]]] = {}
+        self.stats = MooncakeConnectorStats()
+        self.stats_lock = threading.Lock()
+        self.layout_checked = False
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+        self.layers = list(kv_caches.values())
+        first = self.layers[0]
+        num_blocks = self.num_blocks or first.shape[0]
+        self.block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
+        rank = get_tensor_model_parallel_rank()
+        opts, producer = self.connector.options, self.connector.is_producer
+        self.pipe = MooncakePipe(local_rank=rank, kv_rank=0 if producer else 1, config=self.connector.mooncake)
+        self.buffer = SimpleBuffer(self.pipe, self.pipe, opts.buffer_size, timeout=opts.save_timeout,
+                                   role="producer" if producer else "consumer")
+        if producer:
+            self.buffer.start_serving()
+        logger.info("MooncakeConnector %s (TP rank %d): %d layers of %s %s, blocks along dim %d, pipe %s",
+                    "producer" if producer else "consumer", rank, len(self.layers), list(first.shape), first.dtype,
+                    self.block_dim, f"{self.pipe.host}:{self.pipe.port}")
+
+    def _block_shape(self) -> tuple[int, ...]:
+        shape = list(self.layers[0].shape)
+        del shape[self.block_dim]
+        return tuple(shape)
+
+    # ---------------------------------------------------------------- producer
+    def save(self, req: SaveRequest) -> None:
+        assert self.buffer is not None
+        start = time.perf_counter()
+        ids = torch.tensor(req.block_ids, dtype=torch.long, device=self.layers[0].device)
+        kv = torch.stack([layer.index_select(self.block_dim, ids) for layer in self.layers])
+        try:
+            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, None, None)
+        except (TimeoutError, BufferClosed, PipeError) as e:
+            logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", req.req_id,
+                           len(req.token_ids), e)
+            self._count("save_dropped")
+            return
+        seconds = time.perf_counter() - start
+        nbytes = kv.numel() * kv.element_size()
+        self._record("saved", len(req.token_ids), nbytes, seconds)
+        logger.info("MooncakeConnector: saved request %s: %d tokens, %d blocks, %.1f MiB in %.1f ms", req.req_id,
+                    len(req.token_ids), len(req.block_ids), nbytes / 2**20, seconds * 1e3)
+
+    # ---------------------------------------------------------------- consumer
+    def start_load(self, req: LoadRequest) -> None:
+        self.loading[req.req_id] = self.loader.submit(self._load, req)
+
+    def _load(self, req: LoadRequest) -> tuple[bool, list[int]]:
+        """Fetch and write one request's KV; returns (ok, block ids not written). Never raises."""
+        assert self.buffer is not None
+        start = time.perf_counter()
+        wanted = req.block_ids[req.start_block:]
+        try:
+            tokens = torch.tensor(req.token_ids, dtype=torch.int64)
+            _, _, kv, _, _ = self.buffer.drop_select(tokens, None)
+            if kv is None:
+                logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens): recomputing",
+                            req.req_id, len(req.token_ids))
+                self._count("load_misses")
+                return False, wanted
+            self._check_layout(kv)
+            n = min(kv.shape[1], len(wanted))
+            if req.corrupt and self.connector.options.allow_test_corruption:
+                kv = kv.flip(-1)  # test-only control: proves the consumer really uses the transferred KV
+                logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
+            ids = torch.tensor(wanted[:n], dtype=torch.long, device=self.layers[0].device)
+            for layer, blocks in zip(self.layers, kv, strict=True):
+                layer.index_copy_(self.block_dim, ids, blocks[:n].to(layer.device))
+        except LayoutMismatch as e:
+            logger.error("MooncakeConnector: %s; recomputing request %s", e, req.req_id)
+            self._count("load_failures")
+            return False, wanted
+        except (PipeError, BufferClosed, TimeoutError, ValueError) as e:
+            logger.warning("MooncakeConnector: loading the KV of request %s failed (%s): recomputing", req.req_id, e)
+            self._count("load_failures")
+            return False, wanted
+        seconds = time.perf_counter() - start
+        nbytes = kv.numel() * kv.element_size()
+        self._record("loaded", req.num_tokens, nbytes, seconds)
+        logger.info("MooncakeConnector: loaded request %s: %d tokens, %.1f MiB in %.1f ms (%.2f GB/s)", req.req_id,
+                    req.num_tokens, nbytes / 2**20, seconds * 1e3, nbytes / seconds / 1e9)
+        return n == len(wanted), wanted[n:]
+
+    def _check_layout(self, kv: torch.Tensor) -> None:
+        mine = (len(self.layers), self._block_shape(), self.layers[0].dtype)
+        theirs = (kv.shape[0], tuple(kv.shape[2:]), kv.dtype)
+        if mine != theirs:
+            raise LayoutMismatch(
+                f"the producer's KV layout (layers {theirs[0]}, block {list(theirs[1])}, {theirs[2]}) differs from this "
+                f"instance's (layers {mine[0]}, block {list(mine[1])}, {mine[2]}): run the same model, dtype and "
+                "block size on both instances")
+        if not self.layout_checked:
+            self.layout_checked = True
+            logger.info("MooncakeConnector: the producer's KV layout matches (layers %d, block %s, %s)",
+                        mine[0], list(mine[1]), mine[2])
+
+    def collect_loads(self) -> tuple[set[str], set[str]]:
+        done, failed = set(), set()
+        for req_id, future in list(self.loading.items()):
+            if future.done():
+                del self.loading[req_id]
+                ok, _ = future.result()
+                done.add(req_id)
+                if not ok:
+                    failed.add(req_id)
+        return done, failed
+
+    # ---------------------------------------------------------------- stats, shutdown
+    def _count(self, name: str) -> None:
+        with self.stats_lock:
+            self.stats.count(name)
+
+    def _record(self, name: str, tokens: int, nbytes: int, seconds: float) -> None:
+        with self.stats_lock:
+            self.stats.count(name)
+            self.stats.record(tokens, nbytes, seconds)
+
+    def take_stats(self) -> MooncakeConnectorStats | None:
+        with self.stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, MooncakeConnectorStats()
+        return stats
+
+    def close(self) -> None:
+        self.loader.shutdown(wait=False, cancel_futures=True)
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.pipe is not None:
+            self.pipe.close()
