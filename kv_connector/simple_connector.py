@@ -152,13 +152,14 @@ class _SchedulerSide:
         self.block_size = block_size
         self.prompts: dict[str, list[int]] = {}  # producer: prompts still prefilling
         self.local_hits: dict[str, int] = {}  # consumer: locally cached tokens when the load was claimed
+        self.claimed: set[str] = set()  # consumer: one load attempt per request (a failed one is recomputed, not retried)
         self.loads: list[LoadRequest] = []  # consumer: loads to start in the next step
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.is_producer:
             return 0, False
         claim = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens  # vLLM recomputes the last token
-        if claim <= 0:
+        if claim <= 0 or request.request_id in self.claimed:
             return 0, False
         self.local_hits[request.request_id] = num_computed_tokens
         return claim, True
@@ -167,6 +168,7 @@ class _SchedulerSide:
         if self.is_producer:
             self.prompts[request.request_id] = list(request.prompt_token_ids or ())
         elif num_external_tokens > 0:
+            self.claimed.add(request.request_id)
             local = self.local_hits.pop(request.request_id, 0)
             corrupt = bool((request.kv_transfer_params or {}).get(CORRUPT_PARAM))
             self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()),
@@ -194,6 +196,7 @@ class _SchedulerSide:
     def forget(self, req_id: str) -> None:
         self.prompts.pop(req_id, None)
         self.local_hits.pop(req_id, None)
+        self.claimed.discard(req_id)
 
 
 class _WorkerSide:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -60,30 +62,55 @@ def _log_tail(log: Path, lines: int = 20) -> str:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it does not exit in time; always reaps the process."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_TIMEOUT)
+    """SIGTERM to its whole process group (servers like vLLM fork workers), then SIGKILL if it does not exit in
+    time; always reaps the process."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    kill(proc)
 
 
-def _start(cmd: list[str], log: Path, ready: Callable[[], bool], what: str) -> subprocess.Popen:
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and everything it started (its process group), and reap it."""
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait(timeout=STOP_TIMEOUT)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _start(cmd: list[str], log: Path, ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``cmd`` (output to ``log``) and wait until ``ready()``; raises with the log's tail if it dies or is late."""
+    proc = spawn(cmd, log, env)
+    wait_ready(proc, cmd, log, ready, what, timeout)
+    return proc
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # its own process group: stop() reaches its children
+
+
+def wait_ready(proc: subprocess.Popen, cmd: list[str], log: Path, ready: Callable[[], bool], what: str,
+               timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     try:
         while True:
             if proc.poll() is not None:
                 raise ServerUnavailable(f"{what} exited with code {proc.returncode} before it was ready; "
                                         f"command {' '.join(cmd)}; log tail:\n{_log_tail(log)}")
             if ready():
-                return proc
+                return
             if time.monotonic() > deadline:
-                raise ServerUnavailable(f"{what} did not answer within {START_TIMEOUT:.0f} s; "
+                raise ServerUnavailable(f"{what} did not answer within {timeout:.0f} s; "
                                         f"command {' '.join(cmd)}; log tail:\n{_log_tail(log)}")
             time.sleep(0.1)
     except BaseException:
@@ -189,4 +216,63 @@ def http_metadata_get(url: str, key: str) -> bytes | None:
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
+        raise
+
+
+# ----------------------------------------------------------------------------- vLLM
+REPO = Path(__file__).resolve().parents[1]
+VLLM_START_TIMEOUT = 420.0  # cold starts on a busy 2-core machine
+
+
+class VllmServer:
+    """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file and small HTTP helpers."""
+
+    def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
+                 mooncake_json: Path | None, extra_args: list[str]) -> None:
+        self.name, self.model, self.port = name, str(model), port
+        self.url = f"http://{HOST}:{port}"
+        self.log = log_dir / f"{name}.log"
+        self.cmd = [str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", HOST, "--port", str(port),
+                    *extra_args]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                   MC_LOG_LEVEL="WARNING", PYTHONPATH=str(REPO))
+        if mooncake_json is not None:
+            env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
+        self.proc = spawn(self.cmd, self.log, env)
+
+    def wait_ready(self) -> None:
+        wait_ready(self.proc, self.cmd, self.log, _http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def complete(self, tokens: list[int], max_tokens: int, **extra: object) -> str:
+        body = {"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+        return self.post("/v1/completions", body)["choices"][0]["text"]
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def start_vllm(*servers: VllmServer) -> None:
+    """Wait for servers spawned together (their start-ups overlap); stop them all if one fails."""
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
         raise

@@ -1,0 +1,91 @@
+"""MooncakeConnector between two real vLLM instances: the consumer decodes from the producer's KV.
+
+The order matters: the producer is killed in the last test but one, and the layout test starts its own pair.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from kv_connector.simple_connector import CORRUPT_PARAM
+from tests.kv_connector.conftest import SERVE_ARGS, build_model, connector_config, mooncake_json
+from tests.servers import VllmServer, free_port, kill, start_vllm
+
+PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
+MAX_TOKENS = 16
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 5000) for _ in range(length)]  # unique prompts: no prefix cache can hide anything
+
+
+def disaggregated(producer: VllmServer, consumer: VllmServer, tokens: list[int], **extra: object) -> str:
+    producer.complete(tokens, 1)  # the prefill: the producer's connector saves the prompt's KV
+    return consumer.complete(tokens, MAX_TOKENS, **extra)
+
+
+def test_consumer_decodes_from_the_producers_kv(pd_pair):
+    producer, consumer = pd_pair
+    matches, hits = [], []
+    for i, length in enumerate(PROMPT_LENGTHS):
+        tokens = prompt(i, length)
+        before = consumer.metric(HITS)
+        got = disaggregated(producer, consumer, tokens)
+        hits.append(consumer.metric(HITS) - before)
+        matches.append(got == producer.complete(tokens, MAX_TOKENS))  # colocated reference (no prefix caching)
+    print(f"matches {sum(matches)}/{len(matches)}, external hits {hits}")
+    assert all(matches), f"outputs differ for prompt lengths {[n for n, m in zip(PROMPT_LENGTHS, matches, strict=True) if not m]}"
+    assert hits == [n - 1 for n in PROMPT_LENGTHS]  # every prompt token but the last, which vLLM recomputes
+    log = consumer.log_text()
+    assert log.count("MooncakeConnector: loaded request") >= len(PROMPT_LENGTHS), "loads failed and were recomputed"
+    assert "the producer's KV layout matches" in log
+    assert producer.log_text().count("MooncakeConnector: saved request") >= len(PROMPT_LENGTHS)
+
+
+def test_corrupted_kv_changes_the_output(pd_pair):
+    # Fresh prompts: the consumer's prefix cache keeps what it loaded, so a prompt is never asked twice.
+    producer, consumer = pd_pair
+    for seed in (100, 101):
+        tokens = prompt(seed, 400)
+        corrupted = disaggregated(producer, consumer, tokens, kv_transfer_params={CORRUPT_PARAM: True})
+        assert corrupted != producer.complete(tokens, MAX_TOKENS), (
+            "scrambling the transferred KV did not change the answer: is the KV used at all?")
+    assert consumer.log_text().count("corrupting the KV of request") == 2
+
+
+def test_producer_killed_before_decode_still_answers_correctly(pd_pair):
+    producer, consumer = pd_pair
+    tokens = prompt(200, 300)
+    reference = producer.complete(tokens, MAX_TOKENS)
+    producer.complete(tokens, 1)
+    kill(producer.proc)  # the API server and its engine and worker processes
+    start = time.monotonic()
+    assert consumer.complete(tokens, MAX_TOKENS) == reference
+    assert time.monotonic() - start < 60
+    assert consumer.complete(prompt(201, 300), MAX_TOKENS)  # and it keeps serving
+
+
+def test_layout_mismatch_is_refused_clearly(tiny_model: Path, tmp_path: Path):
+    other_model = build_model("kv32k")
+    config = mooncake_json(tmp_path / "mooncake.json")
+    producer = VllmServer("producer-tiny", tiny_model, free_port(), 0, tmp_path, connector_config("kv_producer"),
+                          config, SERVE_ARGS)
+    bigger_cache = [*SERVE_ARGS[:-4], "--kv-cache-memory-bytes", str(256 << 20), *SERVE_ARGS[-2:]]  # 64 KiB/token
+    consumer = VllmServer("consumer-kv32k", other_model, free_port(), 1, tmp_path, connector_config("kv_consumer"),
+                          config, bigger_cache)
+    start_vllm(producer, consumer)
+    try:
+        tokens = prompt(300, 300)
+        start = time.monotonic()
+        answer = disaggregated(producer, consumer, tokens)
+        assert time.monotonic() - start < 60
+        assert answer == consumer.complete(prompt(300, 300), MAX_TOKENS)  # its own model's answer, recomputed
+        log = consumer.log_text()
+        assert "differs from this instance's" in log and "layers 4" in log and "layers 8" in log
+    finally:
+        producer.stop()
+        consumer.stop()
