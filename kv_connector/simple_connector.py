@@ -14,6 +14,8 @@ KV layout; the first transfer checks layers, block shape and dtype and refuses a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -51,6 +53,15 @@ class LayoutMismatch(RuntimeError):
     """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
 
 
+def model_fingerprint(vllm_config: VllmConfig) -> str:
+    """Architecture plus a hash of the model's config (without its path): equal for the same model on any host."""
+    hf = vllm_config.model_config.hf_config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        hf.pop(key, None)
+    digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{'/'.join(hf.get('architectures') or ['?'])}:{digest}"
+
+
 def _load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineConfig:
     if os.environ.get(CONFIG_ENV):
         return MooncakeTransferEngineConfig.load_from_env()
@@ -58,6 +69,20 @@ def _load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineCo
         return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
     raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
                       "kv_connector_extra_config.mooncake_config_path")
+
+
+def _parse_layout(t: torch.Tensor | None) -> dict[str, Any]:
+    """Decode and type-check a peer's layout descriptor (JSON; nothing in it is executed)."""
+    try:
+        if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > 4096:
+            raise ValueError("not a small 1-D uint8 tensor")
+        layout = json.loads(bytes(t.tolist()).decode())
+        if not (isinstance(layout, dict) and isinstance(layout.get("model"), str) and isinstance(layout.get("layers"), int)
+                and isinstance(layout.get("block"), list) and isinstance(layout.get("dtype"), str)):
+            raise ValueError(f"unexpected content {layout!r}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LayoutMismatch(f"the producer sent no valid layout descriptor ({e}): is it running this connector?") from None
+    return layout
 
 
 class SimpleConnector(KVConnectorBase_V1):
@@ -214,6 +239,7 @@ class _WorkerSide:
         self.stats = MooncakeConnectorStats()
         self.stats_lock = threading.Lock()
         self.layout_checked = False
+        self.layout: dict[str, Any] = {}  # this instance's; sent with every entry, compared on every load
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
@@ -222,6 +248,8 @@ class _WorkerSide:
         first = self.layers[0]
         num_blocks = self.num_blocks or first.shape[0]
         self.block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
+        self.layout = {"model": model_fingerprint(self.connector._vllm_config), "layers": len(self.layers),
+                       "block": list(self._block_shape()), "dtype": str(first.dtype)}
         rank = get_tensor_model_parallel_rank()
         opts, producer = self.connector.options, self.connector.is_producer
         self.pipe = MooncakePipe(local_rank=rank, kv_rank=0 if producer else 1, config=self.connector.mooncake)
@@ -232,6 +260,11 @@ class _WorkerSide:
         logger.info("MooncakeConnector %s (TP rank %d): %d layers of %s %s, blocks along dim %d, pipe %s",
                     "producer" if producer else "consumer", rank, len(self.layers), list(first.shape), first.dtype,
                     self.block_dim, f"{self.pipe.host}:{self.pipe.port}")
+
+    def _layout_tensor(self) -> torch.Tensor:
+        """The layout descriptor as JSON bytes: it rides in the entry's ``value`` slot (the blocks, K and V together as
+        the backend stores them, ride in ``key``)."""
+        return torch.frombuffer(bytearray(json.dumps(self.layout, sort_keys=True).encode()), dtype=torch.uint8)
 
     def _block_shape(self) -> tuple[int, ...]:
         shape = list(self.layers[0].shape)
@@ -245,7 +278,7 @@ class _WorkerSide:
         ids = torch.tensor(req.block_ids, dtype=torch.long, device=self.layers[0].device)
         kv = torch.stack([layer.index_select(self.block_dim, ids) for layer in self.layers])
         try:
-            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, None, None)
+            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None)
         except (TimeoutError, BufferClosed, PipeError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", req.req_id,
                            len(req.token_ids), e)
@@ -268,13 +301,13 @@ class _WorkerSide:
         wanted = req.block_ids[req.start_block:]
         try:
             tokens = torch.tensor(req.token_ids, dtype=torch.int64)
-            _, _, kv, _, _ = self.buffer.drop_select(tokens, None)
+            _, _, kv, layout, _ = self.buffer.drop_select(tokens, None)
             if kv is None:
                 logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens): recomputing",
                             req.req_id, len(req.token_ids))
                 self._count("load_misses")
                 return False, wanted
-            self._check_layout(kv)
+            self._check_layout(kv, layout)
             n = min(kv.shape[1], len(wanted))
             if req.corrupt and self.connector.options.allow_test_corruption:
                 kv = kv.flip(-1)  # test-only control: proves the consumer really uses the transferred KV
@@ -297,18 +330,19 @@ class _WorkerSide:
                     req.num_tokens, nbytes / 2**20, seconds * 1e3, nbytes / seconds / 1e9)
         return n == len(wanted), wanted[n:]
 
-    def _check_layout(self, kv: torch.Tensor) -> None:
-        mine = (len(self.layers), self._block_shape(), self.layers[0].dtype)
-        theirs = (kv.shape[0], tuple(kv.shape[2:]), kv.dtype)
-        if mine != theirs:
-            raise LayoutMismatch(
-                f"the producer's KV layout (layers {theirs[0]}, block {list(theirs[1])}, {theirs[2]}) differs from this "
-                f"instance's (layers {mine[0]}, block {list(mine[1])}, {mine[2]}): run the same model, dtype and "
-                "block size on both instances")
+    def _check_layout(self, kv: torch.Tensor, layout: torch.Tensor | None) -> None:
+        theirs = _parse_layout(layout)
+        actual = {"layers": kv.shape[0], "block": list(kv.shape[2:]), "dtype": str(kv.dtype)}
+        if any(theirs.get(k) != v for k, v in actual.items()):
+            raise LayoutMismatch(f"the producer's entry contradicts its own layout ({theirs} vs tensor {actual})")
+        diff = {k: (theirs.get(k), mine) for k, mine in self.layout.items() if theirs.get(k) != mine}
+        if diff:
+            described = ", ".join(f"{k}: producer {a} vs this instance {b}" for k, (a, b) in diff.items())
+            raise LayoutMismatch(f"the producer's KV layout differs from this instance's ({described}): run the same "
+                                 "model, dtype and block size on both instances")
         if not self.layout_checked:
             self.layout_checked = True
-            logger.info("MooncakeConnector: the producer's KV layout matches (layers %d, block %s, %s)",
-                        mine[0], list(mine[1]), mine[2])
+            logger.info("MooncakeConnector: the producer's KV layout matches (%s)", self.layout)
 
     def collect_loads(self) -> tuple[set[str], set[str]]:
         done, failed = set(), set()

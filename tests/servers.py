@@ -237,7 +237,7 @@ class VllmServer:
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                   MC_LOG_LEVEL="WARNING", PYTHONPATH=str(REPO))
+                   MC_LOG_LEVEL="WARNING")  # the connector is found through the installed package, as for users
         if mooncake_json is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
         self.proc = spawn(self.cmd, self.log, env)

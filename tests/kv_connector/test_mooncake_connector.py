@@ -85,7 +85,8 @@ def test_layout_mismatch_is_refused_clearly(tiny_model: Path, tmp_path: Path):
         assert time.monotonic() - start < 60
         assert answer == consumer.complete(prompt(300, 300), MAX_TOKENS)  # its own model's answer, recomputed
         log = consumer.log_text()
-        assert "differs from this instance's" in log and "layers 4" in log and "layers 8" in log
+        assert "differs from this instance's (model: producer LlamaForCausalLM:" in log
+        assert "layers: producer 4 vs this instance 8" in log
     finally:
         producer.stop()
         consumer.stop()

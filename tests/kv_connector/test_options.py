@@ -1,0 +1,46 @@
+"""Connector options are validated when vLLM creates the connector; mistakes stop the start-up with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kv_connector.options import ConnectorOptions
+from kv_pipe import ConfigError
+from tests.kv_connector.conftest import SERVE_ARGS, connector_config, mooncake_json
+from tests.servers import VllmServer, free_port
+
+
+def test_defaults():
+    opts = ConnectorOptions.from_extra_config({})
+    assert opts.buffer_size == 2 << 30 and opts.save_timeout == 5.0 and not opts.allow_test_corruption
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"bufer_size": 1}, "unknown key.*bufer_size.*known keys: allow_test_corruption, buffer_size"),
+    ({"buffer_size": -5}, "buffer_size: expected a positive number of bytes"),
+    ({"buffer_size": "1GiB"}, "buffer_size: expected a positive number of bytes"),
+    ({"save_timeout": 0}, "save_timeout: expected seconds > 0"),
+    ({"allow_test_corruption": "yes"}, "allow_test_corruption: expected true or false"),
+    ([1], "must be a JSON object"),
+])
+def test_bad_options(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorOptions.from_extra_config(extra)
+
+
+def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path):
+    config = mooncake_json(tmp_path / "mooncake.json")
+    server = VllmServer("bad-option", tiny_model, free_port(), 0, tmp_path,
+                        connector_config("kv_consumer", bufer_size=1), config, SERVE_ARGS)
+    try:
+        server.proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        server.stop()
+        pytest.fail("vLLM kept running with a misspelled connector option")
+    finally:
+        server.stop()
+    assert server.proc.returncode != 0
+    assert "kv_connector_extra_config: unknown key(s) bufer_size" in server.log_text()
