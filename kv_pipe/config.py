@@ -162,6 +162,7 @@ class MooncakeTransferEngineConfig:
     chunk_size: int = 4 * MiB
     max_chunks_in_flight: int = 8
     inline_max: int = 64 << 10
+    huge_pages: bool = True
     max_tensor_size: int = 64 << 30
     timeout: float = 30.0
 
@@ -181,6 +182,8 @@ class MooncakeTransferEngineConfig:
             raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)} "
                               "(the engine would silently fall back to TCP); set \"protocol\": \"tcp\" or \"rdma\"")
         object.__setattr__(self, "protocol", self.protocol.lower())
+        if not isinstance(self.huge_pages, bool):
+            raise ConfigError(f"huge_pages: expected true or false, got {self.huge_pages!r}")
         if not isinstance(self.device_name, str):
             raise ConfigError(f"device_name: expected a string such as \"mlx5_0\", got {self.device_name!r}")
         if self.protocol == "rdma" and not self.device_name.strip():

@@ -10,7 +10,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_HUGE = 2 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _populate_ok = True
 
@@ -45,3 +47,13 @@ def prefault(region: torch.Tensor) -> None:
     if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE) != 0:
         _populate_ok = False  # an older kernel: fall back to ordinary page faults
         logger.debug("MADV_POPULATE_WRITE unavailable (errno %d); not prefaulting", ctypes.get_errno())
+
+
+def advise_huge_pages(region: torch.Tensor) -> None:
+    """Ask for transparent huge pages on a large fresh host region (best effort): 512x fewer page faults to fill it."""
+    if region.device.type != "cpu" or region.numel() < 4 * _HUGE:
+        return
+    start = (region.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+    end = (region.data_ptr() + region.numel()) // _HUGE * _HUGE
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)

@@ -29,7 +29,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
-from kv_pipe.memory import copy_bytes, prefault
+from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
 from kv_pipe.transfer_engine import MooncakeEngine
 from kv_pipe.wire import Chunk, Kind, TensorHeader
 
@@ -251,7 +251,10 @@ class MooncakePipe(KVPipeBase):
     def _result(self, header: TensorHeader, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and 0 < header.nbytes <= out.numel() * out.element_size():
             return out.reshape(-1).view(torch.uint8)[:header.nbytes].view(header.dtype).view(header.shape)
-        return torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        if header.first is not None and self.config.huge_pages:
+            advise_huge_pages(result.reshape(-1).view(torch.uint8))
+        return result
 
     def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float, result: torch.Tensor) -> torch.Tensor:
         if header.nbytes == 0:
