@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,13 +42,24 @@ def test_exact_round_trip(cfg):
     assert left == {"entries": 0, "bytes": 0, "stats": {"hits": 1, "misses": 0, "malformed": 0, "late_hits_dropped": 0}}
 
 
-def test_prefix_and_roi_matching(cfg):
+@contextlib.contextmanager
+def prefix_producer(cfg) -> Iterator[tuple[SimpleBuffer, list[dict]]]:
+    """A producer child holding the four prefix entries, and our consumer buffer; on exit the producer's report
+    (what it still holds) is appended to the yielded list."""
     done, full = ctx.Event(), ctx.Event()
     producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full)
-    entries = programs.prefix_entries()
     pipe, buf = consumer(cfg)
+    report: list[dict] = []
     with pipe:
         assert full.wait(60)
+        yield buf, report
+        done.set()
+        report.append(producer.result())
+
+
+def test_prefix_and_roi_matching(cfg):
+    entries = programs.prefix_entries()
+    with prefix_producer(cfg) as (buf, report):
         shorter = buf.drop_select(torch.tensor([1, 2]), None)
         longer = buf.drop_select(torch.tensor([10, 11, 12, 13, 14]), None)
         masked = buf.drop_select(torch.tensor([20, 55, 21, 66]), torch.tensor([True, False, True, False]))
@@ -54,8 +67,7 @@ def test_prefix_and_roi_matching(cfg):
         differs = buf.drop_select(torch.tensor([1, 2, 5]), None)
         taken = buf.drop_select(torch.tensor([1, 2, 3, 4]), None)
         empty = buf.drop_select(None, None)
-        done.set()
-        left = producer.result()
+    left = report[0]
     assert all(same(a, b) for a, b in zip(shorter, entries[0], strict=True))
     assert all(same(a, b) for a, b in zip(longer, entries[1], strict=True))
     assert all(same(a, b) for a, b in zip(masked, entries[2], strict=True))
@@ -65,15 +77,9 @@ def test_prefix_and_roi_matching(cfg):
 
 
 def test_drop_select_none_takes_the_oldest(cfg):
-    done, full = ctx.Event(), ctx.Event()
-    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full)
     entries = programs.prefix_entries()
-    pipe, buf = consumer(cfg)
-    with pipe:
-        assert full.wait(60)
+    with prefix_producer(cfg) as (buf, _):
         got = [buf.drop_select(None, None) for _ in range(5)]
-        done.set()
-        producer.result()
     for i in range(4):
         assert all(same(a, b) for a, b in zip(got[i], entries[i], strict=True))
     assert got[4] == [None] * 5

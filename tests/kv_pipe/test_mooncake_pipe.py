@@ -28,15 +28,21 @@ def cfg():
     return make_config()
 
 
-def test_round_trip_both_ways(cfg):
-    items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5)]
+def echoed(cfg, items: list) -> tuple[list, int]:
+    """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw."""
     peer = Peer(peers.echo, cfg, 0, len(items))
     with open_pipe(cfg, 1) as pipe:
         for item in items:
             pipe.send_tensor(item)
         back = [pipe.recv_tensor() for _ in items]
         pipe.send_tensor(None)
-    assert peer.result() == 3
+    return back, peer.result()
+
+
+def test_round_trip_both_ways(cfg):
+    items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5)]
+    back, tensors = echoed(cfg, items)
+    assert tensors == 3
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
 
@@ -55,13 +61,7 @@ def test_dtype_and_shape_matrix_is_bit_exact(cfg):
 def test_none_is_not_confused_with_any_tensor(cfg):
     # v0 encoded None as a magic tensor value; here a tensor holding any value stays a tensor.
     items = [torch.tensor([-1.0]), None, torch.tensor([]), torch.tensor(float("nan")), torch.zeros(0, dtype=torch.bool)]
-    peer = Peer(peers.echo, cfg, 0, len(items))
-    with open_pipe(cfg, 1) as pipe:
-        for item in items:
-            pipe.send_tensor(item)
-        back = [pipe.recv_tensor() for _ in items]
-        pipe.send_tensor(None)
-    peer.result()
+    back, _ = echoed(cfg, items)
     assert [b is None for b in back] == [False, True, False, False, False]
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
@@ -261,13 +261,7 @@ def test_a_chunked_tensor_after_an_unaligned_one_does_not_stall():
     # The ring must be freed chunk by chunk even when every chunk in flight is waiting for room (a past bug).
     cfg = make_config(staging_buffer_size=8 * MiB, chunk_size=4 * MiB, max_chunks_in_flight=8, timeout=10.0)
     items = [torch.ones(300_000, dtype=torch.uint8), torch.arange(16 * MiB, dtype=torch.int32)]
-    peer = Peer(peers.echo, cfg, 0, len(items))
-    with open_pipe(cfg, 1) as pipe:
-        for item in items:
-            pipe.send_tensor(item)
-        back = [pipe.recv_tensor() for _ in items]
-        pipe.send_tensor(None)
-    peer.result()
+    back, _ = echoed(cfg, items)
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
 
