@@ -1,13 +1,558 @@
-"""Layer 4: the disaggregation proxy (prefill on a producer, then decode on a consumer).
+"""Layer 4: the prefill/decode disaggregation proxy, an OpenAI-compatible HTTP front door.
 
-Not implemented yet: it arrives with the proxy issue. Kept as a module so that the package layout is final.
+Run::
+
+    python proxy_server.py --prefill http://P1:8100 [--prefill http://P2:8100 ...] \\
+                           --decode http://D1:8200 [--decode http://D2:8200 ...] --host 127.0.0.1 --port 8000
+
+Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
+
+1. The body is parsed (invalid JSON or not an object -> 400). A request id is taken from ``X-Request-Id`` or
+   generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
+2. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
+   false and no ``stream_options`` goes to the prefill instance with the fewest outstanding requests (round robin
+   on ties) and is awaited. The prefill instance computes the KV cache, which its KV connector ships to the
+   decode side. An error status (4xx/5xx) is relayed to the client as is and ends the request.
+3. Decode: the original request goes to a decode instance chosen the same way. If the prefill answer carried
+   ``kv_transfer_params`` (vLLM's built-in connectors), they are added to the decode request. A streaming
+   answer (SSE) is relayed chunk by chunk as it arrives; any other answer is relayed as is (status and body).
+
+An instance that cannot be reached or times out is skipped for ``--cooldown`` seconds (unless every instance of
+its role is cooling down); a request that could not even connect is retried on another instance of the same
+role. Unreachable -> 502, timed out (``--timeout``) -> 504, both with a JSON error naming the stage (``prefill``
+or ``decode``). A client that disconnects cancels its upstream requests (their connections are closed).
+
+``GET /health`` probes every upstream's ``/health`` (200 if at least one prefill and one decode instance are
+healthy, else 503, with a per-instance report); ``GET /v1/models`` is passed through from a decode instance.
+
+One ``aiohttp.ClientSession`` (with a bounded connection pool) is created when serving starts and closed at
+shutdown. ``create_app(config)`` builds the Quart app (used by ``main()`` and the tests); it is served by
+Hypercorn.
 """
 
-import sys
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from quart import Quart, Response, g, request
+
+log = logging.getLogger("proxy_server")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+FORWARDED_HEADERS = ("Authorization", REQUEST_ID_HEADER)
+PREFILL = "prefill"
+DECODE = "decode"
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+SSE_CONTENT_TYPE = "text/event-stream"
 
 
-def main() -> None:
-    sys.exit("proxy_server is not implemented yet (see the proxy issue)")
+class ConfigError(ValueError):
+    """An invalid proxy option (bad upstream URL, non-positive timeout, ...)."""
+
+
+def normalize_upstream_url(url: str) -> str:
+    """Check that ``url`` is ``http(s)://host:port`` (an optional trailing ``/``) and return it without the slash."""
+    expected = f"invalid upstream URL {url!r}: expected http://host:port or https://host:port"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as error:
+        raise ConfigError(f"{expected} ({error})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{expected} (scheme must be http or https)")
+    if not parts.hostname:
+        raise ConfigError(f"{expected} (missing host)")
+    if port is None:
+        raise ConfigError(f"{expected} (missing port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"{expected} (no path, query, fragment or credentials allowed)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Options of the proxy; URLs are validated and normalized on construction."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout: float = 300.0  # seconds: a whole prefill / non-streaming decode; between two chunks of a stream
+    cooldown: float = 5.0  # seconds an instance that failed is skipped
+    health_timeout: float = 2.0  # seconds for each upstream's /health probe
+    max_connections: int = 1024  # the shared client pool, all upstreams together
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for role in (PREFILL, DECODE):
+            urls = tuple(normalize_upstream_url(url) for url in getattr(self, role))
+            if not urls:
+                raise ConfigError(f"at least one --{role} URL is required")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"duplicate --{role} URL in {list(urls)}")
+            object.__setattr__(self, role, urls)
+        for name in ("timeout", "health_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not self.cooldown >= 0:
+            raise ConfigError(f"cooldown must be >= 0, got {self.cooldown!r}")
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ConfigError("max_connections and max_body_bytes must be positive")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One vLLM instance and its bookkeeping."""
+
+    url: str
+    role: str
+    outstanding: int = 0  # requests sent and not finished (a stream counts until its last byte)
+    down_until: float = 0.0  # time.monotonic() before which the instance is skipped
+    failures: int = 0
+    last_error: str | None = None
+
+    def cooling_down(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.down_until
+
+
+@dataclass
+class Balancer:
+    """Picks the instance of one role with the fewest outstanding requests, round robin on ties."""
+
+    role: str
+    upstreams: list[Upstream]
+    cooldown: float
+    _next: int = field(default=0, repr=False)
+
+    @classmethod
+    def from_urls(cls, role: str, urls: Iterable[str], cooldown: float) -> Balancer:
+        return cls(role, [Upstream(url, role) for url in urls], cooldown)
+
+    def pick(self, exclude: Iterable[Upstream] = ()) -> Upstream | None:
+        """The best instance not in ``exclude``; cooling-down ones only if nothing else is left. None if none."""
+        excluded = {id(u) for u in exclude}
+        now = time.monotonic()
+        candidates = [u for u in self.upstreams if id(u) not in excluded]
+        pool = [u for u in candidates if not u.cooling_down(now)] or candidates
+        if not pool:
+            return None
+        fewest = min(u.outstanding for u in pool)
+        count = len(self.upstreams)
+        for step in range(count):
+            index = (self._next + step) % count
+            upstream = self.upstreams[index]
+            if upstream in pool and upstream.outstanding == fewest:
+                self._next = (index + 1) % count
+                return upstream
+        raise AssertionError("unreachable: the pool is a subset of the upstreams")
+
+    def acquire(self, upstream: Upstream) -> None:
+        upstream.outstanding += 1
+
+    def release(self, upstream: Upstream) -> None:
+        upstream.outstanding -= 1
+
+    def mark_failed(self, upstream: Upstream, error: str) -> None:
+        upstream.failures += 1
+        upstream.last_error = error
+        upstream.down_until = time.monotonic() + self.cooldown
+        log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
+
+    def outstanding(self) -> int:
+        return sum(u.outstanding for u in self.upstreams)
+
+
+class ProxyError(Exception):
+    """Ends a request with ``status`` and a JSON error body (OpenAI style, plus the stage and the upstream)."""
+
+    def __init__(self, status: int, kind: str, message: str, stage: str | None = None, upstream: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.stage = stage
+        self.upstream = upstream
+
+    def payload(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"message": str(self), "type": self.kind, "code": self.status}
+        if self.stage is not None:
+            error["stage"] = self.stage
+        if self.upstream is not None:
+            error["upstream"] = self.upstream
+        return {"error": error}
+
+    def response(self) -> Response:
+        return Response(json.dumps(self.payload()), status=self.status, content_type="application/json")
+
+
+class RelayedError(Exception):
+    """An upstream answered with an error status: relayed to the client as is."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None):
+        super().__init__(f"upstream status {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type or "application/json"
+
+    def response(self) -> Response:
+        return Response(self.body, status=self.status, content_type=self.content_type)
+
+
+def prefill_payload(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill copy: one token, not streamed; everything else unchanged."""
+    copy = dict(payload)
+    copy["max_tokens"] = 1
+    if chat:
+        copy["max_completion_tokens"] = 1
+    copy["stream"] = False
+    copy.pop("stream_options", None)
+    return copy
+
+
+def kv_transfer_params(body: bytes) -> Any | None:
+    """``kv_transfer_params`` of a prefill answer (vLLM's built-in connectors), None if absent or not JSON."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data.get("kv_transfer_params") if isinstance(data, dict) else None
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ProxyError(400, "invalid_request_error", f"request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ProxyError(400, "invalid_request_error", "request body must be a JSON object")
+    return payload
+
+
+class StreamRelay:
+    """Async iterator over an upstream SSE body, relayed chunk by chunk; frees the upstream when closed.
+
+    Closing before the end (client disconnect, error) closes the upstream connection, which makes vLLM abort the
+    request. ``close()`` is idempotent and also runs on garbage collection, so the counter is always released.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str):
+        self._response = response
+        self._release: Callable[[], None] | None = release
+        self._request_id = request_id
+        self._done = False
+
+    def __aiter__(self) -> StreamRelay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            chunk = await self._response.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as error:
+            kind = "upstream_timeout" if isinstance(error, TimeoutError) else "upstream_error"
+            log.warning("[%s] decode stream from %s broken: %r", self._request_id, self._response.url, error)
+            self._done = True
+            self.close(reuse=False)
+            failure = ProxyError(504 if kind == "upstream_timeout" else 502, kind, "decode stream interrupted", DECODE)
+            return f"data: {json.dumps(failure.payload())}\n\n".encode()
+        if not chunk:
+            self.close(reuse=True)
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self, reuse: bool = False) -> None:
+        if self._release is None:
+            return
+        release, self._release = self._release, None
+        if reuse:
+            self._response.release()
+        else:
+            self._response.close()
+        release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # e.g. the event loop is already closed
+            self.close()
+
+
+class Proxy:
+    """State shared by the handlers: the config, one balancer per role and the client session."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown)
+        self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown)
+        seconds = config.timeout
+        self.whole_timeout = aiohttp.ClientTimeout(total=seconds)  # prefill, non-streaming decode, /v1/models
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy is not serving (no client session)")
+        return self._session
+
+    async def start(self) -> None:
+        # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive ends, so none is reused just
+        # as the server closes it.
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        log.info("proxy ready: prefill %s, decode %s", list(self.config.prefill), list(self.config.decode))
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def outstanding(self) -> dict[str, int]:
+        return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
+
+    async def send(
+        self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+    ) -> tuple[Upstream, aiohttp.ClientResponse]:
+        """Send to the best instance of ``balancer``'s role until one accepts the connection.
+
+        Returns the instance (acquired: the caller releases it) and the response (headers read).
+        """
+        tried: list[Upstream] = []
+        while (upstream := balancer.pick(exclude=tried)) is not None:
+            tried.append(upstream)
+            balancer.acquire(upstream)
+            try:
+                response = await self.session.request(method, upstream.url + path, data=body, headers=headers,
+                                                      timeout=timeout)
+            except TimeoutError:
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, "timeout")
+                raise ProxyError(504, "upstream_timeout", f"{balancer.role} instance {upstream.url} timed out",
+                                 balancer.role, upstream.url) from None
+            except aiohttp.ClientConnectorError as error:  # never reached the instance: try another one
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, str(error))
+                continue
+            except aiohttp.ClientError as error:
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, repr(error))
+                raise ProxyError(502, "upstream_error", f"{balancer.role} instance {upstream.url} failed: {error!r}",
+                                 balancer.role, upstream.url) from None
+            except BaseException:
+                balancer.release(upstream)
+                raise
+            return upstream, response
+        urls = ", ".join(u.url for u in tried)
+        raise ProxyError(502, "upstream_unreachable", f"no {balancer.role} instance reachable (tried {urls})",
+                         balancer.role, tried[-1].url if tried else None)
+
+    async def read_body(self, balancer: Balancer, upstream: Upstream, response: aiohttp.ClientResponse) -> bytes:
+        """The whole body; releases the instance and the connection whatever happens (closed unless complete)."""
+        complete = False
+        try:
+            data = await response.read()
+            complete = True
+            return data
+        except TimeoutError:
+            balancer.mark_failed(upstream, "timeout")
+            raise ProxyError(504, "upstream_timeout", f"{balancer.role} instance {upstream.url} timed out",
+                             balancer.role, upstream.url) from None
+        except aiohttp.ClientError as error:
+            balancer.mark_failed(upstream, repr(error))
+            raise ProxyError(502, "upstream_error", f"{balancer.role} instance {upstream.url} failed: {error!r}",
+                             balancer.role, upstream.url) from None
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+            balancer.release(upstream)
+
+    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Any | None:
+        """Run the prefill copy to completion; return the answer's kv_transfer_params (None if absent)."""
+        body = json.dumps(prefill_payload(payload, chat=path == CHAT_COMPLETIONS)).encode()
+        upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout)
+        data = await self.read_body(self.prefill_balancer, upstream, response)
+        log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+        if response.status >= 400:
+            raise RelayedError(response.status, data, response.headers.get("Content-Type"))
+        return kv_transfer_params(data)
+
+    async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: Any | None,
+                             headers: dict[str, str]) -> Response:
+        """Send the original request (plus kv_transfer_params) to a decode instance and relay its answer."""
+        body = raw if kv_params is None else json.dumps({**payload, "kv_transfer_params": kv_params}).encode()
+        streaming = payload.get("stream") is True
+        timeout = self.stream_timeout if streaming else self.whole_timeout
+        balancer = self.decode_balancer
+        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout)
+        content_type = response.headers.get("Content-Type", "application/json")
+        log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+        if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
+            relay = StreamRelay(response, lambda: balancer.release(upstream), headers[REQUEST_ID_HEADER])
+            relayed = Response(relay, status=response.status, content_type=content_type)
+            relayed.headers["Cache-Control"] = "no-cache"
+            relayed.headers["X-Accel-Buffering"] = "no"
+            relayed.timeout = None  # a stream lasts as long as the generation
+            return relayed
+        data = await self.read_body(balancer, upstream, response)
+        return Response(data, status=response.status, content_type=content_type)
+
+    async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
+        payload = parse_json_object(raw)
+        kv_params = await self.prefill(path, payload, headers)
+        return await self.forward_decode(path, raw, payload, kv_params, headers)
+
+    async def models(self, headers: dict[str, str]) -> Response:
+        upstream, response = await self.send(self.decode_balancer, "GET", "/v1/models", None, headers,
+                                             self.whole_timeout)
+        data = await self.read_body(self.decode_balancer, upstream, response)
+        return Response(data, status=response.status, content_type=response.headers.get("Content-Type"))
+
+    async def probe(self, upstream: Upstream) -> dict[str, Any]:
+        """One upstream's health: its /health status (or the error) and the proxy's bookkeeping."""
+        report: dict[str, Any] = {"url": upstream.url, "outstanding": upstream.outstanding,
+                                  "cooling_down": upstream.cooling_down(), "failures": upstream.failures}
+        try:
+            async with self.session.get(upstream.url + "/health", timeout=self.health_timeout) as response:
+                await response.read()
+                report.update(healthy=response.status == 200, status=response.status)
+        except TimeoutError:
+            report.update(healthy=False, error="timeout")
+        except aiohttp.ClientError as error:
+            report.update(healthy=False, error=str(error) or repr(error))
+        return report
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        balancers = (self.prefill_balancer, self.decode_balancer)
+        upstreams = [u for b in balancers for u in b.upstreams]
+        reports = await asyncio.gather(*(self.probe(u) for u in upstreams))
+        by_role: dict[str, list[dict[str, Any]]] = {PREFILL: [], DECODE: []}
+        for upstream, report in zip(upstreams, reports, strict=True):
+            by_role[upstream.role].append(report)
+        healthy = all(any(r["healthy"] for r in by_role[role]) for role in (PREFILL, DECODE))
+        return (200 if healthy else 503), {"status": "ok" if healthy else "unavailable", **by_role}
+
+
+def forwarded_headers(request_id: str) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    if (authorization := request.headers.get("Authorization")) is not None:
+        headers["Authorization"] = authorization
+    return headers
+
+
+def create_app(config: ProxyConfig) -> Quart:
+    """The Quart app of the proxy; its ``Proxy`` state is ``app.extensions["proxy"]``."""
+    app = Quart(__name__)
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=config.timeout, MAX_CONTENT_LENGTH=config.max_body_bytes)
+    proxy = Proxy(config)
+    app.extensions["proxy"] = proxy
+    app.before_serving(proxy.start)
+    app.after_serving(proxy.stop)
+
+    @app.before_request
+    async def assign_request_id() -> None:
+        g.request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+    @app.after_request
+    async def return_request_id(response: Response) -> Response:
+        if request_id := getattr(g, "request_id", None):
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def handle(path: str) -> Response:
+        try:
+            return await proxy.completion(path, await request.get_data(), forwarded_headers(g.request_id))
+        except (ProxyError, RelayedError) as error:
+            if isinstance(error, ProxyError) and error.status >= 500:
+                log.warning("[%s] %s: %s", g.request_id, error.status, error)
+            return error.response()
+
+    @app.post(COMPLETIONS)
+    async def completions() -> Response:
+        return await handle(COMPLETIONS)
+
+    @app.post(CHAT_COMPLETIONS)
+    async def chat_completions() -> Response:
+        return await handle(CHAT_COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            return await proxy.models(forwarded_headers(g.request_id))
+        except ProxyError as error:
+            return error.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, report = await proxy.health()
+        return Response(json.dumps(report), status=status, content_type="application/json")
+
+    return app
+
+
+def hypercorn_config(config: ProxyConfig) -> Any:
+    from hypercorn.config import Config
+
+    server = Config()
+    server.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
+    server.backlog = 2048
+    server.accesslog = None
+    server.errorlog = logging.getLogger("hypercorn.error")  # through this process's logging set-up, no own handler
+    server.graceful_timeout = 5.0
+    server.keep_alive_timeout = 75.0
+    return server
+
+
+def parse_args(argv: list[str] | None = None) -> ProxyConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill instance, http(s)://host:port (repeat for several)")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode instance, http(s)://host:port (repeat for several)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for a prefill or a non-streaming decode, and between two chunks of a stream")
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
+    parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
+    parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
+                           timeout=args.timeout, cooldown=args.cooldown, health_timeout=args.health_timeout,
+                           max_connections=args.max_connections)
+    except ConfigError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hypercorn.asyncio import serve
+
+    config = parse_args(argv)
+    log.info("listening on http://%s:%d", config.host, config.port)
+    asyncio.run(serve(create_app(config), hypercorn_config(config)))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ _POLL = 0.25  # how often a blocked wait re-checks for close(); wake-ups on even
 
 
 class Connection:
-    """A connected, handshaken socket with a reader thread; subclasses handle the frames."""
+    """A connected, handshaken socket: locked sends, and one way to die (``fail``) that wakes every waiter."""
 
-    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, name: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event) -> None:
         self.sock = sock
         self.send_timeout = sock.gettimeout()
         self.peer = peer
@@ -36,10 +36,6 @@ class Connection:
         self._send_lock = threading.Lock()
         self._dead = threading.Event()
         self.error: PipeError | None = None
-        self._reader = threading.Thread(target=self._read_loop, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._reader.start()
 
     @property
     def alive(self) -> bool:
@@ -80,7 +76,31 @@ class Connection:
             except OSError:
                 pass
         self.fail(PipeClosed("the pipe was closed"))
-        if self._reader.is_alive() and self._reader is not threading.current_thread():
+
+    def _on_dead(self) -> None:
+        """Wake whoever waits on this connection."""
+
+
+class Outbound(Connection):
+    """Sender side: ring reservations, and a thread reading the ACKs that release them."""
+
+    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
+                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int) -> None:
+        super().__init__(sock, peer, closed)
+        self.session = session
+        self.inline_max = inline_max  # tensors up to this size travel inside their frame
+        self.ring_addr = ring_addr
+        self.ring_size = ring_size
+        self.chunk_size = chunk_size
+        self.written = 0  # absolute ring position after the last reserved chunk
+        self.acked = 0  # absolute ring position the receiver has consumed up to
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read_loop, name=f"kv-pipe-acks-{peer}", daemon=True)
+        self._reader.start()
+
+    def close(self, say_bye: bool = True) -> None:
+        super().close(say_bye)
+        if self._reader is not threading.current_thread():
             self._reader.join(timeout=2.0)
 
     def _read_loop(self) -> None:
@@ -96,28 +116,6 @@ class Connection:
             self.fail(PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
         except PipeError as e:
             self.fail(e)
-
-    def _handle(self, kind: Kind, payload: bytes) -> None:
-        raise NotImplementedError
-
-    def _on_dead(self) -> None:
-        """Wake whoever waits on this connection."""
-
-
-class Outbound(Connection):
-    """Sender side: ring reservations and the ACKs that release them."""
-
-    def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
-                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int) -> None:
-        super().__init__(sock, peer, closed, f"kv-pipe-acks-{peer}")
-        self.session = session
-        self.inline_max = inline_max  # tensors up to this size travel inside their frame
-        self.ring_addr = ring_addr
-        self.ring_size = ring_size
-        self.chunk_size = chunk_size
-        self.written = 0  # absolute ring position after the last reserved chunk
-        self.acked = 0  # absolute ring position the receiver has consumed up to
-        self._cv = threading.Condition()
 
     def _place(self, length: int) -> tuple[int, int]:
         """(absolute start, ring offset) of the next chunk: never straddle the end, skip to the ring's start."""
@@ -186,14 +184,11 @@ class Inbound(Connection):
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, max_tensor_size: int,
                  inline_max: int) -> None:
-        super().__init__(sock, peer, closed, f"kv-pipe-frames-{peer}")
+        super().__init__(sock, peer, closed)
         self.max_tensor_size = max_tensor_size
         self.inline_max = inline_max
         self.consumed = 0  # absolute ring position up to which data was copied out
         self.reported = False  # its error was raised to a caller already
-
-    def start(self) -> None:
-        """Nothing to start: frames are read by the caller of ``next_frame``."""
 
     def probe_alive(self) -> bool:
         """Whether the peer still holds the connection open (it may have died without anyone reading since)."""

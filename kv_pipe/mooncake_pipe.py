@@ -207,7 +207,6 @@ class MooncakePipe(KVPipeBase):
         inline_max = min(self.config.inline_max, welcome["inline_max"])
         out = Outbound(sock, self.peer, self._closed, session=welcome["session"], ring_addr=welcome["ring_addr"],
                        ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max)
-        out.start()
         with self._state:
             self._outbound = out
         logger.info("pipe %s -> %s connected (peer engine %s, ring %d bytes, chunk %d bytes)",
@@ -341,7 +340,6 @@ class MooncakePipe(KVPipeBase):
             inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
                               inline_max=self.config.inline_max)
             self._inbound = inbound
-            inbound.start()
             self._state.notify_all()
         logger.info("pipe %s <- %s connected (peer engine %s)", join_host_port(self.host, self.port), who, hello["session"])
 

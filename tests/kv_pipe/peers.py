@@ -13,6 +13,11 @@ from kv_pipe import MooncakeTransferEngineConfig
 _ctx = mp.get_context("spawn")
 
 
+def ctx() -> Any:
+    """The "spawn" multiprocessing context the peers run in (for Events and Queues shared with them)."""
+    return _ctx
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -225,20 +230,24 @@ def big_receiver(cfg: dict[str, Any], kv_rank: int, nbytes: int) -> dict[str, An
 
 
 # ----------------------------------------------------------------------------- failure partners
-def sink(cfg: dict[str, Any], kv_rank: int, seconds: float) -> None:
-    """Accept the connection and never read: the sender fills the ring and waits."""
+def sink(cfg: dict[str, Any], kv_rank: int, seconds: float, ready: Any = None) -> None:
+    """Accept the connection and never read: the sender fills the ring and waits. Sets ``ready`` once listening."""
     import time
 
     with open_pipe(cfg, kv_rank):
+        if ready is not None:
+            ready.set()
         time.sleep(seconds)
 
 
 def send_then_hang(cfg: dict[str, Any], kv_rank: int, nbytes: int, seconds: float) -> None:
-    """Send one big tensor (blocks once the receiver's ring is full), then linger."""
+    """Send None (so the test knows we are connected), then one big tensor (blocks once the receiver's ring is
+    full), then linger."""
     import time
 
     import torch
 
     with open_pipe(cfg, kv_rank) as pipe:
+        pipe.send_tensor(None)
         pipe.send_tensor(torch.ones(nbytes, dtype=torch.uint8))
         time.sleep(seconds)

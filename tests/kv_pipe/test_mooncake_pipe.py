@@ -97,9 +97,7 @@ def test_sender_killed_mid_transfer_raises_quickly():
     cfg = make_config(timeout=20.0)
     peer = Peer(peers.send_then_hang, cfg, 0, 512 * MiB, 60)
     with open_pipe(cfg, 1) as pipe:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not peer.proc.is_alive():
-            time.sleep(0.05)
+        assert pipe.recv_tensor(timeout=120) is None  # the sender is connected
         time.sleep(3.0)  # the sender has filled our 64 MiB ring and waits for room
         peer.kill()
         start = time.monotonic()
@@ -109,8 +107,10 @@ def test_sender_killed_mid_transfer_raises_quickly():
 
 
 def test_receiver_killed_mid_transfer_raises_quickly(cfg):
-    peer = Peer(peers.sink, cfg, 0, 60)
+    ready = peers.ctx().Event()
+    peer = Peer(peers.sink, cfg, 0, 60, ready)
     with open_pipe(cfg, 1) as pipe:
+        assert ready.wait(120)
         threading.Timer(3.0, peer.kill).start()  # the ring fills within ~0.1 s; the kill lands mid-send
         start = time.monotonic()
         with pytest.raises((PeerDisconnected, TransferError)):
@@ -119,20 +119,22 @@ def test_receiver_killed_mid_transfer_raises_quickly(cfg):
 
 
 def test_frozen_peer_times_out_both_ways():
-    cfg = make_config(timeout=2.0)
+    timeout = 4.0
+    cfg = make_config(timeout=timeout)
     peer = Peer(peers.send_then_hang, cfg, 0, 256 * MiB, 60)
     try:
         with open_pipe(cfg, 1) as pipe:
-            time.sleep(3.0)  # connected, ring full, sender blocked
+            assert pipe.recv_tensor(timeout=120) is None  # the sender is connected
+            time.sleep(1.0)  # ring full, sender blocked (it would give up after `timeout`)
             os.kill(peer.proc.pid, signal.SIGSTOP)
             start = time.monotonic()
             with pytest.raises(PipeTimeout):
                 pipe.recv_tensor()  # copies what sits in the ring, then waits for more that never comes
-            assert time.monotonic() - start < 2.0 + 3.0
+            assert time.monotonic() - start < timeout + 3.0
             start = time.monotonic()
             with pytest.raises((PipeTimeout, TransferError)):
                 pipe.send_tensor(torch.ones(256 * MiB, dtype=torch.uint8))  # the frozen side never reads
-            assert time.monotonic() - start < 5.0 + 5.0  # the engine's own transfer timeout is at least 5 s
+            assert time.monotonic() - start < max(timeout, 5.0) + 5.0  # the engine's own transfer timeout is >= 5 s
     finally:
         os.kill(peer.proc.pid, signal.SIGCONT)
         peer.kill()

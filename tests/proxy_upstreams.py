@@ -1,0 +1,216 @@
+"""Real HTTP pieces for the proxy tests: fake vLLM upstreams (aiohttp web servers) and the proxy served in-process.
+
+Everything binds 127.0.0.1 on a port chosen by the kernel (the proxy gets an already bound socket, so no race).
+An upstream records each request it receives (path, headers, JSON body), whether its handler was cancelled (the
+peer closed the connection), and appends ``(name, "start"|"end")`` to a journal shared by all upstreams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+from multidict import CIMultiDict
+
+from proxy_server import Proxy, ProxyConfig, create_app
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Received:
+    path: str
+    headers: CIMultiDict[str]
+    body: Any
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class FakeUpstream:
+    """A vLLM-like OpenAI server. Knobs: ``status``/``error_body`` (answer with an error), ``delay`` (seconds before
+    answering), ``kv_params`` (added to non-streaming answers), ``chunks`` (SSE data of a streaming answer) and
+    ``hold_last`` (an event awaited before the last chunk)."""
+
+    name: str
+    journal: list[tuple[str, str]] = field(default_factory=list)
+    status: int = 200
+    error_body: dict[str, Any] | None = None
+    delay: float = 0.0
+    kv_params: Any = None
+    chunks: list[str] = field(default_factory=lambda: ["Hello", " world", "!"])
+    hold_last: asyncio.Event | None = None
+    health_status: int = 200
+    received: list[Received] = field(default_factory=list)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def completions(self) -> list[Received]:
+        return [r for r in self.received if r.path.endswith("completions")]
+
+    async def start(self, port: int = 0) -> FakeUpstream:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, HOST, port, backlog=1024)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        record = Received(request.path, request.headers.copy(), body)
+        self.received.append(record)
+        self.journal.append((self.name, "start"))
+        self.started.set()
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.status >= 400:
+                return web.json_response(self.error_body or {"error": {"message": self.name}}, status=self.status)
+            if body.get("stream"):
+                return await self._stream(request)
+            answer: dict[str, Any] = {"id": f"{self.name}-1", "object": "text_completion", "served_by": self.name,
+                                      "choices": [{"index": 0, "text": "".join(self.chunks)}]}
+            if self.kv_params is not None:
+                answer["kv_transfer_params"] = self.kv_params
+            return web.json_response(answer)
+        except asyncio.CancelledError:
+            record.cancelled = True
+            self.cancelled.set()
+            raise
+        finally:
+            self.journal.append((self.name, "end"))
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index, text in enumerate(self.chunks):
+            if index == len(self.chunks) - 1 and self.hold_last is not None:
+                await self.hold_last.wait()
+            event = {"served_by": self.name, "choices": [{"index": 0, "text": text}]}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.received.append(Received(request.path, request.headers.copy(), None))
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+
+def unused_port() -> int:
+    """A port nothing listens on (bound then released; connecting to it is refused)."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    proxy: Proxy
+
+
+@contextlib.asynccontextmanager
+async def serve_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
+    """Serve ``create_app(config)`` with Hypercorn on 127.0.0.1 (a free port) in this event loop."""
+    app = create_app(config)
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    port = sock.getsockname()[1]
+    server = Config()
+    server.bind = [f"fd://{sock.detach()}"]
+    server.accesslog = None
+    server.backlog = 1024
+    server.graceful_timeout = 1.0
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(app, server, shutdown_trigger=stop.wait))
+    try:
+        for _ in range(500):
+            if task.done():
+                task.result()
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection(HOST, port)
+                writer.close()
+                break
+            await asyncio.sleep(0.01)
+        yield RunningProxy(f"http://{HOST}:{port}", app.extensions["proxy"])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@dataclass
+class Environment:
+    """Prefill and decode upstreams, the proxy in front of them and a client session."""
+
+    prefill: list[FakeUpstream]
+    decode: list[FakeUpstream]
+    journal: list[tuple[str, str]]
+    proxy: RunningProxy
+    client: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    async def post(self, path: str, body: Any, **kwargs: Any) -> tuple[int, CIMultiDict[str], Any]:
+        """POST JSON (or raw bytes) to the proxy; status, headers and the decoded JSON body (text if not JSON)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+        async with self.client.post(self.url + path, data=data, headers=headers, **kwargs) as response:
+            text = await response.text()
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = text
+            return response.status, response.headers.copy(), parsed
+
+
+@contextlib.asynccontextmanager
+async def environment(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | None = None,
+                      decode_urls: list[str] | None = None, **options: Any) -> AsyncIterator[Environment]:
+    """Start ``n_prefill`` + ``n_decode`` fake upstreams and the proxy; extra URLs (e.g. dead ones) come first."""
+    journal: list[tuple[str, str]] = []
+    prefill = [FakeUpstream(f"P{i}", journal) for i in range(n_prefill)]
+    decode = [FakeUpstream(f"D{i}", journal) for i in range(n_decode)]
+    started: list[FakeUpstream] = []
+    try:
+        for upstream in prefill + decode:
+            started.append(await upstream.start())
+        config = ProxyConfig(prefill=tuple((prefill_urls or []) + [u.url for u in prefill]),
+                             decode=tuple((decode_urls or []) + [u.url for u in decode]), port=0, **options)
+        async with serve_proxy(config) as running:
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as client:
+                yield Environment(prefill, decode, journal, running, client)
+    finally:
+        for upstream in started:
+            await upstream.stop()

@@ -1,0 +1,352 @@
+"""The disaggregation proxy over real HTTP: fake vLLM upstreams (aiohttp), the proxy served by Hypercorn, an aiohttp
+client, all on 127.0.0.1 in one event loop per test (``asyncio.run``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy_server import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
+from tests.proxy_upstreams import Environment, FakeUpstream, environment, unused_port
+
+pytestmark = pytest.mark.timeout(60)
+
+COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+        "max_completion_tokens": 16}
+
+
+def run(test: Callable[..., Awaitable[None]], *args: Any, **options: Any) -> None:
+    """Run ``test(env)`` in a fresh event loop with ``environment(*args, **options)``."""
+
+    async def body() -> None:
+        async with environment(*args, **options) as env:
+            await asyncio.wait_for(test(env), 30)
+
+    asyncio.run(body())
+
+
+async def read_sse(response: aiohttp.ClientResponse) -> list[str]:
+    """The ``data:`` payloads of an SSE body, read to the end."""
+    text = (await response.read()).decode()
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def assert_idle(env: Environment) -> None:
+    """No request outstanding in the proxy and no connection checked out of its pool."""
+    assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
+    connector = env.proxy.proxy.session.connector
+    assert connector is not None and not getattr(connector, "_acquired", set())
+
+
+# --- configuration ------------------------------------------------------------------------------------------------
+
+
+def test_url_validation() -> None:
+    assert normalize_upstream_url("http://10.0.0.1:8100/") == "http://10.0.0.1:8100"
+    assert normalize_upstream_url("https://[::1]:443") == "https://[::1]:443"
+    for bad in ("10.0.0.1:8100", "ftp://h:1", "http://h", "http://:80", "http://h:99999", "http://h:80/v1", "http://h:x"):
+        with pytest.raises(ConfigError, match="invalid upstream URL"):
+            normalize_upstream_url(bad)
+    with pytest.raises(ConfigError, match="--decode"):
+        ProxyConfig(prefill=("http://h:1",), decode=())
+    with pytest.raises(ConfigError, match="timeout"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), timeout=0)
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_args(["--prefill", "http://a:1", "--prefill", "http://b:2", "--decode", "http://c:3", "--port", "9"])
+    assert config.prefill == ("http://a:1", "http://b:2") and config.decode == ("http://c:3",)
+    assert (config.host, config.port, config.cooldown) == ("127.0.0.1", 9, 5.0)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--prefill", "a:1", "--decode", "http://c:3"])
+    assert exit_info.value.code == 2
+    assert "invalid upstream URL 'a:1'" in capsys.readouterr().err
+
+
+# --- the flow -----------------------------------------------------------------------------------------------------
+
+
+def test_completion_prefill_then_decode() -> None:
+    async def test(env: Environment) -> None:
+        status, headers, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 200 and body["served_by"] == "D0"
+        assert env.journal == [("P0", "start"), ("P0", "end"), ("D0", "start"), ("D0", "end")]
+        (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
+        assert prefill.path == decode.path == "/v1/completions"
+        assert prefill.body == {**COMPLETION, "max_tokens": 1, "stream": False}
+        assert decode.body == COMPLETION
+        assert_idle(env)
+
+    run(test)
+
+
+def test_streaming_chunks_pass_through_before_the_upstream_finishes() -> None:
+    async def test(env: Environment) -> None:
+        release = asyncio.Event()
+        env.decode[0].hold_last = release
+        request = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+        async with env.client.post(env.url + "/v1/completions", json=request) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)  # the upstream still holds "!"
+            assert json.loads(first.decode()[len("data: "):])["choices"][0]["text"] == "Hello"
+            assert not release.is_set() and ("D0", "end") not in env.journal
+            release.set()
+            rest = await read_sse(response)
+        assert [json.loads(d)["choices"][0]["text"] for d in rest[:-1]] == [" world", "!"] and rest[-1] == "[DONE]"
+        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False}
+        assert env.decode[0].received[0].body == request
+        assert_idle(env)
+
+    run(test)
+
+
+def test_chat_completion() -> None:
+    async def test(env: Environment) -> None:
+        status, _, body = await env.post("/v1/chat/completions", {**CHAT, "stream": True})
+        assert status == 200 and body.endswith("data: [DONE]\n\n")
+        (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
+        assert prefill.path == decode.path == "/v1/chat/completions"
+        assert prefill.body == {**CHAT, "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
+        assert decode.body == {**CHAT, "stream": True}
+
+    run(test)
+
+
+def test_kv_transfer_params_forwarded_to_decode() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [1, 2, 3]}
+
+    async def test(env: Environment) -> None:
+        env.prefill[0].kv_params = params
+        status, _, _ = await env.post("/v1/completions", COMPLETION)
+        assert status == 200
+        assert env.decode[0].received[0].body == {**COMPLETION, "kv_transfer_params": params}
+
+    run(test)
+
+
+def test_balancing_2p2d_round_robin_and_least_outstanding() -> None:
+    async def test(env: Environment) -> None:
+        for _ in range(4):
+            assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        assert [len(u.received) for u in env.prefill + env.decode] == [2, 2, 2, 2]  # round robin when all idle
+        # Keep one stream open on the next decode instance (D0): the following requests all go to D1.
+        hold = asyncio.Event()
+        env.decode[0].hold_last = hold
+        async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True}) as held:
+            await held.content.readuntil(b"\n\n")
+            assert env.proxy.proxy.decode_balancer.upstreams[0].outstanding == 1
+            for _ in range(3):
+                assert (await env.post("/v1/completions", COMPLETION))[1]
+            assert [len(u.received) for u in env.decode] == [3, 5]
+            assert [len(u.received) for u in env.prefill] == [4, 4]  # prefill is idle between requests
+            hold.set()
+            await read_sse(held)
+        assert_idle(env)
+
+    run(test, 2, 2)
+
+
+def test_request_id_and_authorization_forwarded() -> None:
+    async def test(env: Environment) -> None:
+        headers = {"Authorization": "Bearer secret", "X-Request-Id": "req-42"}
+        status, response_headers, _ = await env.post("/v1/completions", COMPLETION, headers=headers)
+        assert status == 200 and response_headers["X-Request-Id"] == "req-42"
+        for upstream in env.prefill + env.decode:
+            assert upstream.received[0].headers["Authorization"] == "Bearer secret"
+            assert upstream.received[0].headers["X-Request-Id"] == "req-42"
+        # Without them: no Authorization, and one generated id shared by both upstreams and the response.
+        status, response_headers, _ = await env.post("/v1/completions", COMPLETION)
+        generated = response_headers["X-Request-Id"]
+        assert status == 200 and len(generated) >= 16
+        for upstream in env.prefill + env.decode:
+            assert upstream.received[1].headers["X-Request-Id"] == generated
+            assert "Authorization" not in upstream.received[1].headers
+
+    run(test)
+
+
+def test_health_and_models() -> None:
+    async def test(env: Environment) -> None:
+        async with env.client.get(env.url + "/v1/models", headers={"Authorization": "Bearer k"}) as response:
+            assert response.status == 200 and (await response.json())["data"][0]["id"] == "fake-model"
+        assert env.decode[0].received[0].headers["Authorization"] == "Bearer k"
+        async with env.client.get(env.url + "/health") as response:
+            report = await response.json()
+            assert response.status == 200 and report["status"] == "ok"
+        assert [r["healthy"] for r in report["prefill"] + report["decode"]] == [True, False, True]  # the dead decode
+        assert report["decode"][0]["url"] == dead and "error" in report["decode"][0]
+        env.decode[0].health_status = 503
+        async with env.client.get(env.url + "/health") as response:
+            report = await response.json()
+            assert response.status == 503 and report["status"] == "unavailable"
+            assert (report["decode"][1]["healthy"], report["decode"][1]["status"]) == (False, 503)
+
+    dead = f"http://127.0.0.1:{unused_port()}"
+    run(test, decode_urls=[dead])
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+@pytest.mark.parametrize("status", [400, 422, 500, 503])
+def test_upstream_error_status_relayed(stage: str, status: int) -> None:
+    error = {"error": {"message": f"bad thing {status}", "type": "BadRequestError", "code": status}}
+
+    async def test(env: Environment) -> None:
+        upstream = (env.prefill if stage == "prefill" else env.decode)[0]
+        upstream.status, upstream.error_body = status, error
+        got_status, headers, body = await env.post("/v1/completions", COMPLETION)
+        assert (got_status, body) == (status, error) and headers["Content-Type"].startswith("application/json")
+        assert len(env.decode[0].received) == (0 if stage == "prefill" else 1)
+        assert_idle(env)
+
+    run(test)
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_unreachable_upstream_is_502_naming_the_stage(stage: str) -> None:
+    dead = f"http://127.0.0.1:{unused_port()}"
+
+    async def test(env: Environment) -> None:
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 502 and body["error"]["stage"] == stage and body["error"]["upstream"] == dead
+        if stage == "prefill":
+            assert not env.decode[0].received
+        assert_idle(env)
+
+    if stage == "prefill":
+        run(test, 0, 1, prefill_urls=[dead])
+    else:
+        run(test, 1, 0, decode_urls=[dead])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_timeout_is_504_naming_the_stage(stage: str, stream: bool) -> None:
+    async def test(env: Environment) -> None:
+        slow = (env.prefill if stage == "prefill" else env.decode)[0]
+        slow.delay = 10.0
+        start = time.monotonic()
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": stream})
+        assert time.monotonic() - start < 3.0
+        assert status == 504 and body["error"]["stage"] == stage and body["error"]["type"] == "upstream_timeout"
+        await asyncio.wait_for(slow.cancelled.wait(), 5)  # the proxy gave up on the upstream request
+        assert_idle(env)
+
+    run(test, timeout=0.5)
+
+
+def test_stream_stalling_mid_way_ends_with_an_error_event() -> None:
+    async def test(env: Environment) -> None:
+        env.decode[0].hold_last = asyncio.Event()  # never set: the upstream stalls before its last chunk
+        async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True}) as response:
+            assert response.status == 200
+            data = await read_sse(response)
+        assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["Hello", " world"]
+        error = json.loads(data[2])["error"]
+        assert (error["stage"], error["code"], len(data)) == ("decode", 504, 3)
+        await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
+        assert_idle(env)
+
+    run(test, timeout=0.5)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+def test_invalid_json_is_400(body: bytes) -> None:
+    async def test(env: Environment) -> None:
+        status, _, answer = await env.post("/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        assert not env.prefill[0].received and not env.decode[0].received
+
+    run(test)
+
+
+def test_failed_instance_skipped_then_retried_after_cooldown() -> None:
+    port = unused_port()
+    dead = f"http://127.0.0.1:{port}"
+
+    async def test(env: Environment) -> None:
+        balancer = env.proxy.proxy.prefill_balancer
+        # The first pick is the dead instance: the request fails over to P0, and the dead one cools down.
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        assert balancer.upstreams[0].cooling_down() and balancer.upstreams[0].failures == 1
+        for _ in range(3):
+            assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        assert len(env.prefill[0].received) == 4
+        revived = await FakeUpstream("P-revived", env.journal).start(port)
+        try:
+            await asyncio.sleep(0.7)  # > cooldown
+            for _ in range(2):
+                assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+            assert len(revived.received) == 1 and len(env.prefill[0].received) == 5
+            assert balancer.upstreams[0].failures == 1
+        finally:
+            await revived.stop()
+
+    run(test, 1, 1, prefill_urls=[dead], cooldown=0.5)
+
+
+def test_client_disconnect_during_prefill_cancels_it() -> None:
+    async def test(env: Environment) -> None:
+        env.prefill[0].delay = 10.0
+        request = asyncio.create_task(env.post("/v1/completions", COMPLETION))
+        await asyncio.wait_for(env.prefill[0].started.wait(), 5)
+        request.cancel()  # closes the client connection
+        await asyncio.wait_for(env.prefill[0].cancelled.wait(), 5)
+        assert env.prefill[0].received[0].cancelled and not env.decode[0].received
+        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        assert_idle(env)
+
+    run(test)
+
+
+def test_client_disconnect_during_stream_cancels_decode() -> None:
+    async def test(env: Environment) -> None:
+        env.decode[0].hold_last = asyncio.Event()  # never set: the upstream waits forever
+        response = await env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True})
+        await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+        response.close()
+        await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
+        assert env.decode[0].received[0].cancelled
+        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        assert_idle(env)
+
+    run(test)
+
+
+# --- load ---------------------------------------------------------------------------------------------------------
+
+
+def test_200_concurrent_streams() -> None:
+    async def one(env: Environment, index: int) -> None:
+        request = {**COMPLETION, "prompt": f"request {index}", "stream": True}
+        async with env.client.post(env.url + "/v1/completions", json=request) as response:
+            assert response.status == 200
+            data = await read_sse(response)
+        assert data[-1] == "[DONE]" and len(data) == 4
+
+    async def test(env: Environment) -> None:
+        await asyncio.gather(*(one(env, i) for i in range(200)))
+        prompts = {r.body["prompt"] for u in env.decode for r in u.received}
+        assert prompts == {f"request {i}" for i in range(200)}
+        assert sum(len(u.received) for u in env.prefill) == 200
+        assert all(len(u.received) > 50 for u in env.prefill + env.decode)  # spread over both instances
+        assert_idle(env)
+
+    run(test, 2, 2)
