@@ -45,6 +45,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, g, request
 
 log = logging.getLogger("proxy_server")
@@ -509,10 +511,8 @@ def create_app(config: ProxyConfig) -> Quart:
     return app
 
 
-def hypercorn_config(config: ProxyConfig) -> Any:
-    from hypercorn.config import Config
-
-    server = Config()
+def hypercorn_config(config: ProxyConfig) -> HypercornConfig:
+    server = HypercornConfig()
     server.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
     server.backlog = 2048
     server.accesslog = None
@@ -548,8 +548,6 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hypercorn.asyncio import serve
-
     config = parse_args(argv)
     log.info("listening on http://%s:%d", config.host, config.port)
     asyncio.run(serve(create_app(config), hypercorn_config(config)))

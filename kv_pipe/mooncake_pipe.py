@@ -63,6 +63,7 @@ class MooncakePipe(KVPipeBase):
         self._inbound: Inbound | None = None
         self._outbound: Outbound | None = None
         self._stage: torch.Tensor | None = None
+        self._peer_was_up = False  # a refused connection then means "down", not "still starting"
         try:
             self._listener = socket.create_server((self.host, self.port), backlog=8)
         except OSError as e:
@@ -173,6 +174,10 @@ class MooncakePipe(KVPipeBase):
                 sock = socket.create_connection((self.peer_host, self.peer_port), timeout=min(remaining, 5.0),
                                                 source_address=(self.host, 0))
             except OSError as e:
+                if isinstance(e, ConnectionRefusedError) and self._peer_was_up:
+                    # It answered before and nothing listens now: it is down, not starting. Fail fast (the caller
+                    # may fall back, e.g. recompute); a later send tries again and finds it once it is back.
+                    raise PeerDisconnected(f"peer pipe at {self.peer} is down (connection refused)") from None
                 last_error = str(e)
                 time.sleep(min(0.05, max(remaining, 0)))
                 continue
@@ -209,6 +214,7 @@ class MooncakePipe(KVPipeBase):
                        ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max)
         with self._state:
             self._outbound = out
+        self._peer_was_up = True
         logger.info("pipe %s -> %s connected (peer engine %s, ring %d bytes, chunk %d bytes)",
                     join_host_port(self.host, self.port), self.peer, out.session, ring_size, chunk_size)
         return out

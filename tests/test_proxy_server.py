@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,6 +18,8 @@ from proxy_server import ConfigError, ProxyConfig, normalize_upstream_url, parse
 from tests.proxy_upstreams import Environment, FakeUpstream, environment, unused_port
 
 pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
@@ -75,6 +79,35 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
         parse_args(["--prefill", "a:1", "--decode", "http://c:3"])
     assert exit_info.value.code == 2
     assert "invalid upstream URL 'a:1'" in capsys.readouterr().err
+
+
+def test_main_serves_in_a_subprocess() -> None:
+    """The console script's entry point: serves on --host/--port, and exits cleanly on SIGTERM."""
+
+    async def test(env: Environment) -> None:
+        port = unused_port()
+        url = f"http://127.0.0.1:{port}"
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
+            "--decode", env.decode[0].url, "--port", str(port), "--log-level", "WARNING", cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                assert process.returncode is None and time.monotonic() < deadline
+                try:
+                    async with env.client.get(url + "/health") as response:
+                        assert response.status == 200
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            async with env.client.post(url + "/v1/completions", json=COMPLETION) as response:
+                assert response.status == 200 and (await response.json())["served_by"] == "D0"
+        finally:
+            if process.returncode is None:
+                process.terminate()
+        assert await asyncio.wait_for(process.wait(), 10) == 0
+
+    run(test)
 
 
 # --- the flow -----------------------------------------------------------------------------------------------------

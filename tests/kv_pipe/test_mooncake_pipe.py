@@ -150,6 +150,37 @@ def test_no_peer_gives_a_clear_timeout(cfg):
         assert time.monotonic() - start < 4.0
 
 
+def test_a_peer_that_went_away_fails_fast_and_is_found_again_when_back(cfg):
+    first = Peer(peers.echo, cfg, 0, 1)
+    with open_pipe(cfg, 1) as pipe:
+        pipe.send_tensor(torch.ones(3))
+        assert same(pipe.recv_tensor(), torch.ones(3))
+        first.kill()
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(PeerDisconnected):
+            pipe.send_tensor(torch.ones(3))  # the old connection is dead, and nothing listens any more
+        with pytest.raises(PeerDisconnected, match="is down"):
+            pipe.send_tensor(torch.ones(3))
+        assert time.monotonic() - start < 2.0  # not the 10 s connect timeout
+        back, tensors = [], None
+        second = Peer(peers.echo, cfg, 0, 1)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the restarted peer is found by a later send
+            try:
+                pipe.send_tensor(torch.full((2,), 5.0))
+                break
+            except PeerDisconnected:
+                time.sleep(0.2)
+        try:
+            back.append(pipe.recv_tensor())
+        except PeerDisconnected:  # the old connection's death is reported once, unless the new one replaced it first
+            back.append(pipe.recv_tensor())
+        pipe.send_tensor(None)
+        tensors = second.result()
+    assert same(back[0], torch.full((2,), 5.0)) and tensors == 1
+
+
 def test_close_unblocks_recv_and_is_idempotent(cfg):
     pipe = open_pipe(cfg, 1)
     errors: list[BaseException] = []
