@@ -118,7 +118,7 @@ def wait_ready(proc: subprocess.Popen, cmd: list[str], log: Path, ready: Callabl
         raise
 
 
-def _http_ok(url: str) -> Callable[[], bool]:
+def http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
@@ -165,7 +165,7 @@ def etcd_server(data_root: Path) -> Iterator[str]:
                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                "--initial-cluster", f"test={peer_url}", "--initial-cluster-state", "new"]
         try:
-            proc = _start(cmd, data_root / f"etcd-{attempt}.log", _http_ok(f"{client_url}/health"), "etcd")
+            proc = _start(cmd, data_root / f"etcd-{attempt}.log", http_ok(f"{client_url}/health"), "etcd")
         except ServerUnavailable as e:
             error = e
             continue
@@ -224,26 +224,11 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_START_TIMEOUT = 420.0  # cold starts on a busy 2-core machine
 
 
-class VllmServer:
-    """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file and small HTTP helpers."""
+class OpenAIClient:
+    """Small blocking helpers for an OpenAI-compatible server (vLLM, or the proxy in front of it)."""
 
-    def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
-                 mooncake_json: Path | None, extra_args: list[str]) -> None:
-        self.name, self.model, self.port = name, str(model), port
-        self.url = f"http://{HOST}:{port}"
-        self.log = log_dir / f"{name}.log"
-        self.cmd = [str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", HOST, "--port", str(port),
-                    *extra_args]
-        if kv_transfer_config is not None:
-            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                   MC_LOG_LEVEL="WARNING")  # the connector is found through the installed package, as for users
-        if mooncake_json is not None:
-            env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
-        self.proc = spawn(self.cmd, self.log, env)
-
-    def wait_ready(self) -> None:
-        wait_ready(self.proc, self.cmd, self.log, _http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
 
     def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
         req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
@@ -259,6 +244,28 @@ class VllmServer:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+class VllmServer(OpenAIClient):
+    """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file."""
+
+    def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
+                 mooncake_json: Path | None, extra_args: list[str]) -> None:
+        super().__init__(f"http://{HOST}:{port}", str(model))
+        self.name, self.port = name, port
+        self.log = log_dir / f"{name}.log"
+        self.cmd = [str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", HOST, "--port", str(port),
+                    *extra_args]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                   MC_LOG_LEVEL="WARNING")  # the connector is found through the installed package, as for users
+        if mooncake_json is not None:
+            env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
+        self.proc = spawn(self.cmd, self.log, env)
+
+    def wait_ready(self) -> None:
+        wait_ready(self.proc, self.cmd, self.log, http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -6,12 +6,13 @@ The order matters: the producer is killed in the last test but one, and the layo
 from __future__ import annotations
 
 import random
+import sys
 import time
 from pathlib import Path
 
 from kv_connector.simple_connector import CORRUPT_PARAM
 from tests.kv_connector.conftest import SERVE_ARGS, build_model, connector_config, mooncake_json
-from tests.servers import VllmServer, free_port, kill, start_vllm
+from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, kill, spawn, start_vllm, stop, wait_ready
 
 PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
 MAX_TOKENS = 16
@@ -55,6 +56,26 @@ def test_corrupted_kv_changes_the_output(pd_pair):
         assert corrupted != producer.complete(tokens, MAX_TOKENS), (
             "scrambling the transferred KV did not change the answer: is the KV used at all?")
     assert consumer.log_text().count("corrupting the KV of request") == 2
+
+
+def test_through_the_proxy(pd_pair, tmp_path: Path):
+    """The whole stack as a user runs it: proxy_server.py in front of the producer and the consumer."""
+    producer, consumer = pd_pair
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "proxy_server.py"), "--prefill", producer.url, "--decode", consumer.url,
+           "--host", "127.0.0.1", "--port", str(port)]
+    log = tmp_path / "proxy.log"
+    proc = spawn(cmd, log)
+    try:
+        wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "proxy", 60)
+        proxy = OpenAIClient(f"http://127.0.0.1:{port}", consumer.model)
+        for seed, length in ((400, 700), (401, 260)):
+            tokens = prompt(seed, length)
+            before = consumer.metric(HITS)
+            assert proxy.complete(tokens, MAX_TOKENS) == producer.complete(tokens, MAX_TOKENS)
+            assert consumer.metric(HITS) - before == length - 1
+    finally:
+        stop(proc)
 
 
 def test_producer_killed_before_decode_still_answers_correctly(pd_pair):
