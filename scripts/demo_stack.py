@@ -33,6 +33,7 @@ SERVE = ["--host", HOST, "--dtype", "float32", "--enforce-eager", "--max-model-l
 
 def port_free(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT leftovers are fine
         try:
             s.bind((HOST, port))
         except OSError:
