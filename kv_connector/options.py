@@ -39,14 +39,12 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                               f"known keys: {', '.join(sorted(known))}")
         opts = cls(**extra)
-        for name in ("buffer_size",):
-            value = getattr(opts, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{name}: expected a positive number of bytes, got {value!r}")
-        for name in ("save_timeout",):
-            value = getattr(opts, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0, got {value!r}")
+        size = opts.buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ConfigError(f"kv_connector_extra_config.buffer_size: expected a positive number of bytes, got {size!r}")
+        wait = opts.save_timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
+            raise ConfigError(f"kv_connector_extra_config.save_timeout: expected seconds > 0, got {wait!r}")
         if opts.mooncake_config_path is not None and not isinstance(opts.mooncake_config_path, str):
             raise ConfigError("kv_connector_extra_config.mooncake_config_path: expected a path string")
         if not isinstance(opts.allow_test_corruption, bool):

@@ -153,19 +153,14 @@ class SimpleConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> MooncakeConnectorStats | None:
-        if self._kv_connector_role_is_worker():
-            return self._worker.take_stats()
-        return None
-
-    def _kv_connector_role_is_worker(self) -> bool:
-        return self.role == KVConnectorRole.WORKER
+        return self._worker.take_stats() if self.role == KVConnectorRole.WORKER else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeConnectorStats | None:
         return MooncakeConnectorStats(data=data) if data is not None else MooncakeConnectorStats()
 
     def shutdown(self) -> None:
-        if self._kv_connector_role_is_worker():
+        if self.role == KVConnectorRole.WORKER:
             self._worker.close()
 
 

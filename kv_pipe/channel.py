@@ -67,8 +67,9 @@ class Connection:
         self.sock.close()
         self._on_dead()
 
-    def close(self, say_bye: bool = True) -> None:
-        if say_bye and not self._dead.is_set():
+    def close(self) -> None:
+        """Say BYE (best effort), then die with PipeClosed."""
+        if not self._dead.is_set():
             try:
                 with self._send_lock:
                     self.sock.settimeout(1.0)
@@ -98,8 +99,8 @@ class Outbound(Connection):
         self._reader = threading.Thread(target=self._read_loop, name=f"kv-pipe-acks-{peer}", daemon=True)
         self._reader.start()
 
-    def close(self, say_bye: bool = True) -> None:
-        super().close(say_bye)
+    def close(self) -> None:
+        super().close()
         if self._reader is not threading.current_thread():
             self._reader.join(timeout=2.0)
 

@@ -254,6 +254,3 @@ class MooncakeTransferEngineConfig:
             raise ConfigError(f"{CONFIG_ENV} is not set; set it to the path of your mooncake.json "
                               f"(see mooncake.json.example), e.g. {CONFIG_ENV}=mooncake.json")
         return cls.from_file(path)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
