@@ -18,6 +18,9 @@ class ConnectorOptions:
     - ``buffer_size``: bytes of KV the producer may hold for consumers to take (back-pressure beyond it).
     - ``save_timeout``: seconds the producer's forward pass may wait for buffer room before it drops an entry.
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
+    - ``gil_switch_interval``: seconds; the Python thread switch interval set in the vLLM worker process (0 keeps
+      Python's 5 ms). The transfer runs in side threads that compete for the GIL with vLLM's busy engine loop; each
+      hand-over costs up to one interval.
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
       ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used.
     """
@@ -25,6 +28,7 @@ class ConnectorOptions:
     buffer_size: int = 2 * GiB
     save_timeout: float = 5.0
     mooncake_config_path: str | None = None
+    gil_switch_interval: float = 0.0001
     allow_test_corruption: bool = False
 
     @classmethod
@@ -45,6 +49,11 @@ class ConnectorOptions:
         wait = opts.save_timeout
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
             raise ConfigError(f"kv_connector_extra_config.save_timeout: expected seconds > 0, got {wait!r}")
+        interval = opts.gil_switch_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+                interval == 0 or 1e-6 <= interval <= 0.1):
+            raise ConfigError("kv_connector_extra_config.gil_switch_interval: expected seconds between 1e-6 and 0.1 "
+                              f"(or 0 to keep Python's default), got {interval!r}")
         if opts.mooncake_config_path is not None and not isinstance(opts.mooncake_config_path, str):
             raise ConfigError("kv_connector_extra_config.mooncake_config_path: expected a path string")
         if not isinstance(opts.allow_test_corruption, bool):

@@ -17,6 +17,7 @@ import torch
 
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, TransferError
+from kv_pipe.memory import advise_huge_pages, prefault
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,15 @@ class MooncakeEngine:
         logger.debug("Transfer Engine up: session %s, metadata %s, protocol %s", self.session, metadata.conn, config.protocol)
 
     def allocate(self, nbytes: int, pin: bool = False) -> torch.Tensor:
-        """A host byte buffer registered with the engine (pinned when CUDA copies will use it)."""
+        """A host byte buffer registered with the engine (pinned when CUDA copies will use it).
+
+        Its pages are mapped now (huge pages where the kernel allows): a staging area is reused for every transfer,
+        and faulting its pages in during the first passes made the copies in and out of it several times slower
+        (measured: ~1.5 GB/s memmoves into fresh staging memory)."""
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        if not pin:
+            advise_huge_pages(buf)
+            prefault(buf)
         rc = self._engine.register_memory(buf.data_ptr(), nbytes)
         if rc != 0:
             raise TransferError(f"registering {nbytes} bytes with the Transfer Engine failed (rc={rc})")

@@ -250,7 +250,7 @@ class VllmServer(OpenAIClient):
     """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file."""
 
     def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
-                 mooncake_json: Path | None, extra_args: list[str]) -> None:
+                 mooncake_json: Path | None, extra_args: list[str], env: dict[str, str] | None = None) -> None:
         super().__init__(f"http://{HOST}:{port}", str(model))
         self.name, self.port = name, port
         self.log = log_dir / f"{name}.log"
@@ -258,8 +258,9 @@ class VllmServer(OpenAIClient):
                     *extra_args]
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                   MC_LOG_LEVEL="WARNING")  # the connector is found through the installed package, as for users
+        # the connector is found through the installed package, as for users; ``env`` adds or overrides variables
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               "MC_LOG_LEVEL": "WARNING", **(env or {})}
         if mooncake_json is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
         self.proc = spawn(self.cmd, self.log, env)

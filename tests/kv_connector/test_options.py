@@ -16,6 +16,7 @@ from tests.servers import VllmServer, free_port
 def test_defaults():
     opts = ConnectorOptions.from_extra_config({})
     assert opts.buffer_size == 2 << 30 and opts.save_timeout == 5.0 and not opts.allow_test_corruption
+    assert opts.gil_switch_interval == 0.0001
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -24,6 +25,8 @@ def test_defaults():
     ({"buffer_size": "1GiB"}, "buffer_size: expected a positive number of bytes"),
     ({"save_timeout": 0}, "save_timeout: expected seconds > 0"),
     ({"allow_test_corruption": "yes"}, "allow_test_corruption: expected true or false"),
+    ({"gil_switch_interval": 1}, "gil_switch_interval: expected seconds between 1e-6 and 0.1"),
+    ({"gil_switch_interval": -0.001}, "gil_switch_interval: expected seconds"),
     ([1], "must be a JSON object"),
 ])
 def test_bad_options(extra, message):

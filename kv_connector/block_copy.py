@@ -1,0 +1,96 @@
+"""Copies between vLLM's paged KV cache and one dense tensor holding a request's blocks of every layer.
+
+``gather(layers, block_dim, ids)`` returns ``[num_layers, *layer_shape]`` with the block dimension cut down to
+``ids`` (in that order); ``scatter`` writes such a tensor back into the given blocks. On the host the copies are
+plain memmoves of contiguous runs (one per run of consecutive block ids, per layer and per index before the block
+dimension): ``index_select`` / ``index_copy_`` would fan out over the OpenMP pool that vLLM pins to the instance's
+core and busy-wait there afterwards. Device tensors (or non-contiguous caches) use torch's indexed copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of block ids as (position in ids, first id, length)."""
+    out: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(ids):
+        if out and block == out[-1][1] + out[-1][2] and pos == out[-1][0] + out[-1][2]:
+            first_pos, first, length = out[-1]
+            out[-1] = (first_pos, first, length + 1)
+        else:
+            out.append((pos, block, 1))
+    return out
+
+
+def _host_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def _check_ids(ids: Sequence[int], blocks: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= blocks):
+        raise ValueError(f"block ids {min(ids)}..{max(ids)} out of range for a cache of {blocks} blocks")
+
+
+def _geometry(layer: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
+    """(outer count, blocks, bytes per block slab) of a contiguous layer seen as [outer, blocks, inner]."""
+    outer = math.prod(layer.shape[:block_dim])
+    inner = math.prod(layer.shape[block_dim + 1:])
+    return outer, layer.shape[block_dim], inner * layer.element_size()
+
+
+def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int]) -> torch.Tensor:
+    """A new dense tensor ``[len(layers), *shape]`` holding blocks ``ids`` of every layer (block dim = len(ids))."""
+    first = layers[0]
+    shape = list(first.shape)
+    shape[block_dim] = len(ids)
+    if not _host_contiguous(layers):
+        index = torch.tensor(list(ids), dtype=torch.long, device=first.device)
+        return torch.stack([layer.index_select(block_dim, index) for layer in layers])
+    out = torch.empty([len(layers), *shape], dtype=first.dtype)
+    outer, blocks, slab = _geometry(first, block_dim)
+    _check_ids(ids, blocks)
+    spans = runs(ids)
+    base = out.data_ptr()
+    for li, layer in enumerate(layers):
+        src = layer.data_ptr()
+        dst_layer = base + li * outer * len(ids) * slab
+        for o in range(outer):
+            for pos, block, length in spans:
+                ctypes.memmove(dst_layer + (o * len(ids) + pos) * slab, src + (o * blocks + block) * slab,
+                               length * slab)
+    return out
+
+
+def scatter(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], kv: torch.Tensor) -> None:
+    """Write ``kv`` (as returned by ``gather``, block dim >= len(ids)) into blocks ``ids`` of every layer."""
+    n = len(ids)
+    if not n:
+        return
+    if not _host_contiguous(layers) or kv.device.type != "cpu" or not kv.is_contiguous():
+        index = torch.tensor(list(ids), dtype=torch.long, device=layers[0].device)
+        for layer, blocks in zip(layers, kv, strict=True):
+            layer.index_copy_(block_dim, index, blocks.narrow(block_dim, 0, n).to(layer.device))
+        return
+    if kv.dtype != layers[0].dtype or kv.shape[0] != len(layers) or list(kv.shape[2 + block_dim:]) != list(
+            layers[0].shape[block_dim + 1:]) or list(kv.shape[1:1 + block_dim]) != list(layers[0].shape[:block_dim]):
+        raise ValueError(f"KV of shape {list(kv.shape)} {kv.dtype} does not fit layers of {list(layers[0].shape)} "
+                         f"{layers[0].dtype} along dim {block_dim}")
+    have = kv.shape[1 + block_dim]
+    if have < n:
+        raise ValueError(f"KV holds {have} blocks, {n} wanted")
+    outer, blocks, slab = _geometry(layers[0], block_dim)
+    _check_ids(ids, blocks)
+    spans = runs(ids)
+    base = kv.data_ptr()
+    for li, layer in enumerate(layers):
+        dst = layer.data_ptr()
+        src_layer = base + li * outer * have * slab
+        for o in range(outer):
+            for pos, block, length in spans:
+                ctypes.memmove(dst + (o * blocks + block) * slab, src_layer + (o * have + pos) * slab, length * slab)

@@ -1,0 +1,79 @@
+"""block_copy's memmove gather/scatter give exactly what torch's indexed copies give, for vLLM's cache layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_connector import block_copy
+
+LAYOUTS = [
+    (0, (12, 2, 4, 8)),     # CPU backend: [num_blocks, kv_heads, block_size, 2 * head_dim]
+    (1, (2, 12, 4, 3, 8)),  # flash-attention style: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+    (2, (2, 3, 12, 16)),
+]
+IDS = [[5], [3, 4, 5, 9, 0, 1], [11, 10, 9], list(range(12)), []]
+
+
+def make_layers(shape: tuple[int, ...], dtype: torch.dtype, n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(-100, 100, shape, generator=g).to(dtype) for _ in range(n)]
+
+
+def test_runs():
+    assert block_copy.runs([3, 4, 5, 9, 0, 1]) == [(0, 3, 3), (3, 9, 1), (4, 0, 2)]
+    assert block_copy.runs([]) == []
+    assert block_copy.runs([2, 2]) == [(0, 2, 1), (1, 2, 1)]
+
+
+@pytest.mark.parametrize("block_dim, shape", LAYOUTS)
+@pytest.mark.parametrize("ids", IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_gather_matches_index_select(block_dim, shape, ids, dtype):
+    layers = make_layers(shape, dtype)
+    index = torch.tensor(ids, dtype=torch.long)
+    expected = torch.stack([layer.index_select(block_dim, index) for layer in layers])
+    assert torch.equal(block_copy.gather(layers, block_dim, ids), expected)
+
+
+@pytest.mark.parametrize("block_dim, shape", LAYOUTS)
+@pytest.mark.parametrize("ids", IDS)
+def test_scatter_matches_index_copy(block_dim, shape, ids):
+    layers = make_layers(shape, torch.bfloat16)
+    expected = [layer.clone() for layer in layers]
+    kv = torch.stack([torch.randn(*[len(ids) if d == block_dim else n for d, n in enumerate(shape)]).to(torch.bfloat16)
+                      for _ in layers])
+    index = torch.tensor(ids, dtype=torch.long)
+    for layer, blocks in zip(expected, kv, strict=True):
+        layer.index_copy_(block_dim, index, blocks)
+    block_copy.scatter(layers, block_dim, ids, kv)
+    assert all(torch.equal(a, b) for a, b in zip(layers, expected, strict=True))
+
+
+def test_scatter_takes_the_first_blocks_of_a_longer_entry():
+    layers = make_layers((6, 2, 4), torch.float32)
+    kv = block_copy.gather(layers, 0, [0, 1, 2, 3])
+    targets = [layer.clone() for layer in layers]
+    block_copy.scatter(targets, 0, [5, 4], kv)
+    for layer, target in zip(layers, targets, strict=True):
+        assert torch.equal(target[5], layer[0]) and torch.equal(target[4], layer[1])
+
+
+def test_non_contiguous_layers_use_torch():
+    base = make_layers((8, 12, 4), torch.float32)
+    layers = [t.transpose(0, 1) for t in base]  # blocks along dim 0 of a non-contiguous view
+    ids = [1, 7, 2]
+    expected = torch.stack([layer.index_select(0, torch.tensor(ids)) for layer in layers])
+    assert torch.equal(block_copy.gather(layers, 0, ids), expected)
+    block_copy.scatter(layers, 0, [0, 3, 4], expected)
+    assert torch.equal(layers[0][3], expected[0][1])
+
+
+def test_bad_ids_and_shapes_are_refused():
+    layers = make_layers((6, 2, 4), torch.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        block_copy.gather(layers, 0, [6])
+    with pytest.raises(ValueError, match="holds 1 blocks, 2 wanted"):
+        block_copy.scatter(layers, 0, [0, 1], block_copy.gather(layers, 0, [0]))
+    with pytest.raises(ValueError, match="does not fit"):
+        block_copy.scatter(layers, 0, [0], torch.zeros(3, 1, 2, 5))
