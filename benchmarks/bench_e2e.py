@@ -1,8 +1,8 @@
 """End to end: a colocated instance vs our producer/consumer through the proxy vs vLLM's built-in MooncakeConnector.
 
 Three stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
-scripts/setup.sh), all started by this script on 127.0.0.1, each vLLM instance pinned to one core, all running at once
-so that their requests interleave in one run:
+scripts/setup.sh), all started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one
+after the other in one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
 
 - ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
 - ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
@@ -13,8 +13,8 @@ so that their requests interleave in one run:
   then the streamed request with ``do_remote_prefill`` on the consumer. (No extra HTTP hop: that favours the built-in
   by the proxy's cost, ~1 ms per bench_proxy.py.)
 
-For every prompt length, each iteration sends the same fresh random prompt (token ids) to the three stacks, in a
-rotating order, one request at a time, streaming, ``max_tokens`` tokens with ``ignore_eos``. Measured per request:
+Every stack gets the same sequence of fresh random prompts (token ids, one seed), one request at a time, streaming,
+``max_tokens`` tokens with ``ignore_eos``. Measured per request:
 TTFT (client send to first streamed token), end-to-end latency (to the last token), and the KV transfer:
 
 - ours: the consumer's ``loaded request ...: N tokens, X MiB in T ms`` line (its load: the lookup request to the
@@ -45,6 +45,7 @@ import os
 import platform
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,15 +62,17 @@ sys.path.insert(0, str(ROOT))
 
 from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
 
-MODES = ("colocated", "ours", "builtin")
+MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
 KV_BYTES_PER_TOKEN = 32 * 1024  # kv32k in bfloat16
 SERVE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes",
               str(1 << 30), "--max-num-seqs", "8"]
 TARGET_TRANSFER_RATIO = 1.0   # ours / built-in, at >= 1024 tokens
 TARGET_TTFT_RATIO = 1.25      # ours / colocated, at 1024 tokens
+PUSH_TTFT_TARGETS = {1024: 1.15, 3072: 1.05}  # push / colocated
+PUSH_WAIT_TARGET_MS = 5.0     # push: the consumer's wait for KV once the decode request arrives
 REQUEST_TIMEOUT = 300.0
 
-OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+: (\d+) tokens, ([\d.]+) MiB in ([\d.]+) ms")
+OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+(?: \(pushed\))?: (\d+) tokens, ([\d.]+) MiB in ([\d.]+) ms")
 OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
 BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
 BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
@@ -166,6 +169,8 @@ class LogTail:
 
 # ----------------------------------------------------------------------------- the three stacks
 class Stacks:
+    """The servers of the stacks in ``modes``; the benchmark runs one stack at a time (``modes`` of one)."""
+
     def __init__(self, model: Path, work: Path, modes: tuple[str, ...]) -> None:
         self.model, self.work, self.modes = model, work, modes
         self.servers: dict[str, VllmServer] = {}
@@ -178,6 +183,7 @@ class Stacks:
         mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
                                         "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
         ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+        push = {"kv_connector_extra_config": {"transfer_mode": "push"}}
         shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
                 "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
         peers = str(ROOT / "benchmarks" / "peers")
@@ -187,6 +193,8 @@ class Stacks:
             ("colocated", 0, None, None, {}),
             ("ours-producer", 0, {**ours, "kv_role": "kv_producer"}, mooncake, {}),
             ("ours-consumer", 1, {**ours, "kv_role": "kv_consumer"}, mooncake, {}),
+            ("push-producer", 0, {**ours, "kv_role": "kv_producer", **push}, mooncake, {}),
+            ("push-consumer", 1, {**ours, "kv_role": "kv_consumer", **push}, mooncake, {}),
             ("builtin-producer", 0, {**shim, "kv_role": "kv_producer", "engine_id": "bench-prefill"}, None, builtin_env),
             ("builtin-consumer", 1, {**shim, "kv_role": "kv_consumer", "engine_id": "bench-decode"}, None, builtin_env),
         ]
@@ -200,12 +208,13 @@ class Stacks:
             for name, server in self.servers.items():
                 server.wait_ready()
                 print(f"  {name} is up ({time.monotonic() - began:.0f} s)", flush=True)
-            if "ours" not in self.modes:
+            ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
+            if ours_mode is None:
                 return
             port = free_port()
             self.proxy_url = f"http://{HOST}:{port}"
-            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--prefill", self.servers["ours-producer"].url,
-                   "--decode", self.servers["ours-consumer"].url, "--host", HOST, "--port", str(port),
+            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
+                   "--decode", self.servers[f"{ours_mode}-consumer"].url, "--host", HOST, "--port", str(port),
                    "--log-level", "WARNING"]
             log = self.work / "proxy.log"
             self.proxy = spawn(cmd, log)
@@ -228,8 +237,8 @@ class Stacks:
         if mode == "colocated":
             ttft, e2e, text = stream(self.servers["colocated"].url, "/v1/completions", self.body(tokens, max_tokens))
             return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
-        if mode == "ours":
-            consumer = LogTail(self.servers["ours-consumer"].log)
+        if mode in ("ours", "push"):
+            consumer = LogTail(self.servers[f"{mode}-consumer"].log)
             ttft, e2e, text = stream(self.proxy_url, "/v1/completions", self.body(tokens, max_tokens))
             sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
             log = consumer.new()
@@ -266,7 +275,7 @@ class Stacks:
 
     def external_hits(self) -> dict[str, float]:
         return {name: self.servers[name].metric("vllm:external_prefix_cache_hits_total")
-                for name in ("ours-consumer", "builtin-consumer") if name in self.servers}
+                for name in ("ours-consumer", "push-consumer", "builtin-consumer") if name in self.servers}
 
 
 # ----------------------------------------------------------------------------- statistics and report
@@ -305,10 +314,6 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
-
-
 def markdown(rows: list[Row], lengths: list[int]) -> str:
     out = ["| tokens | stack | n | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | KV transfer p50 ms | MiB | GB/s "
            "| built-in wire p50 ms | text = colocated |",
@@ -317,23 +322,32 @@ def markdown(rows: list[Row], lengths: list[int]) -> str:
         out.append(f"| {r.length} | {r.mode} | {r.n} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} | {fmt(r.e2e_p50)} "
                    f"| {fmt(r.e2e_p99)} | {fmt(r.transfer_p50)} | {fmt(r.extra['mib_p50'])} | {fmt(r.gbps_p50, 2)} "
                    f"| {fmt(r.wire_p50)} | {r.text_equal} |")
-    out += ["", "| tokens | transfer ours/built-in | TTFT ours/colocated | TTFT built-in/colocated "
-            "| TTFT ours/built-in | targets |", "|---:|---:|---:|---:|---:|---|"]
+    out += ["", "| tokens | transfer pull/built-in | transfer push/built-in | TTFT pull/colocated "
+            "| TTFT push/colocated | TTFT built-in/colocated | targets |", "|---:|---:|---:|---:|---:|---:|---|"]
     for length in lengths:
         by = {r.mode: r for r in rows if r.length == length}
-        if len(by) < len(MODES):
-            continue
-        ours, builtin, colo = by["ours"], by["builtin"], by["colocated"]
+        colo, builtin = by.get("colocated"), by.get("builtin")
+        pull, push = by.get("ours"), by.get("push")
+
+        def rel(row: Row | None, ref: Row | None, attr: str) -> float | None:
+            a, b = (getattr(row, attr) if row else None), (getattr(ref, attr) if ref else None)
+            return None if a is None or b is None or b == 0 else a / b
+
         checks = []
-        if length >= 1024 and ours.transfer_p50 and builtin.transfer_p50:
-            ok = ours.transfer_p50 / builtin.transfer_p50 <= TARGET_TRANSFER_RATIO
-            checks.append(f"transfer <= {TARGET_TRANSFER_RATIO:.2f}x: {'met' if ok else 'NOT met'}")
-        if length == 1024:
-            ok = ours.ttft_p50 / colo.ttft_p50 <= TARGET_TTFT_RATIO
-            checks.append(f"TTFT <= {TARGET_TTFT_RATIO:.2f}x colocated: {'met' if ok else 'NOT met'}")
-        out.append(f"| {length} | {ratio(ours.transfer_p50, builtin.transfer_p50)} | {ratio(ours.ttft_p50, colo.ttft_p50)} "
-                   f"| {ratio(builtin.ttft_p50, colo.ttft_p50)} | {ratio(ours.ttft_p50, builtin.ttft_p50)} "
-                   f"| {'; '.join(checks) or '-'} |")
+        for name, row in (("pull", pull), ("push", push)):
+            r = rel(row, builtin, "transfer_p50")
+            if length >= 1024 and r is not None:
+                checks.append(f"{name} transfer <= {TARGET_TRANSFER_RATIO:.2f}x built-in: {'met' if r <= 1 else 'NOT met'}")
+        for name, row, goals in (("pull", pull, {1024: TARGET_TTFT_RATIO}), ("push", push, PUSH_TTFT_TARGETS)):
+            r = rel(row, colo, "ttft_p50")
+            if length in goals and r is not None:
+                checks.append(f"{name} TTFT <= {goals[length]:.2f}x colocated: {'met' if r <= goals[length] else 'NOT met'}")
+        if push and push.transfer_p50 is not None and length >= 1024:
+            ok = push.transfer_p50 <= PUSH_WAIT_TARGET_MS
+            checks.append(f"push wait <= {PUSH_WAIT_TARGET_MS:.0f} ms: {'met' if ok else 'NOT met'}")
+        cells = [rel(pull, builtin, "transfer_p50"), rel(push, builtin, "transfer_p50"), rel(pull, colo, "ttft_p50"),
+                 rel(push, colo, "ttft_p50"), rel(builtin, colo, "ttft_p50")]
+        out.append(f"| {length} | " + " | ".join(fmt(c, 2) for c in cells) + f" | {'; '.join(checks) or '-'} |")
     return "\n".join(out)
 
 
@@ -347,14 +361,13 @@ def plot(rows: list[Row], lengths: list[int], path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.27
+    width = 0.8 / len(MODES)
     for i, mode in enumerate(MODES):
         mine = {r.length: r for r in rows if r.mode == mode}
-        xs = [j + (i - 1) * width for j, n in enumerate(lengths) if n in mine]
+        xs = [j + (i - (len(MODES) - 1) / 2) * width for j, n in enumerate(lengths) if n in mine]
         left.bar(xs, [mine[n].ttft_p50 for n in lengths if n in mine], width, label=mode)
         if mode != "colocated":
-            right.bar([x + width / 2 for x in xs], [mine[n].transfer_p50 or 0 for n in lengths if n in mine], width,
-                      label=mode)
+            right.bar(xs, [mine[n].transfer_p50 or 0 for n in lengths if n in mine], width, label=mode)
     for ax, title, unit in ((left, "TTFT p50", "ms"), (right, "KV transfer p50 (consumer-observed)", "ms")):
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_xlabel("prompt tokens")
@@ -369,7 +382,8 @@ def plot(rows: list[Row], lengths: list[int], path: Path) -> None:
 # ----------------------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096], help="prompt lengths in tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 3072, 4096],
+                        help="prompt lengths in tokens")
     parser.add_argument("--requests", type=int, default=10, help="timed requests per length and stack")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests per length and stack first")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
@@ -391,32 +405,32 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     print(f"logs in {work}", flush=True)
     modes = tuple(m for m in MODES if m in args.modes)
-    stacks = Stacks(model, work, modes)
-    instances = sum(1 if m == "colocated" else 2 for m in modes)
-    print(f"starting {instances} vLLM instances and the proxy (a few minutes on 2 cores) ...", flush=True)
-    stacks.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
     samples: list[Sample] = []
-    rng = random.Random(args.seed)
-    try:
-        hits_before = stacks.external_hits()
-        expected_hits = 0
-        for length in args.lengths:
-            for iteration in range(-args.warmup, args.requests):
-                tokens = [rng.randrange(3, vocab) for _ in range(length)]
-                shift = iteration % len(modes)
-                for mode in modes[shift:] + modes[:shift]:
+    hits: dict[str, float] = {}
+    expected_hits = sum((args.warmup + args.requests) * (length - 1) for length in args.lengths)
+    for mode in modes:
+        # One stack at a time, alone on the machine as in a deployment (five instances at once on 2 cores made every
+        # figure noisy); every stack gets the same prompts (same seed).
+        stacks = Stacks(model, work, (mode,))
+        print(f"{mode}: starting {1 if mode == 'colocated' else 2} vLLM instance(s) ...", flush=True)
+        stacks.start()
+        rng = random.Random(args.seed)
+        try:
+            hits_before = stacks.external_hits()
+            for length in args.lengths:
+                for iteration in range(-args.warmup, args.requests):
+                    tokens = [rng.randrange(3, vocab) for _ in range(length)]
                     sample = stacks.run(mode, tokens, args.max_tokens, iteration)
-                    if iteration >= 0:
-                        samples.append(sample)
-                if iteration >= 0:
-                    last = {s.mode: s for s in samples[-len(modes):]}
-                    print(f"  {length:5d} tokens #{iteration}: " + ", ".join(
-                        f"{m} TTFT {last[m].ttft_ms:.0f} ms" + (f" (transfer {fmt(last[m].transfer_ms)} ms)"
-                                                               if m != "colocated" else "") for m in modes), flush=True)
-            expected_hits += (args.warmup + args.requests) * (length - 1)
-        hits = {k: v - hits_before[k] for k, v in stacks.external_hits().items()}
-    finally:
-        stacks.stop()
+                    if iteration < 0:
+                        continue
+                    samples.append(sample)
+                    print(f"  {mode} {length:5d} tokens #{iteration}: TTFT {sample.ttft_ms:.0f} ms, e2e "
+                          f"{sample.e2e_ms:.0f} ms" + (f", transfer {fmt(sample.transfer_ms)} ms" if mode != "colocated"
+                                                       else "") + (f" ({sample.note})" if sample.note else ""), flush=True)
+            hits.update({k: v - hits_before[k] for k, v in stacks.external_hits().items()})
+        finally:
+            stacks.stop()
 
     rows = summarize(samples, args.lengths)
     table = markdown(rows, args.lengths)

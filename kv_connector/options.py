@@ -18,6 +18,13 @@ class ConnectorOptions:
     - ``buffer_size``: bytes of KV the producer may hold for consumers to take (back-pressure beyond it).
     - ``save_timeout``: seconds the producer's forward pass may wait for buffer room before it drops an entry.
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
+    - ``transfer_mode``: "pull" (the consumer fetches a request's KV once the prefill is done) or "push" (the producer
+      streams each layer's KV to the consumer while the prefill runs); default: mooncake.json's ``transfer_mode``,
+      else "pull". Both instances must use the same mode.
+    - ``push_staging_size``: consumer, push mode: bytes of pushed KV it may hold; when full, the producer serves
+      further requests by pull.
+    - ``push_ttl``: consumer, push mode: seconds a pushed entry waits for its decode request before it is dropped.
+    - ``push_wait``: consumer, push mode: seconds a load waits for a push still on its way to complete.
     - ``gil_switch_interval``: seconds; the Python thread switch interval set in the vLLM worker process (0 keeps
       Python's 5 ms). The transfer runs in side threads that compete for the GIL with vLLM's busy engine loop; each
       hand-over costs up to one interval.
@@ -28,6 +35,10 @@ class ConnectorOptions:
     buffer_size: int = 2 * GiB
     save_timeout: float = 5.0
     mooncake_config_path: str | None = None
+    transfer_mode: str | None = None
+    push_staging_size: int = GiB
+    push_ttl: float = 60.0
+    push_wait: float = 5.0
     gil_switch_interval: float = 0.0001
     allow_test_corruption: bool = False
 
@@ -49,6 +60,17 @@ class ConnectorOptions:
         wait = opts.save_timeout
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
             raise ConfigError(f"kv_connector_extra_config.save_timeout: expected seconds > 0, got {wait!r}")
+        if opts.transfer_mode not in (None, "pull", "push"):
+            raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
+                              f"{opts.transfer_mode!r}")
+        staging = opts.push_staging_size
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+            raise ConfigError("kv_connector_extra_config.push_staging_size: expected a positive number of bytes, got "
+                              f"{staging!r}")
+        for name in ("push_ttl", "push_wait"):
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0, got {value!r}")
         interval = opts.gil_switch_interval
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
                 interval == 0 or 1e-6 <= interval <= 0.1):

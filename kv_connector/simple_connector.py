@@ -8,6 +8,11 @@ needed) as an asynchronous load; the worker ``drop_select``s the entry in a back
 into the paged cache while other requests keep decoding. A miss, a timeout, a dead producer or a layout mismatch is
 reported as a failed load, and vLLM recomputes the prompt: the answer is the same, only slower.
 
+Push mode (``transfer_mode: "push"``): the producer also streams each layer's newly computed blocks to the consumer
+while the prefill runs (``save_kv_layer``, through a PushBuffer on a second pipe), then commits the entry when the
+prompt is complete; the consumer's load finds it already staged locally. An entry the consumer has no room for is
+served by pull instead, and any push failure ends in the pull path or a recompute.
+
 Blocks are copied whole (their inside is backend specific), so both instances must run the same model with the same
 KV layout; the first transfer checks layers, block shape and dtype and refuses a mismatch with a clear error.
 """
@@ -20,7 +25,9 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kv_connector import block_copy
-from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, PushStep, SaveRequest
 from kv_connector.options import ConnectorOptions
 from kv_connector.stats import MooncakeConnectorStats
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
+from kv_lookup_buffer.push_buffer import PushBuffer, PushedEntry, entry_key
 from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig, PipeError
 from kv_pipe.config import CONFIG_ENV
 
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
+PUSH_RANK_OFFSET = 50  # the push pipe of TP rank r uses the side-channel port of rank r + 50 (see docs/deployment.md)
 CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
 
@@ -99,9 +109,10 @@ class SimpleConnector(KVConnectorBase_V1):
         self.is_producer = transfer.kv_role == "kv_producer"
         self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
         self.mooncake = _load_mooncake_config(self.options)  # fail at start-up, not on the first request
+        self.push_mode = (self.options.transfer_mode or self.mooncake.transfer_mode) == "push"
         self.block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(self.is_producer, self.block_size)
+            self._scheduler = _SchedulerSide(self.is_producer, self.block_size, self.push_mode)
             if not self.is_producer and transfer.kv_load_failure_policy != "recompute":
                 # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
                 logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
@@ -133,25 +144,32 @@ class SimpleConnector(KVConnectorBase_V1):
         assert isinstance(meta, MooncakeConnectorMetadata)
         for load in meta.loads:
             self._worker.start_load(load)
+        self._worker.plan_pushes(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request runs only after its load finished (get_finished)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Saving happens once per request in wait_for_save, when every layer of the final chunk is written."""
+        """Push mode: queue this layer's newly completed blocks for the consumer. (Pull mode saves once per request
+        in wait_for_save, when every layer of the final chunk is written.)"""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeConnectorMetadata)
+        self._worker.push_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MooncakeConnectorMetadata)
         for save in meta.saves:
-            self._worker.save(save)
+            self._worker.finish_prompt(save)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self._worker.collect_loads()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, MooncakeConnectorMetadata) and meta.idle
+        done, failed = self._worker.collect_loads(IDLE_WAIT if idle else 0.0)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> MooncakeConnectorStats | None:
@@ -169,10 +187,12 @@ class SimpleConnector(KVConnectorBase_V1):
 class _SchedulerSide:
     """Decides what to save and load; knows requests and blocks, never touches KV."""
 
-    def __init__(self, is_producer: bool, block_size: int) -> None:
+    def __init__(self, is_producer: bool, block_size: int, push: bool = False) -> None:
         self.is_producer = is_producer
         self.block_size = block_size
+        self.push = push
         self.prompts: dict[str, list[int]] = {}  # producer: prompts still prefilling
+        self.pushing: set[str] = set()  # producer, push mode: prompts whose first step was announced to the worker
         self.local_hits: dict[str, int] = {}  # consumer: locally cached tokens when the load was claimed
         self.claimed: set[str] = set()  # consumer: one load attempt per request (a failed one is recomputed, not retried)
         self.loads: list[LoadRequest] = []  # consumer: loads to start in the next step
@@ -198,7 +218,7 @@ class _SchedulerSide:
                                           corrupt))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(loads=self.loads)
+        meta = MooncakeConnectorMetadata(loads=self.loads, idle=out.total_num_scheduled_tokens == 0)
         self.loads = []
         if not self.is_producer:
             return meta
@@ -208,17 +228,32 @@ class _SchedulerSide:
         for req_id, start in starts.items():
             prompt = self.prompts.get(req_id)
             end = start + out.num_scheduled_tokens.get(req_id, 0)
-            if prompt is None or not start < len(prompt) <= end:
-                continue  # not the step that completes this prompt
-            block_ids = out.kv_connector_block_state.get_block_ids(req_id)[0]
-            meta.saves.append(SaveRequest(req_id, prompt, list(block_ids[:-(-len(prompt) // self.block_size)])))
-            del self.prompts[req_id]
+            if prompt is None or start >= len(prompt):
+                continue
+            block_ids = list(out.kv_connector_block_state.get_block_ids(req_id)[0][:-(-len(prompt) // self.block_size)])
+            if self.push:
+                first = req_id not in self.pushing
+                self.pushing.add(req_id)
+                meta.pushes.append(PushStep(req_id, block_ids, start, min(end, len(prompt)), len(prompt),
+                                            prompt if first else None))
+            if len(prompt) <= end:  # the step that completes this prompt
+                meta.saves.append(SaveRequest(req_id, prompt, block_ids))
+                del self.prompts[req_id]
+                self.pushing.discard(req_id)
         return meta
 
     def forget(self, req_id: str) -> None:
         self.prompts.pop(req_id, None)
+        self.pushing.discard(req_id)
         self.local_hits.pop(req_id, None)
         self.claimed.discard(req_id)
+
+
+@dataclass
+class _PushState:
+    key: bytes
+    num_blocks: int
+    next_block: int = 0  # blocks before this one are queued
 
 
 class _WorkerSide:
@@ -237,6 +272,14 @@ class _WorkerSide:
         self.stats_lock = threading.Lock()
         self.layout_checked = False
         self.layout: dict[str, Any] = {}  # this instance's; sent with every entry, compared on every load
+        # push mode
+        self.push: PushBuffer | None = None
+        self.push_pipe: MooncakePipe | None = None
+        self.layer_index: dict[str, int] = {}
+        self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
+        self.pull_keys: dict[str, bytes] = {}  # producer: requests the consumer had no room for (served by pull)
+        self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
+        self.planned_for: MooncakeConnectorMetadata | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
@@ -251,9 +294,11 @@ class _WorkerSide:
                         sys.getswitchinterval() * 1e3, interval * 1e3)
             sys.setswitchinterval(interval)
         self.layers = list(kv_caches.values())
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = self.layers[0]
         num_blocks = self.num_blocks or first.shape[0]
         self.block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
+        self.block_bytes = first.numel() // first.shape[self.block_dim] * first.element_size()  # one layer's block
         self.layout = {"model": model_fingerprint(self.connector._vllm_config), "layers": len(self.layers),
                        "block": list(self._block_shape()), "dtype": str(first.dtype)}
         rank = get_tensor_model_parallel_rank()
@@ -263,9 +308,15 @@ class _WorkerSide:
                                    role="producer" if producer else "consumer")
         if producer:
             self.buffer.start_serving()
+        if self.connector.push_mode:
+            self.push_pipe = MooncakePipe(local_rank=rank + PUSH_RANK_OFFSET, kv_rank=0 if producer else 1,
+                                          config=self.connector.mooncake)
+            self.push = PushBuffer(self.push_pipe, "producer" if producer else "consumer",
+                                   capacity=opts.push_staging_size, ttl=opts.push_ttl)
         logger.info("MooncakeConnector %s (TP rank %d): %d layers of %s %s, blocks along dim %d, pipe %s",
                     "producer" if producer else "consumer", rank, len(self.layers), list(first.shape), first.dtype,
-                    self.block_dim, f"{self.pipe.host}:{self.pipe.port}")
+                    self.block_dim, f"{self.pipe.host}:{self.pipe.port}" + (
+                        f", push mode on {self.push_pipe.host}:{self.push_pipe.port}" if self.push_pipe else ""))
 
     def _layout_tensor(self) -> torch.Tensor:
         """The layout descriptor as JSON bytes: it rides in the entry's ``value`` slot (the blocks, K and V together as
@@ -278,6 +329,60 @@ class _WorkerSide:
         return tuple(shape)
 
     # ---------------------------------------------------------------- producer
+    def finish_prompt(self, req: SaveRequest) -> None:
+        """The prompt of ``req`` is complete: commit its push, or save it for pull (and tell a push consumer so)."""
+        state = self.pushing.pop(req.req_id, None)
+        if self.push is None:
+            self.save(req)
+            return
+        if state is not None and state.next_block < state.num_blocks:
+            logger.warning("MooncakeConnector: request %s completed with %d of %d blocks pushed: serving it by pull",
+                           req.req_id, state.next_block, state.num_blocks)
+        elif state is not None and not self.push.failed(state.key):
+            self.push.commit(state.key, len(req.token_ids), self._layout_tensor())
+            self._count("pushed")
+            return
+        self.save(req)  # before the notice: the consumer's drop_select must find it
+        self.push.notify_pull(state.key if state else self.pull_keys.pop(req.req_id, None) or entry_key(req.token_ids))
+
+    def plan_pushes(self, meta: MooncakeConnectorMetadata) -> None:
+        """Push mode: decide which blocks each layer pushes in this step (once per step, before the first layer's
+        push: vLLM calls start_load_kv after the forward pass when a step has no synchronous load)."""
+        if self.push is None or self.planned_for is meta:
+            return
+        self.planned_for = meta
+        self.step_pushes = []
+        for step in meta.pushes:
+            if step.token_ids is not None:  # the request's first step: announce it if the consumer has room
+                key = entry_key(step.token_ids)
+                nblocks = -(-step.prompt_len // self.connector.block_size)
+                nbytes = nblocks * len(self.layers) * self.block_bytes
+                if self.push.begin(key, nbytes, len(self.layers), nblocks):
+                    self.pushing[step.req_id] = _PushState(key, nblocks)
+                else:
+                    self.pull_keys[step.req_id] = key
+                    logger.info("MooncakeConnector: no push room on the consumer for request %s (%.1f MiB): pull",
+                                step.req_id, nbytes / 2**20)
+            state = self.pushing.get(step.req_id)
+            if state is None:
+                continue
+            upto = state.num_blocks if step.end >= step.prompt_len else step.end // self.connector.block_size
+            if upto > state.next_block:
+                self.step_pushes.append((state.key, state.next_block, step.block_ids[state.next_block:upto]))
+                state.next_block = upto
+
+    def push_layer(self, layer_name: str, meta: MooncakeConnectorMetadata) -> None:
+        """Push mode, after a layer's attention wrote its KV: queue that layer's blocks planned for this step."""
+        if self.push is None or not meta.pushes:
+            return
+        self.plan_pushes(meta)
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        for key, first, ids in self.step_pushes:
+            piece = block_copy.gather([self.layers[index]], self.block_dim, ids)[0]
+            self.push.push(key, index, first, piece, len(ids))
+
     def save(self, req: SaveRequest) -> None:
         assert self.buffer is not None
         start = time.perf_counter()
@@ -304,6 +409,10 @@ class _WorkerSide:
         assert self.buffer is not None
         start = time.perf_counter()
         wanted = req.block_ids[req.start_block:]
+        if self.push is not None:
+            entry = self.push.take(entry_key(req.token_ids), self.connector.options.push_wait)
+            if entry is not None:
+                return self._load_pushed(req, entry, start)
         try:
             tokens = torch.tensor(req.token_ids, dtype=torch.int64)
             _, _, kv, layout, _ = self.buffer.drop_select(tokens, None)
@@ -335,9 +444,54 @@ class _WorkerSide:
                     nbytes / seconds / 1e9, (fetched - start) * 1e3, (start + seconds - fetched) * 1e3)
         return n == len(wanted), wanted[n:]
 
-    def _check_layout(self, kv: torch.Tensor, layout: torch.Tensor | None) -> None:
+    def _load_pushed(self, req: LoadRequest, entry: PushedEntry, start: float) -> tuple[bool, list[int]]:
+        """Write a pushed entry's pieces into the request's blocks; the same checks and fallbacks as a pulled one."""
+        wanted = req.block_ids[req.start_block:]
+        end = req.start_block + len(wanted)
+        covered = [0] * len(self.layers)
+        try:
+            self._check_layout(None, entry.meta)
+            for layer, first, blocks in entry.pieces:
+                shape = list(blocks.shape)
+                count = shape.pop(self.block_dim) if blocks.dim() > self.block_dim else -1
+                if layer >= len(self.layers) or blocks.dtype != self.layers[0].dtype or shape != list(self._block_shape()):
+                    raise LayoutMismatch(f"a pushed piece (layer {layer}, {list(blocks.shape)} {blocks.dtype}) does not "
+                                         "fit this instance's KV cache")
+                lo, hi = max(first, req.start_block), min(first + count, end)
+                if lo >= hi:
+                    continue
+                if req.corrupt and self.connector.options.allow_test_corruption:
+                    blocks = blocks.flip(-1)
+                block_copy.scatter([self.layers[layer]], self.block_dim, req.block_ids[lo:hi],
+                                   blocks.narrow(self.block_dim, lo - first, hi - lo).unsqueeze(0))
+                covered[layer] += hi - lo
+            if any(n != len(wanted) for n in covered):
+                raise ValueError(f"the pushed entry covers {min(covered)} of the {len(wanted)} blocks wanted")
+        except LayoutMismatch as e:
+            logger.error("MooncakeConnector: %s; recomputing request %s", e, req.req_id)
+            self._count("load_failures")
+            return False, wanted
+        except ValueError as e:
+            logger.warning("MooncakeConnector: the pushed KV of request %s is unusable (%s): recomputing", req.req_id, e)
+            self._count("load_failures")
+            return False, wanted
+        if req.corrupt and self.connector.options.allow_test_corruption:
+            logger.warning("MooncakeConnector: corrupted the KV of request %s on purpose (test switch)", req.req_id)
+        seconds = time.perf_counter() - start
+        nbytes = entry.received
+        self._record("loaded", req.num_tokens, nbytes, seconds)
+        self._count("push_loaded")
+        logger.info("MooncakeConnector: loaded request %s (pushed): %d tokens, %.1f MiB in %.1f ms (waited for and "
+                    "copied from the staging area)", req.req_id, req.num_tokens, nbytes / 2**20, seconds * 1e3)
+        return True, []
+
+    def _check_layout(self, kv: torch.Tensor | None, layout: torch.Tensor | None) -> None:
         theirs = _parse_layout(layout)
-        actual = {"layers": kv.shape[0], "block": list(kv.shape[2:]), "dtype": str(kv.dtype)}
+        actual: dict[str, Any] = {}
+        if kv is not None:
+            block = list(kv.shape[1:])
+            del block[self.block_dim]
+            actual = {"layers": kv.shape[0], "block": block, "dtype": str(kv.dtype)}
         if any(theirs.get(k) != v for k, v in actual.items()):
             raise LayoutMismatch(f"the producer's entry contradicts its own layout ({theirs} vs tensor {actual})")
         diff = {k: (theirs.get(k), mine) for k, mine in self.layout.items() if theirs.get(k) != mine}
@@ -349,7 +503,11 @@ class _WorkerSide:
             self.layout_checked = True
             logger.info("MooncakeConnector: the producer's KV layout matches (%s)", self.layout)
 
-    def collect_loads(self) -> tuple[set[str], set[str]]:
+    def collect_loads(self, wait: float = 0.0) -> tuple[set[str], set[str]]:
+        """Finished loads as (done, failed). ``wait``: block up to that long for one to finish (used when the step had
+        nothing to compute: vLLM would otherwise spin its engine loop, taking the CPU and the GIL from the load)."""
+        if wait and self.loading:
+            futures_wait(list(self.loading.values()), timeout=wait, return_when=FIRST_COMPLETED)
         done, failed = set(), set()
         for req_id, future in list(self.loading.items()):
             if future.done():
@@ -379,6 +537,10 @@ class _WorkerSide:
 
     def close(self) -> None:
         self.loader.shutdown(wait=False, cancel_futures=True)
+        if self.push is not None:
+            self.push.close()
+        if self.push_pipe is not None:
+            self.push_pipe.close()
         if self.buffer is not None:
             self.buffer.close()
         if self.pipe is not None:

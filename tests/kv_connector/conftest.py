@@ -30,9 +30,9 @@ def connector_config(role: str, **extra: object) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
 
 
-def mooncake_json(path: Path) -> Path:
+def mooncake_json(path: Path, **extra: object) -> Path:
     path.write_text(json.dumps({"prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}",
-                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 5}))
+                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 5, **extra}))
     return path
 
 
@@ -49,6 +49,21 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     producer = VllmServer("producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
                           [*SERVE_ARGS, "--no-enable-prefix-caching"])
     consumer = VllmServer("consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", allow_test_corruption=True), config, SERVE_ARGS)
+    start_vllm(producer, consumer)
+    yield producer, consumer
+    producer.stop()
+    consumer.stop()
+
+
+@pytest.fixture(scope="session")
+def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """Like ``pd_pair``, in push mode (selected in mooncake.json), with chunked prefill (batch budget 512 tokens)."""
+    work = tmp_path_factory.mktemp("push")
+    config = mooncake_json(work / "mooncake.json", transfer_mode="push")
+    producer = VllmServer("push-producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
+                          [*SERVE_ARGS, "--no-enable-prefix-caching"])
+    consumer = VllmServer("push-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True), config, SERVE_ARGS)
     start_vllm(producer, consumer)
     yield producer, consumer

@@ -88,3 +88,84 @@ def close_later(cfg: dict[str, Any], delay: float) -> None:
         time.sleep(delay)
         buf.close()
         time.sleep(1.0)  # let the CLOSED answer land before the pipe goes
+
+
+# ----------------------------------------------------------------------------- PushBuffer producers
+PUSH_LAYERS, PUSH_BLOCKS, PUSH_BLOCK = 3, 5, (4, 8)  # an entry: 3 layers x 5 blocks of 4x8 float32
+
+
+def push_entry(seed: int) -> tuple[list[int], torch.Tensor]:
+    """Tokens and the KV of one pushed entry: [layers, blocks, *block]."""
+    g = torch.Generator().manual_seed(seed)
+    return list(range(seed, seed + 37)), torch.randn(PUSH_LAYERS, PUSH_BLOCKS, *PUSH_BLOCK, generator=g)
+
+
+def wait_begin(buf: Any, key: bytes, nbytes: int, timeout: float = 30.0) -> bool:
+    """``begin`` once the consumer's first credit has arrived (False if it never allows it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if buf.begin(key, nbytes, PUSH_LAYERS, PUSH_BLOCKS):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pieces: int | None = None) -> dict:
+    """Push each entry in two "steps" (blocks 0-2, then 3-4, layer by layer), commit it with a small meta tensor;
+    an entry whose ``begin`` is refused goes by pull (``notify_pull``). With ``stop_after_pieces``, hang (for a
+    kill) after that many pieces of the first entry, without committing."""
+    from kv_lookup_buffer.push_buffer import PushBuffer, entry_key
+
+    outcome: dict[str, Any] = {"pushed": [], "pulled": []}
+    with open_pipe(cfg, 0) as pipe:
+        buf = PushBuffer(pipe, "producer")
+        for seed in seeds:
+            tokens, kv = push_entry(seed)
+            key = entry_key(tokens)
+            if not wait_begin(buf, key, kv.numel() * kv.element_size(), timeout=5.0 if outcome["pushed"] else 30.0):
+                buf.notify_pull(key)
+                outcome["pulled"].append(seed)
+                continue
+            pieces = 0
+            for lo, hi in ((0, 3), (3, PUSH_BLOCKS)):
+                for layer in range(PUSH_LAYERS):
+                    buf.push(key, layer, lo, kv[layer, lo:hi].clone(), hi - lo)
+                    pieces += 1
+                    if stop_after_pieces is not None and pieces >= stop_after_pieces:
+                        time.sleep(600)
+            buf.commit(key, len(tokens), torch.tensor([seed, 7], dtype=torch.int64))
+            outcome["pushed"].append(seed)
+        done.wait(120)
+        outcome["stats"] = dict(buf.stats)
+        buf.close()
+    return outcome
+
+
+def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
+    """Speak the push protocol badly (wrong types, bad magic, unknown kind, a DATA bigger than its BEGIN), then push
+    one good entry by hand."""
+    from kv_lookup_buffer import push_buffer as pb
+
+    tokens, kv = push_entry(seed)
+    key = pb.entry_key(tokens)
+    nbytes = kv.numel() * kv.element_size()
+    with open_pipe(cfg, 0) as pipe:
+        pipe.send_tensor(pb._header(pb.HELLO, a=12345))
+        pipe.send_tensor(torch.zeros(3))                                    # not a header
+        bad = pb._header(pb.BEGIN, key, nbytes, 3, 5)
+        bad[0] = 7
+        pipe.send_tensor(bad)                                               # bad magic
+        unknown = pb._header(pb.BEGIN)
+        unknown[2] = 99
+        pipe.send_tensor(unknown)                                           # unknown kind
+        other = pb.entry_key([1, 2, 3])
+        pipe.send_tensor(pb._header(pb.BEGIN, other, 64, 3, 5))
+        pipe.send_tensor(pb._header(pb.DATA, other, 0, 0, 1))
+        pipe.send_tensor(torch.zeros(1000))                                 # 4000 bytes > the 64 announced
+        pipe.send_tensor(pb._header(pb.BEGIN, key, nbytes, PUSH_LAYERS, PUSH_BLOCKS))
+        for layer in range(PUSH_LAYERS):
+            pipe.send_tensor(pb._header(pb.DATA, key, layer, 0, PUSH_BLOCKS))
+            pipe.send_tensor(kv[layer].clone())
+        pipe.send_tensor(pb._header(pb.COMMIT, key, len(tokens)))
+        pipe.send_tensor(None)
+        done.wait(120)

@@ -1,0 +1,50 @@
+"""Push mode between two real vLLM instances: the producer streams each layer's KV during the prefill, the consumer
+finds it staged. Same guarantees as pull: equal text, external hits = prompt tokens - 1, corruption changes the text."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+from kv_connector.simple_connector import CORRUPT_PARAM
+from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
+
+PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
+
+
+def test_consumer_decodes_from_pushed_kv(push_pair):
+    producer, consumer = push_pair
+    matches, hits = [], []
+    loaded_before = len(PUSHED.findall(consumer.log_text()))
+    for i, length in enumerate(PROMPT_LENGTHS):  # up to 1000 tokens: chunked prefill (512-token batch budget)
+        tokens = prompt(1000 + i, length)
+        before = consumer.metric(HITS)
+        got = disaggregated(producer, consumer, tokens)
+        hits.append(consumer.metric(HITS) - before)
+        matches.append(got == producer.complete(tokens, MAX_TOKENS))
+    print(f"push: matches {sum(matches)}/{len(matches)}, external hits {hits}")
+    assert all(matches)
+    assert hits == [n - 1 for n in PROMPT_LENGTHS]
+    assert len(PUSHED.findall(consumer.log_text())) - loaded_before == len(PROMPT_LENGTHS), "not every load was pushed"
+    assert "push mode on 127.0.0.1:" in producer.log_text()
+
+
+def test_several_requests_prefilling_in_one_step(push_pair):
+    """Four prompts sent at once: the producer prefills them in shared steps and pushes each one's blocks."""
+    producer, consumer = push_pair
+    prompts = [prompt(1100 + i, 300 + 90 * i) for i in range(4)]
+    before = consumer.metric(HITS)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda t: producer.complete(t, 1), prompts))  # concurrent prefills
+    answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in prompts]
+    assert consumer.metric(HITS) - before == sum(len(t) - 1 for t in prompts)
+    assert answers == [producer.complete(tokens, MAX_TOKENS) for tokens in prompts]  # colocated references
+
+
+def test_corrupted_pushed_kv_changes_the_output(push_pair):
+    producer, consumer = push_pair
+    for seed in (1200, 1201):
+        tokens = prompt(seed, 400)
+        corrupted = disaggregated(producer, consumer, tokens, kv_transfer_params={CORRUPT_PARAM: True})
+        assert corrupted != producer.complete(tokens, MAX_TOKENS)
+    assert consumer.log_text().count("corrupted the KV of request") == 2
