@@ -25,10 +25,10 @@ TTFT (client send to first streamed token), end-to-end latency (to the last toke
 Greedy text from both disaggregated stacks is compared with the colocated text for the same prompt, and the consumers'
 ``vllm:external_prefix_cache_hits_total`` growth is reported, as evidence the transferred KV was used.
 
-Run (from the repository root; ~10 minutes, most of it vLLM start-up)::
+Run (from the repository root; ~20 minutes: 2 rounds x 4 stacks, each started afresh)::
 
     .venv/bin/python benchmarks/bench_e2e.py
-    .venv/bin/python benchmarks/bench_e2e.py --lengths 256 1024 --requests 5    # shorter
+    .venv/bin/python benchmarks/bench_e2e.py --lengths 256 1024 --requests 4 --rounds 1 --modes colocated push  # shorter
 
 It prints a markdown table and writes bench_e2e.json, bench_e2e.md and bench_e2e.png to ``--out-dir``
 (default benchmarks/results). Targets: our KV transfer time <= the built-in's at 1024 tokens and up; our
@@ -384,7 +384,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 3072, 4096],
                         help="prompt lengths in tokens")
-    parser.add_argument("--requests", type=int, default=10, help="timed requests per length and stack")
+    parser.add_argument("--requests", type=int, default=6, help="timed requests per length, stack and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the stacks (the order alternates)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests per length and stack first")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--seed", type=int, default=0)
@@ -408,29 +409,35 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
     samples: list[Sample] = []
     hits: dict[str, float] = {}
-    expected_hits = sum((args.warmup + args.requests) * (length - 1) for length in args.lengths)
-    for mode in modes:
+    expected_hits = args.rounds * sum((args.warmup + args.requests) * (length - 1) for length in args.lengths)
+    for round_ in range(args.rounds):
         # One stack at a time, alone on the machine as in a deployment (five instances at once on 2 cores made every
-        # figure noisy); every stack gets the same prompts (same seed).
-        stacks = Stacks(model, work, (mode,))
-        print(f"{mode}: starting {1 if mode == 'colocated' else 2} vLLM instance(s) ...", flush=True)
-        stacks.start()
-        rng = random.Random(args.seed)
-        try:
-            hits_before = stacks.external_hits()
-            for length in args.lengths:
-                for iteration in range(-args.warmup, args.requests):
-                    tokens = [rng.randrange(3, vocab) for _ in range(length)]
-                    sample = stacks.run(mode, tokens, args.max_tokens, iteration)
-                    if iteration < 0:
-                        continue
-                    samples.append(sample)
-                    print(f"  {mode} {length:5d} tokens #{iteration}: TTFT {sample.ttft_ms:.0f} ms, e2e "
-                          f"{sample.e2e_ms:.0f} ms" + (f", transfer {fmt(sample.transfer_ms)} ms" if mode != "colocated"
-                                                       else "") + (f" ({sample.note})" if sample.note else ""), flush=True)
-            hits.update({k: v - hits_before[k] for k, v in stacks.external_hits().items()})
-        finally:
-            stacks.stop()
+        # figure noisy). Rounds alternate the order of the stacks, so that a slow drift of the machine does not favour
+        # one of them; within a round every stack gets the same prompts.
+        for mode in modes if round_ % 2 == 0 else modes[::-1]:
+            stacks = Stacks(model, work, (mode,))
+            print(f"round {round_ + 1}/{args.rounds}, {mode}: starting {1 if mode == 'colocated' else 2} vLLM "
+                  "instance(s) ...", flush=True)
+            stacks.start()
+            rng = random.Random(args.seed * 1000 + round_)
+            try:
+                hits_before = stacks.external_hits()
+                for length in args.lengths:
+                    for i in range(-args.warmup, args.requests):
+                        tokens = [rng.randrange(3, vocab) for _ in range(length)]
+                        iteration = round_ * args.requests + i
+                        sample = stacks.run(mode, tokens, args.max_tokens, iteration)
+                        if i < 0:
+                            continue
+                        samples.append(sample)
+                        print(f"  {mode} {length:5d} tokens #{iteration}: TTFT {sample.ttft_ms:.0f} ms, e2e "
+                              f"{sample.e2e_ms:.0f} ms" + (f", transfer {fmt(sample.transfer_ms)} ms"
+                                                           if mode != "colocated" else "")
+                              + (f" ({sample.note})" if sample.note else ""), flush=True)
+                for name, value in stacks.external_hits().items():
+                    hits[name] = hits.get(name, 0.0) + value - hits_before[name]
+            finally:
+                stacks.stop()
 
     rows = summarize(samples, args.lengths)
     table = markdown(rows, args.lengths)
