@@ -118,6 +118,10 @@ class MooncakePipe(KVPipeBase):
         stage = self._stage
         assert stage is not None
         stage_addr = stage.data_ptr()
+        # Over TCP the engine reads the source with plain socket writes, so host memory needs no registration: write
+        # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
+        # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
+        direct = self.config.protocol == "tcp" and flat.device.type == "cpu"
         inflight: deque[tuple[int, Chunk]] = deque()
         sent_header = False
 
@@ -138,9 +142,12 @@ class MooncakePipe(KVPipeBase):
                     continue
                 if chunk is None:
                     chunk = out.reserve(length, timeout)
-                copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
-                batch = self._engine.write_async(out.session, stage_addr + chunk.offset, out.ring_addr + chunk.offset,
-                                                 length)
+                if direct:
+                    source = flat.data_ptr() + pos
+                else:
+                    copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
+                    source = stage_addr + chunk.offset
+                batch = self._engine.write_async(out.session, source, out.ring_addr + chunk.offset, length)
                 inflight.append((batch, chunk))
                 pos += length
                 if len(inflight) >= self.config.max_chunks_in_flight:
