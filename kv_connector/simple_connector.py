@@ -388,7 +388,8 @@ class _WorkerSide:
         start = time.perf_counter()
         kv = block_copy.gather(self.layers, self.block_dim, req.block_ids)
         try:
-            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None)
+            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None,
+                               copy=False)  # kv is a fresh gather: hand it over
         except (TimeoutError, BufferClosed, PipeError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", req.req_id,
                            len(req.token_ids), e)

@@ -157,7 +157,9 @@ class SimpleBuffer(KVLookupBufferBase):
 
     # ---------------------------------------------------------------- producer
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor | None, key: torch.Tensor | None,
-               value: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+               value: torch.Tensor | None, hidden: torch.Tensor | None, *, copy: bool = True) -> None:
+        """See ``KVLookupBufferBase.insert``. ``copy=False`` (an extension): keep the caller's tensors instead of
+        copying them; the caller hands them over and must not touch them again (saves a copy of a fresh gather)."""
         if self._closed.is_set():
             raise BufferClosed("insert on a closed buffer")
         self._take_role("producer")
@@ -181,9 +183,13 @@ class SimpleBuffer(KVLookupBufferBase):
                                        f"bytes) for {self.timeout:.1f} s: no consumer took an entry")
                 self._cv.wait(remaining)
             self.buffer_size += nbytes
-            recycled = [None if t is None else self._recycler.take(t.numel() * t.element_size()) for t in originals]
+            recycled = [None if t is None or not copy else self._recycler.take(t.numel() * t.element_size())
+                        for t in originals]
         try:
-            tensors = [None if t is None else _copy(t, r) for t, r in zip(originals, recycled, strict=True)]
+            if copy:
+                tensors = [None if t is None else _copy(t, r) for t, r in zip(originals, recycled, strict=True)]
+            else:
+                tensors = [None if t is None else t.detach().contiguous() for t in originals]
         except BaseException:
             with self._cv:
                 self.buffer_size -= nbytes

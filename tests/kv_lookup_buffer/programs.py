@@ -169,3 +169,15 @@ def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
         pipe.send_tensor(pb._header(pb.COMMIT, key, len(tokens)))
         pipe.send_tensor(None)
         done.wait(120)
+
+
+def insert_then_overwrite(cfg: dict[str, Any], done: Any) -> None:
+    """Insert entry A with the default copy, then scribble over A's tensors; insert entry B with copy=False."""
+    a_key, b_key = torch.arange(12.0), torch.arange(12.0) * 2
+    with open_pipe(cfg, 0) as pipe:
+        buf = SimpleBuffer(pipe, pipe, 1 << 20)
+        buf.insert(torch.tensor([1, 2]), None, a_key, None, None)
+        a_key.fill_(-1.0)  # the caller may reuse its tensors at once
+        buf.insert(torch.tensor([3, 4]), None, b_key, None, None, copy=False)
+        done.wait(120)
+        buf.close()

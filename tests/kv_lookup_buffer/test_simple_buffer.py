@@ -48,6 +48,23 @@ def test_exact_round_trip(cfg):
     assert left == {"entries": 0, "bytes": 0, "stats": {"hits": 1, "misses": 1, "malformed": 0, "late_hits_dropped": 0}}
 
 
+def test_insert_copies_unless_told_not_to(cfg):
+    done = ctx.Event()
+    producer = Peer(programs.insert_then_overwrite, cfg, done)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        def take(tokens: list[int]) -> list:
+            deadline = time.monotonic() + 60
+            while (got := buf.drop_select(torch.tensor(tokens), None))[2] is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # not inserted yet
+            return got
+        got_a, got_b = take([1, 2]), take([3, 4])
+        done.set()
+        producer.result()
+    assert torch.equal(got_a[2], torch.arange(12.0)), "the entry changed when the caller reused its tensor"
+    assert torch.equal(got_b[2], torch.arange(12.0) * 2)
+
+
 @contextlib.contextmanager
 def prefix_producer(cfg) -> Iterator[tuple[SimpleBuffer, list[dict]]]:
     """A producer child holding the four prefix entries, and our consumer buffer; on exit the producer's report
