@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+from pathlib import Path
 
 from kv_connector.simple_connector import CORRUPT_PARAM
+from tests.kv_connector.conftest import SERVE_ARGS, connector_config, mooncake_json
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
+from tests.servers import VllmServer, free_port, start_vllm
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 
@@ -48,3 +51,27 @@ def test_corrupted_pushed_kv_changes_the_output(push_pair):
         corrupted = disaggregated(producer, consumer, tokens, kv_transfer_params={CORRUPT_PARAM: True})
         assert corrupted != producer.complete(tokens, MAX_TOKENS)
     assert consumer.log_text().count("corrupted the KV of request") == 2
+
+
+def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path):
+    """A consumer with room for one 1000-token entry: the second prompt prefilled before any decode goes by pull."""
+    config = mooncake_json(tmp_path / "mooncake.json", transfer_mode="push")
+    producer = VllmServer("small-producer", tiny_model, free_port(), 0, tmp_path, connector_config("kv_producer"),
+                          config, [*SERVE_ARGS, "--no-enable-prefix-caching"])
+    consumer = VllmServer("small-consumer", tiny_model, free_port(), 1, tmp_path,
+                          connector_config("kv_consumer", push_staging_size=6 << 20), config, SERVE_ARGS)
+    start_vllm(producer, consumer)
+    try:
+        first, second = prompt(1300, 1000), prompt(1301, 1000)  # 4 MiB of KV each in float32
+        producer.complete(first, 1)
+        producer.complete(second, 1)
+        before = consumer.metric(HITS)
+        answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
+        assert consumer.metric(HITS) - before == 2 * 999
+        assert answers == [producer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
+        log = consumer.log_text()
+        assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+: 999 tokens", log)) == 1
+        assert "no push room on the consumer" in producer.log_text()
+    finally:
+        producer.stop()
+        consumer.stop()
