@@ -1,12 +1,13 @@
 """End to end: a colocated instance vs our producer/consumer through the proxy vs vLLM's built-in MooncakeConnector.
 
-Three stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
+Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
 scripts/setup.sh), all started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one
 after the other in one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
 
 - ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
 - ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
-  (P2PHANDSHAKE, TCP), and ``proxy_server.py`` in front; the client streams from the proxy.
+  (P2PHANDSHAKE, TCP), and ``proxy_server.py`` in front; the client streams from the proxy. Pull mode.
+- ``push``: the same in push mode.
 - ``builtin``: a producer (core 0) and a consumer (core 1) with vLLM's own MooncakeConnector over TCP, loaded through
   ``benchmarks/peers/builtin_mooncake_shim.py`` (a CPU device shim plus timing, benchmark only). vLLM ships no proxy
   for it here, so the client plays its proxy: a ``max_tokens=1`` prefill with ``do_remote_decode`` on the producer,
@@ -32,7 +33,12 @@ Run (from the repository root; ~20 minutes: 2 rounds x 4 stacks, each started af
 
 It prints a markdown table and writes bench_e2e.json, bench_e2e.md and bench_e2e.png to ``--out-dir``
 (default benchmarks/results). Targets: our KV transfer time <= the built-in's at 1024 tokens and up; our
-disaggregated TTFT <= 1.25x colocated at 1024 tokens.
+disaggregated TTFT <= 1.25x colocated at 1024 tokens (pull); push mode: TTFT <= 1.15x colocated at 1024 tokens and
+<= 1.05x at 3072, and the consumer's wait for KV once the decode request arrives <= 5 ms.
+
+``push`` is our stack with ``"transfer_mode": "push"``; its "KV transfer" is the consumer's load (the wait for a push
+still in flight plus the copy from the staging area into the paged cache), the transfer itself having happened
+during the prefill.
 """
 
 from __future__ import annotations

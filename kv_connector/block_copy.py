@@ -44,15 +44,22 @@ def _geometry(layer: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
     return outer, layer.shape[block_dim], inner * layer.element_size()
 
 
-def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int]) -> torch.Tensor:
-    """A new dense tensor ``[len(layers), *shape]`` holding blocks ``ids`` of every layer (block dim = len(ids))."""
+def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int],
+           scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense tensor ``[len(layers), *shape]`` holding blocks ``ids`` of every layer (block dim = len(ids)): new, or
+    a view of the host byte tensor ``scratch`` when it is large enough (reused memory: no page faults to fill)."""
     first = layers[0]
     shape = list(first.shape)
     shape[block_dim] = len(ids)
     if not _host_contiguous(layers):
         index = torch.tensor(list(ids), dtype=torch.long, device=first.device)
         return torch.stack([layer.index_select(block_dim, index) for layer in layers])
-    out = torch.empty([len(layers), *shape], dtype=first.dtype)
+    size = [len(layers), *shape]
+    nbytes = math.prod(size) * first.element_size()
+    if scratch is not None and scratch.is_contiguous() and scratch.device.type == "cpu" and scratch.numel() >= nbytes:
+        out = scratch.view(torch.uint8)[:nbytes].view(first.dtype).view(size)
+    else:
+        out = torch.empty(size, dtype=first.dtype)
     outer, blocks, slab = _geometry(first, block_dim)
     _check_ids(ids, blocks)
     spans = runs(ids)

@@ -47,6 +47,7 @@ from kv_lookup_buffer import BufferClosed, SimpleBuffer
 from kv_lookup_buffer.push_buffer import PushBuffer, PushedEntry, entry_key
 from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig, PipeError
 from kv_pipe.config import CONFIG_ENV
+from kv_pipe.memory import prefault
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -280,6 +281,7 @@ class _WorkerSide:
         self.pull_keys: dict[str, bytes] = {}  # producer: requests the consumer had no room for (served by pull)
         self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
+        self.scratch: torch.Tensor | None = None  # producer: reused gather memory for pull saves
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
@@ -386,10 +388,15 @@ class _WorkerSide:
     def save(self, req: SaveRequest) -> None:
         assert self.buffer is not None
         start = time.perf_counter()
-        kv = block_copy.gather(self.layers, self.block_dim, req.block_ids)
+        # Gather into reused scratch memory, then insert copies it into memory the buffer recycles: two copies into
+        # warm pages cost less than one into fresh pages (measured: ~8 ms vs ~20-90 ms for 32 MiB).
+        nbytes = len(req.block_ids) * len(self.layers) * self.block_bytes
+        if self.scratch is None or self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+            prefault(self.scratch)
+        kv = block_copy.gather(self.layers, self.block_dim, req.block_ids, self.scratch)
         try:
-            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None,
-                               copy=False)  # kv is a fresh gather: hand it over
+            self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None)
         except (TimeoutError, BufferClosed, PipeError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", req.req_id,
                            len(req.token_ids), e)
@@ -413,7 +420,7 @@ class _WorkerSide:
         if self.push is not None:
             entry = self.push.take(entry_key(req.token_ids), self.connector.options.push_wait)
             if entry is not None:
-                return self._load_pushed(req, entry, start)
+                return self._load_pushed(req, entry, start, time.perf_counter() - start)
         try:
             tokens = torch.tensor(req.token_ids, dtype=torch.int64)
             _, _, kv, layout, _ = self.buffer.drop_select(tokens, None)
@@ -445,11 +452,12 @@ class _WorkerSide:
                     nbytes / seconds / 1e9, (fetched - start) * 1e3, (start + seconds - fetched) * 1e3)
         return n == len(wanted), wanted[n:]
 
-    def _load_pushed(self, req: LoadRequest, entry: PushedEntry, start: float) -> tuple[bool, list[int]]:
+    def _load_pushed(self, req: LoadRequest, entry: PushedEntry, start: float, waited: float) -> tuple[bool, list[int]]:
         """Write a pushed entry's pieces into the request's blocks; the same checks and fallbacks as a pulled one."""
         wanted = req.block_ids[req.start_block:]
         end = req.start_block + len(wanted)
         covered = [0] * len(self.layers)
+        jobs: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
         try:
             self._check_layout(None, entry.meta)
             for layer, first, blocks in entry.pieces:
@@ -463,11 +471,13 @@ class _WorkerSide:
                     continue
                 if req.corrupt and self.connector.options.allow_test_corruption:
                     blocks = blocks.flip(-1)
-                block_copy.scatter([self.layers[layer]], self.block_dim, req.block_ids[lo:hi],
-                                   blocks.narrow(self.block_dim, lo - first, hi - lo).unsqueeze(0))
+                jobs.append(([self.layers[layer]], req.block_ids[lo:hi],
+                             blocks.narrow(self.block_dim, lo - first, hi - lo).unsqueeze(0)))
                 covered[layer] += hi - lo
             if any(n != len(wanted) for n in covered):
                 raise ValueError(f"the pushed entry covers {min(covered)} of the {len(wanted)} blocks wanted")
+            for layers, ids, blocks in jobs:  # the KV is local: what is left of the request's wait is this copy
+                block_copy.scatter(layers, self.block_dim, ids, blocks)
         except LayoutMismatch as e:
             logger.error("MooncakeConnector: %s; recomputing request %s", e, req.req_id)
             self._count("load_failures")
@@ -482,8 +492,9 @@ class _WorkerSide:
         nbytes = entry.received
         self._record("loaded", req.num_tokens, nbytes, seconds)
         self._count("push_loaded")
-        logger.info("MooncakeConnector: loaded request %s (pushed): %d tokens, %.1f MiB in %.1f ms (waited for and "
-                    "copied from the staging area)", req.req_id, req.num_tokens, nbytes / 2**20, seconds * 1e3)
+        logger.info("MooncakeConnector: loaded request %s (pushed): %d tokens, %.1f MiB in %.1f ms (waited %.1f ms for "
+                    "the push to complete, copied from the staging area in %.1f ms)", req.req_id, req.num_tokens,
+                    nbytes / 2**20, seconds * 1e3, waited * 1e3, (seconds - waited) * 1e3)
         return True, []
 
     def _check_layout(self, kv: torch.Tensor | None, layout: torch.Tensor | None) -> None:

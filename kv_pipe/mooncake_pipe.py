@@ -121,7 +121,7 @@ class MooncakePipe(KVPipeBase):
         # Over TCP the engine reads the source with plain socket writes, so host memory needs no registration: write
         # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
         # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
-        direct = self.config.protocol == "tcp" and flat.device.type == "cpu"
+        direct = self.config.zero_copy_send and self.config.protocol == "tcp" and flat.device.type == "cpu"
         inflight: deque[tuple[int, Chunk]] = deque()
         sent_header = False
 

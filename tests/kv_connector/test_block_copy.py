@@ -77,3 +77,13 @@ def test_bad_ids_and_shapes_are_refused():
         block_copy.scatter(layers, 0, [0, 1], block_copy.gather(layers, 0, [0]))
     with pytest.raises(ValueError, match="does not fit"):
         block_copy.scatter(layers, 0, [0], torch.zeros(3, 1, 2, 5))
+
+
+def test_gather_into_scratch_memory():
+    layers = make_layers((12, 2, 4, 8), torch.float32)
+    scratch = torch.zeros(3 * 5 * 2 * 4 * 8 * 4 + 100, dtype=torch.uint8)
+    got = block_copy.gather(layers, 0, [5, 6, 7, 0, 1], scratch)
+    assert got.data_ptr() == scratch.data_ptr()
+    assert torch.equal(got, torch.stack([layer[[5, 6, 7, 0, 1]] for layer in layers]))
+    small = torch.zeros(10, dtype=torch.uint8)
+    assert block_copy.gather(layers, 0, [1], small).data_ptr() != small.data_ptr()  # too small: a new tensor

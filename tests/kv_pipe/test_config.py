@@ -151,6 +151,8 @@ def test_installed_engine_has_no_redis_plugin():
     ("staging_buffer_size", -1, "must be > 0"),
     ("chunk_size", 1.5, "expected a positive int"),
     ("max_chunks_in_flight", True, "expected a positive int"),
+    ("zero_copy_send", "yes", "expected true or false"),
+    ("transfer_mode", "both", "is not one of pull, push"),
 ])
 def test_bad_numbers(field, value, message):
     with pytest.raises(ConfigError, match=f"{field}.*{message}"):

@@ -39,14 +39,20 @@ def echoed(cfg, items: list) -> tuple[list, int]:
     return back, peer.result()
 
 
-def test_round_trip_both_ways(cfg):
-    items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5)]
+@pytest.mark.parametrize("zero_copy_send", [True, False], ids=["direct", "staged"])
+def test_round_trip_both_ways(zero_copy_send):
+    cfg = make_config(zero_copy_send=zero_copy_send)  # staged: the path RDMA and device tensors take
+    big = torch.randn(3 << 20)  # 12 MiB: three chunks
+    items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5), big,
+             big.view(-1, 1024).t()]  # and a non-contiguous one
     back, tensors = echoed(cfg, items)
-    assert tensors == 3
+    assert tensors == 5
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
 
-def test_dtype_and_shape_matrix_is_bit_exact(cfg):
+@pytest.mark.parametrize("zero_copy_send", [True, False], ids=["direct", "staged"])
+def test_dtype_and_shape_matrix_is_bit_exact(zero_copy_send):
+    cfg = make_config(zero_copy_send=zero_copy_send)
     peer = Peer(peers.send_cases, cfg, 0)
     expected = peers.dtype_cases()
     with open_pipe(cfg, 1) as pipe:
