@@ -44,6 +44,27 @@ def _geometry(layer: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
     return outer, layer.shape[block_dim], inner * layer.element_size()
 
 
+def _move(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], dense: torch.Tensor, dense_blocks: int,
+          into_cache: bool) -> None:
+    """memmove blocks ``ids`` between contiguous host layers and ``dense`` ([layers, outer, dense_blocks, inner]
+    bytes), whose positions 0..len(ids)-1 hold them, one run of consecutive ids at a time."""
+    outer, blocks, slab = _geometry(layers[0], block_dim)
+    _check_ids(ids, blocks)
+    spans = runs(ids)
+    base = dense.data_ptr()
+    for li, layer in enumerate(layers):
+        cache = layer.data_ptr()
+        dense_layer = base + li * outer * dense_blocks * slab
+        for o in range(outer):
+            for pos, block, length in spans:
+                at_cache = cache + (o * blocks + block) * slab
+                at_dense = dense_layer + (o * dense_blocks + pos) * slab
+                if into_cache:
+                    ctypes.memmove(at_cache, at_dense, length * slab)
+                else:
+                    ctypes.memmove(at_dense, at_cache, length * slab)
+
+
 def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int],
            scratch: torch.Tensor | None = None) -> torch.Tensor:
     """A dense tensor ``[len(layers), *shape]`` holding blocks ``ids`` of every layer (block dim = len(ids)): new, or
@@ -60,17 +81,7 @@ def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int],
         out = scratch.view(torch.uint8)[:nbytes].view(first.dtype).view(size)
     else:
         out = torch.empty(size, dtype=first.dtype)
-    outer, blocks, slab = _geometry(first, block_dim)
-    _check_ids(ids, blocks)
-    spans = runs(ids)
-    base = out.data_ptr()
-    for li, layer in enumerate(layers):
-        src = layer.data_ptr()
-        dst_layer = base + li * outer * len(ids) * slab
-        for o in range(outer):
-            for pos, block, length in spans:
-                ctypes.memmove(dst_layer + (o * len(ids) + pos) * slab, src + (o * blocks + block) * slab,
-                               length * slab)
+    _move(layers, block_dim, ids, out, len(ids), into_cache=False)
     return out
 
 
@@ -91,13 +102,4 @@ def scatter(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], 
     have = kv.shape[1 + block_dim]
     if have < n:
         raise ValueError(f"KV holds {have} blocks, {n} wanted")
-    outer, blocks, slab = _geometry(layers[0], block_dim)
-    _check_ids(ids, blocks)
-    spans = runs(ids)
-    base = kv.data_ptr()
-    for li, layer in enumerate(layers):
-        dst = layer.data_ptr()
-        src_layer = base + li * outer * have * slab
-        for o in range(outer):
-            for pos, block, length in spans:
-                ctypes.memmove(dst + (o * blocks + block) * slab, src_layer + (o * have + pos) * slab, length * slab)
+    _move(layers, block_dim, ids, kv, have, into_cache=True)

@@ -30,13 +30,12 @@ class LoadRequest:
 
 @dataclass
 class PushStep:
-    """Producer, push mode: this step computes prompt tokens [start, end) of ``req_id``. The worker pushes the blocks
+    """Producer, push mode: this step computes prompt tokens of ``req_id`` up to ``end``. The worker pushes the blocks
     that become complete (all remaining ones when ``end`` reaches the prompt's end); ``token_ids`` (the whole prompt)
     comes with the request's first step, which also pushes the blocks of a locally cached prefix."""
 
     req_id: str
     block_ids: list[int]
-    start: int
     end: int
     prompt_len: int
     token_ids: list[int] | None = None

@@ -235,7 +235,7 @@ class _SchedulerSide:
             if self.push:
                 first = req_id not in self.pushing
                 self.pushing.add(req_id)
-                meta.pushes.append(PushStep(req_id, block_ids, start, min(end, len(prompt)), len(prompt),
+                meta.pushes.append(PushStep(req_id, block_ids, min(end, len(prompt)), len(prompt),
                                             prompt if first else None))
             if len(prompt) <= end:  # the step that completes this prompt
                 meta.saves.append(SaveRequest(req_id, prompt, block_ids))
@@ -278,7 +278,6 @@ class _WorkerSide:
         self.push_pipe: MooncakePipe | None = None
         self.layer_index: dict[str, int] = {}
         self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
-        self.pull_keys: dict[str, bytes] = {}  # producer: requests the consumer had no room for (served by pull)
         self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
         self.scratch: torch.Tensor | None = None  # producer: reused gather memory for pull saves
@@ -345,7 +344,7 @@ class _WorkerSide:
             self._count("pushed")
             return
         self.save(req)  # before the notice: the consumer's drop_select must find it
-        self.push.notify_pull(state.key if state else self.pull_keys.pop(req.req_id, None) or entry_key(req.token_ids))
+        self.push.notify_pull(state.key if state else entry_key(req.token_ids))
 
     def plan_pushes(self, meta: MooncakeConnectorMetadata) -> None:
         """Push mode: decide which blocks each layer pushes in this step (once per step, before the first layer's
@@ -362,7 +361,6 @@ class _WorkerSide:
                 if self.push.begin(key, nbytes, len(self.layers), nblocks):
                     self.pushing[step.req_id] = _PushState(key, nblocks)
                 else:
-                    self.pull_keys[step.req_id] = key
                     logger.info("MooncakeConnector: no push room on the consumer for request %s (%.1f MiB): pull",
                                 step.req_id, nbytes / 2**20)
             state = self.pushing.get(step.req_id)

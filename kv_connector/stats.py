@@ -22,7 +22,7 @@ class MooncakeConnectorStats(KVConnectorStats):
         self.data = {name: 0 for name in _COUNTERS} | {"transfers": []}
 
     def count(self, name: str) -> None:
-        self.data[name] = self.data.get(name, 0) + 1
+        self.data[name] += 1
 
     def record(self, tokens: int, nbytes: int, seconds: float) -> None:
         self.data["transfers"].append([tokens, nbytes, seconds])
@@ -30,7 +30,7 @@ class MooncakeConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if not other.is_empty():
             for name in _COUNTERS:
-                self.data[name] = self.data.get(name, 0) + other.data.get(name, 0)
+                self.data[name] += other.data.get(name, 0)
             self.data["transfers"] += other.data.get("transfers", [])
         return self
 
@@ -38,7 +38,7 @@ class MooncakeConnectorStats(KVConnectorStats):
         transfers: list[Any] = self.data["transfers"]
         nbytes = sum(t[1] for t in transfers)
         seconds = sum(t[2] for t in transfers)
-        return {name: self.data.get(name, 0) for name in _COUNTERS} | {
+        return {name: self.data[name] for name in _COUNTERS} | {
             "transfers": len(transfers),
             "tokens": sum(t[0] for t in transfers),
             "MiB": round(nbytes / 2**20, 1),
@@ -47,4 +47,4 @@ class MooncakeConnectorStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return not self.data["transfers"] and not any(self.data.get(name, 0) for name in _COUNTERS)
+        return not self.data["transfers"] and not any(self.data[name] for name in _COUNTERS)
