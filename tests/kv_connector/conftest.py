@@ -41,16 +41,24 @@ def tiny_model() -> Path:
     return build_model("tiny")
 
 
+def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None,
+               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+    """A producer (core 0, no prefix caching: its full answers are the colocated reference) and a consumer (core 1,
+    test corruption allowed) serving ``model``, paired through one mooncake.json in ``work``; both started."""
+    config = mooncake_json(work / "mooncake.json", **mooncake_extra)
+    producer = VllmServer(f"{name}-producer", model, free_port(), 0, work, connector_config("kv_producer"), config,
+                          [*SERVE_ARGS, "--no-enable-prefix-caching"])
+    consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
+                          connector_config("kv_consumer", allow_test_corruption=True, **(consumer_extra or {})), config,
+                          SERVE_ARGS)
+    start_vllm(producer, consumer)
+    return producer, consumer
+
+
 @pytest.fixture(scope="session")
 def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A producer and a consumer serving the tiny model, paired through one mooncake.json."""
-    work = tmp_path_factory.mktemp("pd")
-    config = mooncake_json(work / "mooncake.json")
-    producer = VllmServer("producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
-                          [*SERVE_ARGS, "--no-enable-prefix-caching"])
-    consumer = VllmServer("consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", allow_test_corruption=True), config, SERVE_ARGS)
-    start_vllm(producer, consumer)
+    """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode)."""
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull")
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -59,13 +67,7 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture(scope="session")
 def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     """Like ``pd_pair``, in push mode (selected in mooncake.json), with chunked prefill (batch budget 512 tokens)."""
-    work = tmp_path_factory.mktemp("push")
-    config = mooncake_json(work / "mooncake.json", transfer_mode="push")
-    producer = VllmServer("push-producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
-                          [*SERVE_ARGS, "--no-enable-prefix-caching"])
-    consumer = VllmServer("push-consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", allow_test_corruption=True), config, SERVE_ARGS)
-    start_vllm(producer, consumer)
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", transfer_mode="push")
     yield producer, consumer
     producer.stop()
     consumer.stop()

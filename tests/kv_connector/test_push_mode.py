@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 
 from kv_connector.simple_connector import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS, connector_config, mooncake_json
+from tests.kv_connector.conftest import start_pair
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
-from tests.servers import VllmServer, free_port, start_vllm
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 
@@ -55,12 +54,7 @@ def test_corrupted_pushed_kv_changes_the_output(push_pair):
 
 def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path):
     """A consumer with room for one 1000-token entry: the second prompt prefilled before any decode goes by pull."""
-    config = mooncake_json(tmp_path / "mooncake.json", transfer_mode="push")
-    producer = VllmServer("small-producer", tiny_model, free_port(), 0, tmp_path, connector_config("kv_producer"),
-                          config, [*SERVE_ARGS, "--no-enable-prefix-caching"])
-    consumer = VllmServer("small-consumer", tiny_model, free_port(), 1, tmp_path,
-                          connector_config("kv_consumer", push_staging_size=6 << 20), config, SERVE_ARGS)
-    start_vllm(producer, consumer)
+    producer, consumer = start_pair(tiny_model, tmp_path, "small", {"push_staging_size": 6 << 20}, transfer_mode="push")
     try:
         first, second = prompt(1300, 1000), prompt(1301, 1000)  # 4 MiB of KV each in float32
         producer.complete(first, 1)
