@@ -1,8 +1,9 @@
 """The side channel of one pipe direction: a TCP connection carrying frames (``wire``) plus the ring bookkeeping.
 
 The sender owns an ``Outbound``: it reserves space in the receiver's staging ring, writes the bytes there with the
-Transfer Engine, then announces them with a frame; the receiver's ACK frames free the space again. The receiver
-owns an ``Inbound``: ``recv_tensor`` reads and validates the frames itself.
+Transfer Engine, then announces them with a frame; the receiver's ACK frames free the space again, and its DIRECT
+frame (zero-copy receive) offers the current tensor's result as the target instead. The receiver owns an
+``Inbound``: ``recv_tensor`` reads and validates the frames itself.
 
 Ring positions are absolute byte counters (never wrap); a chunk sits at ``position % ring_size`` and never
 straddles the end of the ring (the sender skips to the start instead), so each chunk is one contiguous slice.
@@ -95,6 +96,9 @@ class Outbound(Connection):
         self.chunk_size = chunk_size
         self.written = 0  # absolute ring position after the last reserved chunk
         self.acked = 0  # absolute ring position the receiver has consumed up to
+        self.tensor_seq = -1  # seq of the tensor being sent (TENSOR frames counted from 0)
+        self._tensor_nbytes = 0
+        self._direct_addr: int | None = None  # the receiver's offer for the current tensor
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read_loop, name=f"kv-pipe-acks-{peer}", daemon=True)
         self._reader.start()
@@ -159,8 +163,30 @@ class Outbound(Connection):
             self.written = start + length
         return Chunk(offset, length, start + length)
 
+    def start_tensor(self, nbytes: int) -> int:
+        """Number the next TENSOR frame (the receiver counts them alike) and forget any earlier DIRECT offer."""
+        with self._cv:
+            self.tensor_seq += 1
+            self._tensor_nbytes = nbytes
+            self._direct_addr = None
+            return self.tensor_seq
+
+    def direct_target(self, seq: int) -> int | None:
+        """The address in the receiver's result where tensor ``seq`` goes, if the receiver offered one."""
+        with self._cv:
+            return self._direct_addr if seq == self.tensor_seq else None
+
     def _handle(self, kind: Kind, payload: bytes) -> None:
-        if kind == Kind.ACK:
+        if kind == Kind.DIRECT:
+            offer = wire.decode_direct(payload)
+            with self._cv:
+                if offer.seq > self.tensor_seq:
+                    raise ProtocolError(f"DIRECT for tensor {offer.seq}, but only {self.tensor_seq + 1} were sent")
+                if offer.seq == self.tensor_seq:  # an offer for a tensor already sent in full is simply late
+                    if offer.nbytes != self._tensor_nbytes:
+                        raise ProtocolError(f"DIRECT offers {offer.nbytes} bytes for a tensor of {self._tensor_nbytes}")
+                    self._direct_addr = offer.addr
+        elif kind == Kind.ACK:
             end = wire.decode_ack(payload)
             with self._cv:
                 if not self.acked <= end <= self.written:
@@ -189,6 +215,7 @@ class Inbound(Connection):
         self.max_tensor_size = max_tensor_size
         self.inline_max = inline_max
         self.consumed = 0  # absolute ring position up to which data was copied out
+        self.tensor_seq = -1  # TENSOR frames received, counted like the sender does
         self.reported = False  # its error was raised to a caller already
 
     def probe_alive(self) -> bool:
@@ -215,11 +242,15 @@ class Inbound(Connection):
             kind, length = wire.decode_header(head)
             payload = self._read(length, time.monotonic() + timeout, idle_ok=False) if length else b""
             if kind == Kind.TENSOR:
-                return kind, wire.decode_tensor(payload, self.max_tensor_size)
+                header = wire.decode_tensor(payload, self.max_tensor_size)
+                self.tensor_seq += 1
+                return kind, header
             if kind == Kind.TENSOR_INLINE:
                 return kind, wire.decode_tensor_inline(payload, self.inline_max)
             if kind == Kind.CHUNK:
                 return kind, wire.decode_chunk(payload)
+            if kind == Kind.DCHUNK:
+                return kind, wire.decode_dchunk(payload)
             if kind == Kind.NONE:
                 return kind, None
             if kind == Kind.BYE:
@@ -266,6 +297,11 @@ class Inbound(Connection):
         self.consumed = end
         self.sock.settimeout(self.send_timeout)  # reads shorten it
         self.send(wire.encode_ack(end))
+
+    def offer_direct(self, addr: int, nbytes: int) -> None:
+        """Ask the sender to write the rest of the current tensor straight to ``addr`` (registered)."""
+        self.sock.settimeout(self.send_timeout)
+        self.send(wire.encode_direct(self.tensor_seq, addr, nbytes))
 
 
 class _Idle(Exception):

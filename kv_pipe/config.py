@@ -165,6 +165,7 @@ class MooncakeTransferEngineConfig:
     inline_max: int = 64 << 10
     huge_pages: bool = True
     zero_copy_send: bool = True
+    zero_copy_recv: bool = True
     max_tensor_size: int = 64 << 30
     timeout: float = 30.0
     transfer_mode: str = "pull"
@@ -191,8 +192,9 @@ class MooncakeTransferEngineConfig:
         object.__setattr__(self, "protocol", self.protocol.lower())
         if not isinstance(self.huge_pages, bool):
             raise ConfigError(f"huge_pages: expected true or false, got {self.huge_pages!r}")
-        if not isinstance(self.zero_copy_send, bool):
-            raise ConfigError(f"zero_copy_send: expected true or false, got {self.zero_copy_send!r}")
+        for flag in ("zero_copy_send", "zero_copy_recv"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}: expected true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.device_name, str):
             raise ConfigError(f"device_name: expected a string such as \"mlx5_0\", got {self.device_name!r}")
         if self.protocol == "rdma" and not self.device_name.strip():

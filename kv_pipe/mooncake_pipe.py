@@ -4,12 +4,16 @@ How one tensor travels (sender A -> receiver B):
 
 1. A holds a TCP side channel to B (opened on first send, see ``_connect``) on which B announced, in its WELCOME,
    its engine session and the address of its registered *staging ring* (``staging_buffer_size`` bytes).
-2. A splits the tensor's bytes into chunks (``chunk_size``). For each: reserve ring space, copy the chunk into A's
-   own registered staging area, and start a one-sided Transfer Engine write into B's ring. Up to
-   ``max_chunks_in_flight`` writes run at once; as each completes, a TENSOR (first chunk, with dtype and shape) or
-   CHUNK frame tells B where it is.
+2. A sends a TENSOR frame (dtype, shape, size), then splits the bytes into chunks (``chunk_size``). For each:
+   reserve ring space, start a one-sided Transfer Engine write into B's ring (over TCP straight from the tensor;
+   RDMA and device tensors first copy into A's own registered staging area). Up to ``max_chunks_in_flight`` writes
+   run at once; as each completes, a CHUNK frame tells B where it is.
 3. B's ``recv_tensor`` allocates the result once, copies each chunk out of the ring and ACKs it, which frees the
    space for A's next chunks. Memory use is fixed: two staging areas plus the result tensor.
+4. Zero-copy receive (TCP, host result of at least ``DIRECT_MIN`` bytes): on the TENSOR frame B registers the
+   result itself and offers it (DIRECT); from then on A writes the remaining chunks straight into it and announces
+   them with DCHUNK frames. B unregisters the result before returning it. Registering is bookkeeping over TCP
+   (~0.1 ms); RDMA would pin and map memory per tensor, so it keeps the ring.
 
 Nothing on the side channel is executed or unpickled: frames are parsed by ``kv_pipe.wire`` and validated.
 """
@@ -31,11 +35,13 @@ from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
 from kv_pipe.transfer_engine import MooncakeEngine
-from kv_pipe.wire import Chunk, Kind, TensorHeader
+from kv_pipe.wire import Chunk, DirectChunk, Kind, TensorHeader
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+DIRECT_MIN = 8 << 20  # tensors at least this large are received zero-copy (TCP): one round trip to set it up
+FIRST_CHUNK = 1 << 20  # while that offer is on its way, only this much is written to the ring
 _HELLO = {"kv_rank": int, "local_rank": int, "session": str}
 _WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int}
 
@@ -64,6 +70,8 @@ class MooncakePipe(KVPipeBase):
         self._outbound: Outbound | None = None
         self._stage: torch.Tensor | None = None
         self._peer_was_up = False  # a refused connection then means "down", not "still starting"
+        self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
+        self.stats = {"ring_bytes": 0, "direct_bytes": 0}  # received through the ring / written into results directly
         try:
             self._listener = socket.create_server((self.host, self.port), backlog=8)
         except OSError as e:
@@ -122,35 +130,49 @@ class MooncakePipe(KVPipeBase):
         # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
         # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
         direct = self.config.zero_copy_send and self.config.protocol == "tcp" and flat.device.type == "cpu"
-        inflight: deque[tuple[int, Chunk]] = deque()
-        sent_header = False
+        # A large tensor may be written straight into the receiver's result (zero-copy receive): the receiver offers
+        # it (DIRECT) when it reads this header. Until a first small chunk is done only that chunk is in flight, so
+        # the offer, which takes one round trip, usually arrives before more of the tensor went to the ring.
+        offer_expected = direct and nbytes >= DIRECT_MIN
+        seq = out.start_tensor(nbytes)
+        out.send(wire.encode_tensor(src.dtype, shape, nbytes))
+        inflight: deque[tuple[int, Chunk | DirectChunk]] = deque()
+        announced = 0
 
         def announce_oldest() -> None:
-            nonlocal sent_header
-            batch, chunk = inflight.popleft()
-            self._engine.wait(batch, out.session, chunk.length, timeout)
-            out.send(wire.encode_chunk(chunk) if sent_header else wire.encode_tensor(src.dtype, shape, nbytes, chunk))
-            sent_header = True
+            nonlocal announced
+            batch, piece = inflight.popleft()
+            self._engine.wait(batch, out.session, piece.length, timeout)
+            out.send(wire.encode_chunk(piece) if isinstance(piece, Chunk) else wire.encode_dchunk(piece.pos, piece.length))
+            announced += 1
 
         pos = 0
         try:
             while pos < nbytes:
-                length = min(out.chunk_size, nbytes - pos)
-                chunk = out.try_reserve(length)
-                if chunk is None and inflight:
-                    announce_oldest()  # only announced chunks can be ACKed and so free ring space
-                    continue
-                if chunk is None:
-                    chunk = out.reserve(length, timeout)
-                if direct:
-                    source = flat.data_ptr() + pos
+                target = out.direct_target(seq) if offer_expected else None
+                waiting_offer = offer_expected and announced == 0 and target is None
+                length = min(FIRST_CHUNK if waiting_offer else out.chunk_size, nbytes - pos)
+                piece: Chunk | DirectChunk
+                if target is not None:
+                    piece = DirectChunk(pos, length)
+                    batch = self._engine.write_async(out.session, flat.data_ptr() + pos, target + pos, length)
                 else:
-                    copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
-                    source = stage_addr + chunk.offset
-                batch = self._engine.write_async(out.session, source, out.ring_addr + chunk.offset, length)
-                inflight.append((batch, chunk))
+                    chunk = out.try_reserve(length)
+                    if chunk is None and inflight:
+                        announce_oldest()  # only announced chunks can be ACKed and so free ring space
+                        continue
+                    if chunk is None:
+                        chunk = out.reserve(length, timeout)
+                    if direct:
+                        source = flat.data_ptr() + pos
+                    else:
+                        copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
+                        source = stage_addr + chunk.offset
+                    piece = chunk
+                    batch = self._engine.write_async(out.session, source, out.ring_addr + chunk.offset, length)
+                inflight.append((batch, piece))
                 pos += length
-                if len(inflight) >= self.config.max_chunks_in_flight:
+                if len(inflight) >= (1 if waiting_offer else self.config.max_chunks_in_flight):
                     announce_oldest()  # copy the next chunk while the others are on the wire, up to the limit
             while inflight:
                 announce_oldest()
@@ -230,12 +252,17 @@ class MooncakePipe(KVPipeBase):
     def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """See ``KVPipeBase.recv_tensor``. ``out``: an optional contiguous buffer on the pipe's device to receive into
         (any dtype; the result is then a view of its first bytes, saving the page faults of a fresh allocation);
-        if it is too small for the incoming tensor, a new tensor is allocated instead."""
+        if it is too small for the incoming tensor, a new tensor is allocated instead. If this call raises, the
+        contents of ``out`` are undefined, and with zero-copy receive writes the sender had already started may still
+        land in it for up to ``timeout`` + 5 s: do not reuse it for that long."""
         timeout = self.config.timeout if timeout is None else timeout
         if out is not None and (not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous tensor on {self.device}")
         deadline = time.monotonic() + timeout
         with self._recv_lock:
+            now = time.monotonic()
+            while self._quarantine and self._quarantine[0][0] < now:
+                self._quarantine.popleft()
             inbound = self._wait_inbound(deadline, timeout)
             try:
                 kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0))
@@ -264,29 +291,54 @@ class MooncakePipe(KVPipeBase):
         if out is not None and 0 < header.nbytes <= out.numel() * out.element_size():
             return out.reshape(-1).view(torch.uint8)[:header.nbytes].view(header.dtype).view(header.shape)
         result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
-        if header.first is not None and self.config.huge_pages:
+        if header.data is None and self.config.huge_pages:
             advise_huge_pages(result.reshape(-1).view(torch.uint8))
         return result
 
     def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float, result: torch.Tensor) -> torch.Tensor:
+        """Collect a tensor's bytes: CHUNK frames point into the ring (copy out, ACK), DCHUNK frames say the
+        sender wrote them into ``result`` itself (zero-copy receive, offered here for a large host result)."""
         if header.nbytes == 0:
             return result
         out = result.reshape(-1).view(torch.uint8)
-        chunk, pos = header.first, 0
-        while True:
-            self._check_chunk(inbound, chunk, header.nbytes - pos)
-            copy_bytes(out[pos:pos + chunk.length], self._ring[chunk.offset:chunk.offset + chunk.length])
-            inbound.ack(chunk.end)
-            pos += chunk.length
-            if pos == header.nbytes:
-                return result
-            # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh result's
-            # page faults would otherwise double the cost of that copy).
-            prefault(out[pos:pos + chunk.length])
-            kind, chunk = inbound.next_frame(timeout)
-            if kind != Kind.CHUNK:
-                raise ProtocolError(f"expected a CHUNK frame ({header.nbytes - pos} bytes of the tensor missing), "
-                                    f"got {kind.name}")
+        direct = (header.nbytes >= DIRECT_MIN and self.config.zero_copy_recv and self.config.protocol == "tcp"
+                  and out.device.type == "cpu" and self._engine.register_region(out.data_ptr(), header.nbytes))
+        pos = 0
+        try:
+            if direct:
+                inbound.offer_direct(out.data_ptr(), header.nbytes)
+            while pos < header.nbytes:
+                kind, piece = inbound.next_frame(timeout)
+                missing = header.nbytes - pos
+                if kind == Kind.CHUNK:
+                    self._check_chunk(inbound, piece, missing)
+                    copy_bytes(out[pos:pos + piece.length], self._ring[piece.offset:piece.offset + piece.length])
+                    inbound.ack(piece.end)
+                    self.stats["ring_bytes"] += piece.length
+                elif kind == Kind.DCHUNK:
+                    if not direct:
+                        raise ProtocolError("DCHUNK for a tensor that was not offered for direct writes")
+                    if piece.pos != pos or not 0 < piece.length <= missing:
+                        raise ProtocolError(f"DCHUNK [{piece.pos}, +{piece.length}) where bytes [{pos}, "
+                                            f"{header.nbytes}) of the tensor are missing")
+                    self.stats["direct_bytes"] += piece.length
+                else:
+                    raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
+                pos += piece.length
+                if kind == Kind.CHUNK and not direct and pos < header.nbytes:
+                    # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh
+                    # result's page faults would otherwise double the cost of that copy).
+                    prefault(out[pos:pos + piece.length])
+            return result
+        except BaseException:
+            if direct:
+                # Writes the sender started may still land until its own timeout: keep the memory alive till then
+                # (a caller's ``out`` buffer is the caller's: see the docstring of recv_tensor).
+                self._quarantine.append((time.monotonic() + self.config.timeout + 5.0, result))
+            raise
+        finally:
+            if direct:
+                self._engine.unregister_region(out.data_ptr())
 
     def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int) -> None:
         if not 0 < chunk.length <= missing:

@@ -87,6 +87,28 @@ class MooncakeEngine:
         if rc != 0:
             logger.warning("unregistering a %d-byte staging buffer failed (rc=%d)", buf.numel(), rc)
 
+    def register_region(self, addr: int, nbytes: int) -> bool:
+        """Open a caller-owned host region to peers' writes (zero-copy receive); False if the engine refuses.
+
+        Over TCP this is bookkeeping only (~0.1 ms): the engine's TCP server accepts a write only into a region
+        registered here. The caller must ``unregister_region`` it before the memory is freed or reused.
+        """
+        engine = self._engine
+        if engine is None:
+            return False
+        rc = engine.register_memory(addr, nbytes)
+        if rc != 0:
+            logger.debug("registering a %d-byte receive region failed (rc=%d)", nbytes, rc)
+        return rc == 0
+
+    def unregister_region(self, addr: int) -> None:
+        engine = self._engine
+        if engine is None:  # closed: the engine and its registrations are gone
+            return
+        rc = engine.unregister_memory(addr)
+        if rc != 0:
+            logger.warning("unregistering a receive region at %#x failed (rc=%d)", addr, rc)
+
     def write_async(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> int:
         """Start a one-sided write; returns a batch id for ``wait``."""
         batch_id = self._engine.batch_transfer_async_write(peer, [local_addr], [remote_addr], [nbytes])

@@ -5,16 +5,20 @@ Every frame is a 12-byte header followed by ``length`` payload bytes::
     magic b"MKVP" | version u8 | kind u8 | flags u16 (0) | length u32      (network byte order)
 
 Kinds and payloads (the tensor bytes themselves never travel here: they are written by the Transfer Engine
-into the receiver's registered staging ring, and a frame only says where they are):
+into the receiver's registered staging ring, or straight into its result tensor, and a frame only says where they are):
 
 - HELLO / WELCOME: a small JSON object (the handshake; parsed with ``json`` and every field validated).
 - ERROR: UTF-8 text, the reason the peer refused us.
-- TENSOR: dtype code u8, ndim u8, 6 pad, nbytes u64, first chunk (offset u64, length u64, end u64), ndim x dim u64.
+- TENSOR: dtype code u8, ndim u8, 6 pad, nbytes u64, ndim x dim u64 - a tensor starts; its bytes follow as CHUNK /
+  DCHUNK frames. TENSOR frames are counted per connection (0, 1, ...): that count is the tensor's ``seq``.
 - TENSOR_INLINE: dtype code u8, ndim u8, 6 pad, nbytes u64, ndim x dim u64, then the nbytes of the tensor itself
   (small tensors ride in the frame that has to be sent anyway; at most ``MAX_INLINE`` bytes).
 - NONE: empty; the value ``None`` (nothing a real tensor could carry is reserved for it).
 - CHUNK: offset u64, length u64, end u64 - the next piece of the current tensor sits at ``offset`` in the ring.
 - ACK: end u64 - the receiver has consumed the ring up to the absolute position ``end``.
+- DIRECT (receiver -> sender): seq u64, addr u64, nbytes u64 - "write the rest of tensor ``seq`` straight into my
+  registered result at ``addr``" (zero-copy receive over TCP; a sender may ignore it).
+- DCHUNK: pos u64, length u64 - bytes [pos, pos+length) of the current tensor were written into the result directly.
 - BYE: empty; an orderly close.
 
 Decoding validates sizes and values and raises ``ProtocolError`` with a message naming what is wrong.
@@ -37,7 +41,7 @@ from kv_pipe.config import MAX_INLINE as MAX_INLINE_BYTES
 from kv_pipe.errors import ProtocolError
 
 MAGIC = b"MKVP"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!4sBBHI")
 MAX_NDIM = 64
 MAX_JSON = 64 << 10
@@ -54,16 +58,21 @@ class Kind(IntEnum):
     ACK = 7
     BYE = 8
     TENSOR_INLINE = 9
+    DIRECT = 10
+    DCHUNK = 11
 
 
 _CHUNK = struct.Struct("!QQQ")
 _TENSOR_HEAD = struct.Struct("!BB6xQ")
 _ACK = struct.Struct("!Q")
+_DIRECT = struct.Struct("!QQQ")
+_DCHUNK = struct.Struct("!QQ")
 _MAX_PAYLOAD = {
     Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096,
-    Kind.TENSOR: _TENSOR_HEAD.size + _CHUNK.size + 8 * MAX_NDIM,
+    Kind.TENSOR: _TENSOR_HEAD.size + 8 * MAX_NDIM,
     Kind.NONE: 0, Kind.CHUNK: _CHUNK.size, Kind.ACK: _ACK.size, Kind.BYE: 0,
     Kind.TENSOR_INLINE: _TENSOR_HEAD.size + 8 * MAX_NDIM + MAX_INLINE,
+    Kind.DIRECT: _DIRECT.size, Kind.DCHUNK: _DCHUNK.size,
 }
 
 # The wire code of every dtype is fixed forever; dtypes this torch lacks are simply absent.
@@ -95,12 +104,28 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class DirectChunk:
+    """Bytes [pos, pos+length) of the current tensor, written straight into the receiver's result."""
+
+    pos: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Direct:
+    """The receiver's offer: write the rest of tensor ``seq`` (``nbytes`` in all) into its result at ``addr``."""
+
+    seq: int
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TensorHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-    first: Chunk | None  # where the first chunk sits in the ring; None for an inline tensor
-    data: memoryview | None = None  # an inline tensor's bytes
+    data: memoryview | None = None  # an inline tensor's bytes; None when CHUNK / DCHUNK frames carry them
 
 
 def encode(kind: Kind, payload: bytes = b"") -> bytes:
@@ -171,6 +196,29 @@ def decode_ack(payload: bytes) -> int:
     return _ACK.unpack(payload)[0]
 
 
+def encode_dchunk(pos: int, length: int) -> bytes:
+    return encode(Kind.DCHUNK, _DCHUNK.pack(pos, length))
+
+
+def decode_dchunk(payload: bytes) -> DirectChunk:
+    if len(payload) != _DCHUNK.size:
+        raise ProtocolError(f"DCHUNK payload has {len(payload)} bytes, expected {_DCHUNK.size}")
+    return DirectChunk(*_DCHUNK.unpack(payload))
+
+
+def encode_direct(seq: int, addr: int, nbytes: int) -> bytes:
+    return encode(Kind.DIRECT, _DIRECT.pack(seq, addr, nbytes))
+
+
+def decode_direct(payload: bytes) -> Direct:
+    if len(payload) != _DIRECT.size:
+        raise ProtocolError(f"DIRECT payload has {len(payload)} bytes, expected {_DIRECT.size}")
+    direct = Direct(*_DIRECT.unpack(payload))
+    if direct.addr == 0 or direct.nbytes == 0:
+        raise ProtocolError(f"DIRECT offers an empty region: {direct}")
+    return direct
+
+
 def _dtype_code(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     code = DTYPE_TO_CODE.get(dtype)
     if code is None:
@@ -180,9 +228,8 @@ def _dtype_code(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return code
 
 
-def encode_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, first: Chunk) -> bytes:
-    payload = (_TENSOR_HEAD.pack(_dtype_code(dtype, shape), len(shape), nbytes)
-               + _CHUNK.pack(first.offset, first.length, first.end) + struct.pack(f"!{len(shape)}Q", *shape))
+def encode_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    payload = _TENSOR_HEAD.pack(_dtype_code(dtype, shape), len(shape), nbytes) + struct.pack(f"!{len(shape)}Q", *shape)
     return encode(Kind.TENSOR, payload)
 
 
@@ -208,18 +255,15 @@ def _check_shape(code: int, shape: tuple[int, ...], nbytes: int, max_nbytes: int
 
 def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
     """Parse and validate a TENSOR frame: known dtype, consistent shape and size, within ``max_nbytes``."""
-    fixed = _TENSOR_HEAD.size + _CHUNK.size
+    fixed = _TENSOR_HEAD.size
     if len(payload) < fixed:
         raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, fewer than the fixed {fixed}")
     code, ndim, nbytes = _TENSOR_HEAD.unpack_from(payload)
-    first = Chunk(*_CHUNK.unpack_from(payload, _TENSOR_HEAD.size))
     if len(payload) != fixed + 8 * ndim:
         raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, but ndim={ndim} needs {fixed + 8 * ndim}")
     shape = struct.unpack_from(f"!{ndim}Q", payload, fixed)
     dtype = _check_shape(code, shape, nbytes, max_nbytes, "max_tensor_size")
-    if first.length > nbytes:
-        raise ProtocolError(f"first chunk of {first.length} bytes is larger than the tensor ({nbytes} bytes)")
-    return TensorHeader(dtype, tuple(shape), nbytes, first)
+    return TensorHeader(dtype, tuple(shape), nbytes)
 
 
 def decode_tensor_inline(payload: bytes | bytearray, max_inline: int) -> TensorHeader:
@@ -233,7 +277,7 @@ def decode_tensor_inline(payload: bytes | bytearray, max_inline: int) -> TensorH
                             f"need {start + nbytes}")
     shape = struct.unpack_from(f"!{ndim}Q", payload, _TENSOR_HEAD.size)
     dtype = _check_shape(code, shape, nbytes, max_inline, "inline_max")
-    return TensorHeader(dtype, tuple(shape), nbytes, None, memoryview(payload)[start:])
+    return TensorHeader(dtype, tuple(shape), nbytes, memoryview(payload)[start:])
 
 
 def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | None = None) -> bytes:

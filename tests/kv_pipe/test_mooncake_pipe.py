@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kv_pipe import PeerDisconnected, PipeClosed, PipeTimeout, ProtocolError, TransferError, wire
+from kv_pipe.mooncake_pipe import DIRECT_MIN
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
@@ -28,31 +29,55 @@ def cfg():
     return make_config()
 
 
-def echoed(cfg, items: list) -> tuple[list, int]:
-    """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw."""
+def echoed(cfg, items: list, stats: dict | None = None) -> tuple[list, int]:
+    """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw
+    (and fills ``stats`` with this end's receive counters)."""
     peer = Peer(peers.echo, cfg, 0, len(items))
     with open_pipe(cfg, 1) as pipe:
         for item in items:
             pipe.send_tensor(item)
         back = [pipe.recv_tensor() for _ in items]
         pipe.send_tensor(None)
+        if stats is not None:
+            stats.update(pipe.stats)
     return back, peer.result()
 
 
-@pytest.mark.parametrize("zero_copy_send", [True, False], ids=["direct", "staged"])
-def test_round_trip_both_ways(zero_copy_send):
-    cfg = make_config(zero_copy_send=zero_copy_send)  # staged: the path RDMA and device tensors take
+# zero-copy: TCP writes straight from the sender's tensor into the receiver's result (large tensors);
+# staged: through both staging areas, the path RDMA and device tensors take.
+PATHS = pytest.mark.parametrize("path", [{"zero_copy_send": True, "zero_copy_recv": True},
+                                         {"zero_copy_send": False, "zero_copy_recv": False}], ids=["zero-copy", "staged"])
+
+
+@PATHS
+def test_round_trip_both_ways(path):
+    cfg = make_config(**path)
     big = torch.randn(3 << 20)  # 12 MiB: three chunks
     items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5), big,
              big.view(-1, 1024).t()]  # and a non-contiguous one
-    back, tensors = echoed(cfg, items)
+    stats: dict = {}
+    back, tensors = echoed(cfg, items, stats)
     assert tensors == 5
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
+    if path["zero_copy_recv"]:  # a first small chunk of each big tensor goes through the ring, the rest direct
+        assert stats["direct_bytes"] >= 2 * 4 * MiB, stats
+    else:
+        assert stats["direct_bytes"] == 0 and stats["ring_bytes"] == 2 * 12 * MiB, stats
 
 
-@pytest.mark.parametrize("zero_copy_send", [True, False], ids=["direct", "staged"])
-def test_dtype_and_shape_matrix_is_bit_exact(zero_copy_send):
-    cfg = make_config(zero_copy_send=zero_copy_send)
+def test_direct_receive_offer_is_ignored_by_a_staged_sender():
+    # The receiver offers its result, but a sender that stages (RDMA, device tensors) keeps to the ring.
+    cfg = make_config(zero_copy_send=False, zero_copy_recv=True)
+    stats: dict = {}
+    items = [torch.arange(5 << 20, dtype=torch.int32), torch.arange(9 << 20, dtype=torch.uint8)]
+    back, _ = echoed(cfg, items, stats)
+    assert all(same(a, b) for a, b in zip(items, back, strict=True))
+    assert stats["direct_bytes"] == 0 and stats["ring_bytes"] == 29 * MiB, stats
+
+
+@PATHS
+def test_dtype_and_shape_matrix_is_bit_exact(path):
+    cfg = make_config(**path)
     peer = Peer(peers.send_cases, cfg, 0)
     expected = peers.dtype_cases()
     with open_pipe(cfg, 1) as pipe:
@@ -270,19 +295,26 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
 
 
 @pytest.mark.parametrize("frame, message", [
-    (lambda w: wire.encode_tensor(torch.uint8, (1 << 40,), 1 << 40, Chunk(0, 1, 1)),
-     "exceeds max_tensor_size"),
-    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100, Chunk(w["ring_size"] - 10, 100, 100)), "lies outside"),
-    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100, Chunk(0, 0, 0)), "chunk of 0 bytes"),
+    (lambda w: wire.encode_tensor(torch.uint8, (1 << 40,), 1 << 40), "exceeds max_tensor_size"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100) + wire.encode_chunk(Chunk(w["ring_size"] - 10, 100, 100)),
+     "lies outside"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100) + wire.encode_chunk(Chunk(0, 0, 0)), "chunk of 0 bytes"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100) + wire.encode_chunk(Chunk(0, 200, 200)), "chunk of 200 bytes"),
+    (lambda w: wire.encode_tensor(torch.uint8, (100,), 100) + wire.encode_dchunk(0, 100), "not offered for direct"),
+    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_dchunk(4, 100), r"DCHUNK \[4, "),
+    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_dchunk(0, DIRECT_MIN + 1),
+     "DCHUNK"),
+    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_direct(0, 1, 1), "unexpected DIRECT"),
     (lambda w: wire.encode_chunk(Chunk(0, 8, 8)), "expected a TENSOR or NONE frame"),
     (lambda w: wire.encode(Kind.WELCOME, b"{}"), "unexpected WELCOME frame"),
-    (lambda w: b"MKVP\x01\x04\x00\x00\xff\xff\xff\xff", "exceeds its limit"),
+    (lambda w: wire.HEADER.pack(wire.MAGIC, wire.VERSION, Kind.TENSOR, 0, 0xFFFFFFFF), "exceeds its limit"),
     (lambda w: wire.encode_tensor_inline(torch.uint8, (w["inline_max"] + 1,), bytes(w["inline_max"] + 1)),
      "exceeds inline_max"),
     (lambda w: wire.encode_tensor_inline(torch.float32, (4,), bytes(16))[:-4], "disconnected"),
     (lambda w: wire.encode(Kind.TENSOR_INLINE, wire.encode_tensor_inline(torch.float32, (4,), bytes(16))[12:-4]),
      "need 40"),
-    (lambda w: wire.encode_tensor(torch.float32, (3,), 12, Chunk(0, 12, 12))[:20], "disconnected"),
+    (lambda w: wire.encode_tensor(torch.float32, (3,), 12)[:20], "disconnected"),
+    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN), "disconnected"),  # sender dies after the offer
 ])
 def test_malformed_frames_after_handshake(cfg, frame, message):
     with open_pipe(cfg, 1) as pipe:

@@ -14,11 +14,11 @@ from kv_pipe.wire import Chunk, Kind
 
 def test_tensor_header_round_trip_for_every_dtype():
     for dtype in wire.DTYPE_TO_CODE:
-        frame = wire.encode_tensor(dtype, (3, 0, 7), 0, Chunk(0, 0, 5))
+        frame = wire.encode_tensor(dtype, (3, 0, 7), 0)
         kind, length = wire.decode_header(frame[:wire.HEADER.size])
         assert (kind, length) == (Kind.TENSOR, len(frame) - wire.HEADER.size)
         header = wire.decode_tensor(frame[wire.HEADER.size:], max_nbytes=1 << 30)
-        assert (header.dtype, header.shape, header.nbytes, header.first) == (dtype, (3, 0, 7), 0, Chunk(0, 0, 5))
+        assert (header.dtype, header.shape, header.nbytes, header.data) == (dtype, (3, 0, 7), 0, None)
 
 
 def test_every_common_dtype_has_a_code():
@@ -29,16 +29,17 @@ def test_every_common_dtype_has_a_code():
 
 def test_unsupported_dtype_is_a_type_error():
     with pytest.raises(TypeError, match="cannot be sent"):
-        wire.encode_tensor(torch.qint8, (1,), 1, Chunk(0, 1, 1))
+        wire.encode_tensor(torch.qint8, (1,), 1)
 
 
 @pytest.mark.parametrize("raw, message", [
     (b"XXXX" + bytes(8), "bad magic"),
     (struct.pack("!4sBBHI", b"MKVP", 9, 4, 0, 0), "unsupported protocol version 9"),
-    (struct.pack("!4sBBHI", b"MKVP", 1, 99, 0, 0), "unknown frame kind 99"),
-    (struct.pack("!4sBBHI", b"MKVP", 1, 6, 1, 24), "flags must be 0"),
-    (struct.pack("!4sBBHI", b"MKVP", 1, 6, 0, 1 << 30), "exceeds its limit"),
-    (struct.pack("!4sBBHI", b"MKVP", 1, 1, 0, 1 << 20), "exceeds its limit"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 99, 0, 0), "unknown frame kind 99"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 6, 1, 24), "flags must be 0"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 6, 0, 1 << 30), "exceeds its limit"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 1, 0, 1 << 20), "exceeds its limit"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 10, 0, 25), "exceeds its limit"),
     (b"MKVP", "truncated frame header"),
 ])
 def test_bad_headers(raw, message):
@@ -46,9 +47,9 @@ def test_bad_headers(raw, message):
         wire.decode_header(raw)
 
 
-def _tensor_payload(code: int, dims: list[int], nbytes: int, first: tuple[int, int, int] = (0, 0, 0), ndim=None) -> bytes:
+def _tensor_payload(code: int, dims: list[int], nbytes: int, ndim=None) -> bytes:
     ndim = len(dims) if ndim is None else ndim
-    return struct.pack("!BB6xQ", code, ndim, nbytes) + struct.pack("!QQQ", *first) + struct.pack(f"!{len(dims)}Q", *dims)
+    return struct.pack("!BB6xQ", code, ndim, nbytes) + struct.pack(f"!{len(dims)}Q", *dims)
 
 
 @pytest.mark.parametrize("payload, message", [
@@ -57,11 +58,19 @@ def _tensor_payload(code: int, dims: list[int], nbytes: int, first: tuple[int, i
     (_tensor_payload(1, [4, 4], 16), "needs 64 bytes, header says 16"),
     (_tensor_payload(1, [4], 16, ndim=3), "ndim=3 needs"),
     (_tensor_payload(1, [1 << 40], 1 << 42), "exceeds max_tensor_size"),
-    (_tensor_payload(1, [4], 16, first=(0, 32, 32)), "first chunk of 32 bytes is larger"),
 ])
 def test_bad_tensor_headers(payload, message):
     with pytest.raises(ProtocolError, match=message):
         wire.decode_tensor(payload, max_nbytes=1 << 30)
+
+
+def test_direct_frames_round_trip_and_refuse_empty_offers():
+    assert wire.decode_direct(wire.encode_direct(3, 0x7F00, 1 << 24)[wire.HEADER.size:]) == wire.Direct(3, 0x7F00, 1 << 24)
+    assert wire.decode_dchunk(wire.encode_dchunk(8, 4)[wire.HEADER.size:]) == wire.DirectChunk(8, 4)
+    with pytest.raises(ProtocolError, match="empty region"):
+        wire.decode_direct(wire.encode_direct(0, 0, 16)[wire.HEADER.size:])
+    with pytest.raises(ProtocolError, match="DCHUNK payload has 3 bytes"):
+        wire.decode_dchunk(b"abc")
 
 
 @pytest.mark.parametrize("payload, schema, message", [
