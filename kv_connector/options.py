@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_pipe import ConfigError
+from kv_pipe.config import TRANSFER_MODES
 
 GiB = 1 << 30
 
@@ -54,23 +55,17 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                               f"known keys: {', '.join(sorted(known))}")
         opts = cls(**extra)
-        size = opts.buffer_size
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ConfigError(f"kv_connector_extra_config.buffer_size: expected a positive number of bytes, got {size!r}")
-        wait = opts.save_timeout
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
-            raise ConfigError(f"kv_connector_extra_config.save_timeout: expected seconds > 0, got {wait!r}")
-        if opts.transfer_mode not in (None, "pull", "push"):
-            raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
-                              f"{opts.transfer_mode!r}")
-        staging = opts.push_staging_size
-        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
-            raise ConfigError("kv_connector_extra_config.push_staging_size: expected a positive number of bytes, got "
-                              f"{staging!r}")
-        for name in ("push_ttl", "push_wait"):
+        for name in ("buffer_size", "push_staging_size"):
+            value = getattr(opts, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected a positive number of bytes, got {value!r}")
+        for name in ("save_timeout", "push_ttl", "push_wait"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0, got {value!r}")
+        if opts.transfer_mode is not None and opts.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
+                              f"{opts.transfer_mode!r}")
         interval = opts.gil_switch_interval
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
                 interval == 0 or 1e-6 <= interval <= 0.1):

@@ -190,9 +190,7 @@ class MooncakeTransferEngineConfig:
             raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)} "
                               "(the engine would silently fall back to TCP); set \"protocol\": \"tcp\" or \"rdma\"")
         object.__setattr__(self, "protocol", self.protocol.lower())
-        if not isinstance(self.huge_pages, bool):
-            raise ConfigError(f"huge_pages: expected true or false, got {self.huge_pages!r}")
-        for flag in ("zero_copy_send", "zero_copy_recv"):
+        for flag in ("huge_pages", "zero_copy_send", "zero_copy_recv"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: expected true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.device_name, str):

@@ -83,9 +83,7 @@ class MooncakeEngine:
         with self._lock:
             if self._registered.pop(buf.data_ptr(), None) is None:
                 return
-        rc = self._engine.unregister_memory(buf.data_ptr())
-        if rc != 0:
-            logger.warning("unregistering a %d-byte staging buffer failed (rc=%d)", buf.numel(), rc)
+        self.unregister_region(buf.data_ptr())
 
     def register_region(self, addr: int, nbytes: int) -> bool:
         """Open a caller-owned host region to peers' writes (zero-copy receive); False if the engine refuses.
@@ -107,7 +105,7 @@ class MooncakeEngine:
             return
         rc = engine.unregister_memory(addr)
         if rc != 0:
-            logger.warning("unregistering a receive region at %#x failed (rc=%d)", addr, rc)
+            logger.warning("unregistering the memory at %#x from the Transfer Engine failed (rc=%d)", addr, rc)
 
     def write_async(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> int:
         """Start a one-sided write; returns a batch id for ``wait``."""
