@@ -2,14 +2,16 @@
 
 The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
 
-- consumer -> producer, signal pipe: an int64 tensor ``[op, seq]``: ``OP_DROP_SELECT`` (then, on the data pipe,
-  the query tokens and roi, each a 1-D tensor or None) or ``OP_CLOSE`` (the consumer is going away).
+- consumer -> producer, signal pipe: one int64 tensor per request, ``[op, seq, kind, *tokens]``: ``OP_DROP_SELECT``
+  with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi; only the masked
+  tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None, None)``); or
+  ``OP_CLOSE`` (the consumer is going away). One frame per request: a round trip costs one small frame each way.
 - producer -> consumer, data pipe: an int64 tensor ``[status, seq]`` echoing the request's ``seq``: ``HIT``
   followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going away).
   A consumer whose request timed out recognises the late answer by its ``seq`` and discards it (counted as lost).
 
-Requests are validated by the producer; a malformed one is answered with MISS (or skipped, if even the signal is
-malformed) and logged, and the serving thread goes on.
+Requests are validated by the producer; a malformed one is answered with MISS (or skipped, if it does not even
+carry an op and a seq) and logged, and the serving thread goes on.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Literal
 import torch
 
 from kv_lookup_buffer.base import KVLookupBufferBase
-from kv_lookup_buffer.token_index import TokenIndex
+from kv_lookup_buffer.token_index import TokenIndex, prefix_hashes
 from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeTimeout
 from kv_pipe.memory import copy_bytes
 
 logger = logging.getLogger(__name__)
 
 OP_DROP_SELECT, OP_CLOSE = 1, 2
+ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
 HIT, MISS, CLOSED = 0, 1, 2
 DEFAULT_TIMEOUT = 30.0
 
@@ -42,6 +45,8 @@ class BufferClosed(RuntimeError):
 class _Entry:
     tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
     nbytes: int
+    key: list[int]  # the roi-masked tokens it is indexed under
+    hashes: list[int]  # prefix_hashes(key)
 
 
 def _nbytes(tensors: list[torch.Tensor | None]) -> int:
@@ -112,6 +117,38 @@ def _message(code: int, seq: int) -> torch.Tensor:
     return torch.tensor([code, seq], dtype=torch.int64)
 
 
+class _BadRequest(ValueError):
+    """A malformed request; ``seq`` is set when the request could still be answered (with MISS)."""
+
+    def __init__(self, message: str, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+
+def _request(op: int, seq: int, query: list[int] | None = None) -> torch.Tensor:
+    if query is None:
+        return torch.tensor([op, seq, ANY], dtype=torch.int64)
+    return torch.tensor([op, seq, QUERY, *query], dtype=torch.int64)
+
+
+def _read_request(t: torch.Tensor | None) -> tuple[int, int, list[int] | None]:
+    """``(op, seq, query)`` from a request frame; ValueError (with ``seq`` when it could be read) if malformed."""
+    if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < 3:
+        desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+        raise _BadRequest(f"expected a 1-D int64 tensor [op, seq, kind, *tokens], got {desc}")
+    op, seq, kind, *query = t.tolist()
+    if op not in (OP_DROP_SELECT, OP_CLOSE):
+        raise _BadRequest(f"unknown op {op}")
+    if op == OP_CLOSE:
+        return op, seq, None
+    if kind == ANY and not query:
+        return op, seq, None
+    if kind == QUERY:
+        return op, seq, query
+    raise _BadRequest(f"request {seq}: kind must be {QUERY} (tokens follow) or {ANY} (nothing follows), "
+                      f"got {kind} with {len(query)} tokens", seq)
+
+
 def _read_message(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int]:
     if t is None or t.dtype != torch.int64 or t.shape != (2,) or int(t[0]) not in allowed:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
@@ -164,6 +201,7 @@ class SimpleBuffer(KVLookupBufferBase):
             raise BufferClosed("insert on a closed buffer")
         self._take_role("producer")
         tokens = _masked_tokens(input_tokens, roi)
+        hashes = prefix_hashes(tokens)  # outside the lock: the serving thread is not held up by it
         originals = (input_tokens, roi, key, value, hidden)
         nbytes = _nbytes(list(originals))
         if nbytes > self.buffer_size_threshold:
@@ -196,7 +234,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._cv.notify_all()
             raise
         with self._cv:
-            self._index.add(tokens, _Entry(tensors, nbytes))
+            self._index.add(tokens, _Entry(tensors, nbytes, tokens, hashes), hashes)
         self.start_serving()
 
     def start_serving(self) -> None:
@@ -210,16 +248,23 @@ class SimpleBuffer(KVLookupBufferBase):
     def _serve(self) -> None:
         while not self._closed.is_set():
             try:
-                signal = self.signal_pipe.recv_tensor(timeout=1.0)
-                op, seq = _read_message(signal, (OP_DROP_SELECT, OP_CLOSE), "request signal")
+                request = self.signal_pipe.recv_tensor(timeout=1.0)
+                try:
+                    op, seq, query = _read_request(request)
+                except _BadRequest as e:
+                    self.stats["malformed"] += 1
+                    logger.error("malformed drop_select request (%s): %s", e,
+                                 "skipped" if e.seq is None else f"answering MISS to request {e.seq}")
+                    if e.seq is not None:
+                        self.data_pipe.send_tensor(_message(MISS, e.seq))
+                    continue
                 if op == OP_CLOSE:
                     logger.info("the consumer closed the buffer")
                     with self._cv:
                         self._consumer_closes += 1
                         self._cv.notify_all()
                     continue
-                tokens, roi = self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()
-                self._answer(seq, tokens, roi)
+                self._answer(seq, query)
             except PipeTimeout:
                 continue
             except PipeClosed:
@@ -230,18 +275,10 @@ class SimpleBuffer(KVLookupBufferBase):
                 self.stats["malformed"] += 1
                 logger.error("ignored a malformed or broken request from the consumer: %s", e)
 
-    def _answer(self, seq: int, tokens: torch.Tensor | None, roi: torch.Tensor | None) -> None:
-        try:
-            if tokens is None and roi is not None:
-                raise ValueError("roi given without input_tokens")
-            query = None if tokens is None else _masked_tokens(tokens, roi)
-        except ValueError as e:
-            self.stats["malformed"] += 1
-            logger.error("malformed drop_select request (%s): answering MISS", e)
-            self.data_pipe.send_tensor(_message(MISS, seq))
-            return
+    def _answer(self, seq: int, query: list[int] | None) -> None:
+        hashes = None if query is None else prefix_hashes(query)  # outside the lock, away from the inserting thread
         with self._cv:
-            ident = self._index.find(query)
+            ident = self._index.find(query, hashes)
             entry = None if ident is None else self._index.remove(ident)
         if entry is None:
             self.stats["misses"] += 1
@@ -253,7 +290,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self.data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
-                self._index.add(_masked_tokens(entry.tensors[0], entry.tensors[1]), entry)
+                self._index.add(entry.key, entry, entry.hashes)
             raise
         self.stats["hits"] += 1
         with self._cv:
@@ -270,14 +307,14 @@ class SimpleBuffer(KVLookupBufferBase):
             raise BufferClosed("drop_select on a closed buffer")
         self._take_role("consumer")
         if input_tokens is not None:
-            _masked_tokens(input_tokens, roi)  # refuse a bad query here rather than at the producer
+            query = _masked_tokens(input_tokens, roi)  # a bad query is refused here rather than at the producer
         elif roi is not None:
             raise ValueError("roi given without input_tokens")
+        else:
+            query = None
         with self._request_lock:
             self._seq += 1
-            self.signal_pipe.send_tensor(_message(OP_DROP_SELECT, self._seq))
-            self.data_pipe.send_tensor(input_tokens)
-            self.data_pipe.send_tensor(roi)
+            self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, self._seq, query))
             while True:
                 status, seq = _read_message(self.data_pipe.recv_tensor(), (HIT, MISS, CLOSED), "drop_select answer")
                 if status == CLOSED:
@@ -312,7 +349,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self.data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
             elif self.role == "consumer" and self._request_lock.acquire(timeout=1.0):
                 try:
-                    self.signal_pipe.send_tensor(_message(OP_CLOSE, -1), timeout=1.0)
+                    self.signal_pipe.send_tensor(_request(OP_CLOSE, -1), timeout=1.0)
                 finally:
                     self._request_lock.release()
         except PipeError as e:

@@ -48,9 +48,11 @@ class TokenIndex(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, tokens: Sequence[int], value: T) -> int:
+    def add(self, tokens: Sequence[int], value: T, hashes: list[int] | None = None) -> int:
+        """Index ``value`` under ``tokens``; ``hashes`` (``prefix_hashes(tokens)``) may be computed beforehand,
+        e.g. outside a lock."""
         tokens = tuple(tokens)
-        item = _Item(tokens, prefix_hashes(tokens), value)
+        item = _Item(tokens, prefix_hashes(tokens) if hashes is None else hashes, value)
         ident = self._next_id
         self._next_id += 1
         self._items[ident] = item
@@ -75,8 +77,8 @@ class TokenIndex(Generic[T]):
     def values(self) -> list[T]:
         return [item.value for item in self._items.values()]
 
-    def find(self, query: Sequence[int] | None) -> int | None:
-        """The id of the best match, or None.
+    def find(self, query: Sequence[int] | None, hashes: list[int] | None = None) -> int | None:
+        """The id of the best match, or None (``hashes``: ``prefix_hashes(query)`` if computed beforehand).
 
         ``None`` matches the oldest entry. Otherwise, in this order: an entry with exactly these tokens; the longest
         entry whose tokens are a prefix of the query; the oldest entry that the query is a prefix of.
@@ -86,7 +88,8 @@ class TokenIndex(Generic[T]):
             return next(iter(self._items), None)
         query = tuple(query)
         m = len(query)
-        hashes = prefix_hashes(query)
+        if hashes is None:
+            hashes = prefix_hashes(query)
         for length in sorted((n for n in self._lengths if n <= m), reverse=True):
             key = (length, hashes[length - 1] if length else 0)
             for ident in self._full.get(key, ()):

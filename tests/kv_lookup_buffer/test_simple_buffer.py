@@ -207,15 +207,17 @@ def test_malformed_requests_do_not_kill_the_producer(cfg):
     producer = Peer(programs.produce, cfg, "basic", 1 << 20, done)
     pipe, buf = consumer(cfg)
     with pipe:
-        pipe.send_tensor(torch.tensor([3.0, 1.0]))  # a signal of the wrong dtype: skipped
-        pipe.send_tensor(torch.tensor([1, 7], dtype=torch.int64))  # DROP_SELECT with a bad query:
-        pipe.send_tensor(torch.zeros(2, 2))  # 2-D float "tokens"
-        pipe.send_tensor(None)
-        status = pipe.recv_tensor()
-        assert status.tolist() == [1, 7]  # MISS for request 7
+        pipe.send_tensor(torch.tensor([3.0, 1.0, 0.0]))  # wrong dtype: skipped
+        pipe.send_tensor(torch.tensor([9, 8, 1], dtype=torch.int64))  # unknown op: skipped
+        pipe.send_tensor(torch.tensor([1, 8], dtype=torch.int64))  # too short to be a request: skipped
+        pipe.send_tensor(None)  # not a request at all: skipped
+        pipe.send_tensor(torch.tensor([1, 7, 5, 1, 2], dtype=torch.int64))  # DROP_SELECT of an unknown kind
+        pipe.send_tensor(torch.tensor([1, 8, 0, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens after it
+        assert pipe.recv_tensor().tolist() == [1, 7]  # MISS for request 7
+        assert pipe.recv_tensor().tolist() == [1, 8]  # MISS for request 8
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)
         settle(buf)
         done.set()
         left = producer.result()
     assert got[0] is not None and same(got[2], programs.basic_entries()[0][2])
-    assert left["stats"]["malformed"] >= 2 and left["stats"]["hits"] == 1
+    assert left["stats"]["malformed"] == 6 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
