@@ -13,6 +13,7 @@ setup(
     py_modules=["proxy_server"],
     install_requires=[
         "torch",
+        "numpy",
         "quart>=0.19",
         "aiohttp>=3.9",
     ],

@@ -5,15 +5,18 @@ Two real processes on 127.0.0.1 (the producer is a spawned child, this process t
 1. ``drop_select`` latency with 1, 1 000 and 10 000 entries held (64-token keys, tiny tensors): a miss (the query
    matches nothing: index lookup + one round trip) and a hit (takes one of 100 extra probe entries). The index is
    hashed by token prefix, so both should stay flat as entries grow.
-2. Throughput of KV-sized entries (key and value 32 MiB each, 1024 tokens): the producer ``insert``s them (a copy
-   each, into a buffer that holds 4) while the consumer ``drop_select``s them, against the bare pipe sending the
-   same five tensors per entry when asked. The two run side by side in the same two processes, in alternating
-   bursts (see ``kv_throughput``): this VM's speed drifts by up to 2x within minutes, which made separate runs
-   disagree (0.4-1.6x) more than the two modes differ. Target: buffer >= 0.9x the bare pipe.
+2. Throughput of KV-sized entries (key and value 32 MiB each, 1024 tokens) through three paths: the producer
+   ``insert``s them into a buffer that holds 4 (a copy each, insert's contract) while the consumer
+   ``drop_select``s them; the same with ``insert(copy=False)`` (the buffer's own cost, without the copy); and the
+   bare pipe sending the same five tensors per entry when asked. All three run side by side in the same two
+   processes, in rounds of alternating bursts (see ``kv_throughput``): this VM's speed drifts by up to 2x within
+   minutes, which made separate runs disagree (0.4-1.6x) more than the modes differ. Target: buffer >= 0.9x the
+   bare pipe.
 
 Lookup latencies are pooled over ``--rounds`` rounds. Run::
 
-    .venv/bin/python benchmarks/bench_buffer.py [--rounds 3] [--bursts 12] [--burst 4] [--out-dir benchmarks/results]
+    .venv/bin/python benchmarks/bench_buffer.py [--rounds 3] [--bursts 12] [--burst 4] [--throughput-only]
+        [--out-dir benchmarks/results]
 
 Prints markdown tables and writes ``bench_buffer.json``.
 """
@@ -77,31 +80,44 @@ def produce_lookup(cfg: dict[str, Any], commands: Any, replies: Any) -> None:
             replies.put(len(buf))
 
 
-def produce_kv(cfg_buffer: dict[str, Any], cfg_pipe: dict[str, Any], entries: int, inserted: Any, insert_end: Any,
-               done: Any) -> None:
-    """Both producers of the throughput test, in one process.
+MODES = ("pipe", "copy", "handover")  # bare pipe; buffer with insert's copy; buffer with insert(copy=False)
 
-    Buffer: insert ``entries`` KV entries, one after the other, into a buffer that holds ``HOLD`` of them; each
-    insert beyond that waits until the consumer takes one. ``inserted`` counts finished inserts and ``insert_end``
-    holds when the last one finished (``time.perf_counter``: CLOCK_MONOTONIC, the same clock in every process).
-    Bare pipe (a second pipe pair): a thread sends the same five tensors of one entry whenever the consumer asks."""
+
+def produce_kv(cfgs: dict[str, dict[str, Any]], entries: int, inserted: dict[str, Any], insert_end: dict[str, Any],
+               done: Any) -> None:
+    """The three producers of the throughput test, in one process, each on its own pipe pair.
+
+    Buffers ("copy": ``insert`` copies, its contract; "handover": ``insert(copy=False)`` keeps the tensors, the
+    buffer's own cost without that copy): a thread per buffer inserts ``entries`` KV entries into a buffer that
+    holds ``HOLD`` of them; each insert beyond that waits until the consumer takes one. ``inserted[mode]`` counts
+    finished inserts and ``insert_end[mode]`` holds when the last one finished (``time.perf_counter``:
+    CLOCK_MONOTONIC, the same clock in every process). Bare pipe: a thread sends the same five tensors of one entry
+    whenever the consumer asks."""
     key = torch.full((KV_BYTES // 2,), 1.0, dtype=torch.bfloat16)
     value = key.neg()
-    with open_pipe(cfg_buffer, 0) as pipe, open_pipe(cfg_pipe, 0) as bare:
+    with open_pipe(cfgs["pipe"], 0) as bare, open_pipe(cfgs["copy"], 0) as p_copy, \
+            open_pipe(cfgs["handover"], 0) as p_handover:
         def serve_bare() -> None:
             while (ask := bare.recv_tensor(timeout=300)) is not None:
                 for t in (kv_tokens(int(ask)), None, key, value, None):
                     bare.send_tensor(t)
 
-        server = threading.Thread(target=serve_bare, daemon=True)
-        server.start()
-        buf = SimpleBuffer(pipe, pipe, HOLD * (2 * KV_BYTES + KV_TOKENS * 8), timeout=300)
-        for i in range(entries):
-            buf.insert(kv_tokens(i), None, key, value, None)  # a copy each time (insert's contract)
-            insert_end.value = time.perf_counter()
-            inserted.value = i + 1
-        server.join(timeout=300)
-        done.wait(300)
+        def fill(mode: str, pipe: Any) -> None:
+            buf = SimpleBuffer(pipe, pipe, HOLD * (2 * KV_BYTES + KV_TOKENS * 8), timeout=300)
+            for i in range(entries):
+                # handover: the same two tensors every time, as if the caller produced each entry in place
+                buf.insert(kv_tokens(i), None, key, value, None, copy=mode == "copy")
+                insert_end[mode].value = time.perf_counter()
+                inserted[mode].value = i + 1
+            done.wait(300)
+
+        threads = [threading.Thread(target=serve_bare, daemon=True),
+                   threading.Thread(target=fill, args=("copy", p_copy), daemon=True),
+                   threading.Thread(target=fill, args=("handover", p_handover), daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
 
 
 def run_child(target: Any, *args: Any) -> mp.Process:
@@ -128,52 +144,60 @@ def lookup_latencies(buf: SimpleBuffer, held: int) -> dict[str, list[float]]:
 
 
 def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
-    """Buffer and bare pipe measured side by side, in the same two processes, in alternating bursts of ``burst``
-    entries (after one untimed burst of each): the host's speed drifts by 2x within minutes here, and
-    interleaving makes both modes see the same drift.
+    """The bare pipe and the two buffers measured side by side, in the same two processes, in rounds of one burst
+    of ``burst`` entries each (after one untimed round): the host's speed drifts by 2x within minutes here, and
+    interleaving makes every mode see the same drift.
 
     A buffer burst lasts from its first ``drop_select`` until the last entry arrived *and* the producer finished
-    the inserts that refill the buffer (they run concurrently, as in real use; their copies are part of the cost).
-    A bare-pipe burst: the consumer asks for an entry (one small tensor) and receives the five tensors, ``burst``
-    times. Ratio = bare-pipe time / buffer time over all timed bursts (and the median of per-burst ratios)."""
+    the inserts that refill the buffer (they run concurrently, as in real use; with "copy" their copies are part
+    of the cost). A bare-pipe burst: the consumer asks for an entry (one small tensor) and receives its five
+    tensors, ``burst`` times. Every mode drops the entry it received before asking for the next. Ratio = bare-pipe
+    time / buffer time over all timed bursts (and the median of per-round ratios)."""
     per_entry = 2 * KV_BYTES + KV_TOKENS * 8
     entries = HOLD + (bursts + 1) * burst
-    cfg_buffer, cfg_pipe = make_config(timeout=120.0), make_config(timeout=120.0)
-    inserted, insert_end, done = _ctx.Value("i", 0), _ctx.Value("d", 0.0), _ctx.Event()
-    child = run_child(produce_kv, cfg_buffer, cfg_pipe, entries, inserted, insert_end, done)
-    times: dict[str, list[float]] = {"buffer": [], "pipe": []}
+    cfgs = {mode: make_config(timeout=120.0) for mode in MODES}
+    inserted = {mode: _ctx.Value("i", 0) for mode in MODES[1:]}
+    insert_end = {mode: _ctx.Value("d", 0.0) for mode in MODES[1:]}
+    done = _ctx.Event()
+    child = run_child(produce_kv, cfgs, entries, inserted, insert_end, done)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
-        with open_pipe(cfg_buffer, 1) as pipe, open_pipe(cfg_pipe, 1) as bare:
-            buf = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
-            taken = 0
+        with open_pipe(cfgs["pipe"], 1) as bare, open_pipe(cfgs["copy"], 1) as p_copy, \
+                open_pipe(cfgs["handover"], 1) as p_handover:
+            bufs = {mode: SimpleBuffer(p, p, 1 << 30, role="consumer")
+                    for mode, p in (("copy", p_copy), ("handover", p_handover))}
 
-            def wait_inserted(n: int) -> None:
+            def wait_inserted(mode: str, n: int) -> None:
                 deadline = time.monotonic() + 300
-                while inserted.value < n:
-                    assert time.monotonic() < deadline and child.is_alive(), "the producer stopped inserting"
+                while inserted[mode].value < min(entries, n):
+                    assert time.monotonic() < deadline and child.is_alive(), f"{mode}: the producer stopped inserting"
                     time.sleep(0.001)
 
             for b in range(bursts + 1):
-                wait_inserted(min(entries, taken + HOLD))  # the buffer is full: nothing of it runs during the pipe burst
+                taken = b * burst
+                for mode in MODES[1:]:  # both buffers full: no insert runs during another mode's burst
+                    wait_inserted(mode, taken + HOLD)
+                got: list[torch.Tensor | None] | None = None
                 start = time.perf_counter()
-                for _ in range(burst):
-                    got = bare_entry = None
-                    bare.send_tensor(torch.tensor(taken, dtype=torch.int64))
-                    bare_entry = [bare.recv_tensor(timeout=120) for _ in range(5)]
-                    assert bare_entry[2] is not None and bare_entry[2].numel() * 2 == KV_BYTES, "bare pipe: entry missing"
-                pipe_time = time.perf_counter() - start
-                start = time.perf_counter()
-                for _ in range(burst):
-                    got = buf.drop_select(kv_tokens(taken), None)
-                    assert got[2] is not None and got[2].numel() * 2 == KV_BYTES, f"buffer: entry {taken} missing"
-                    taken += 1
-                received = time.perf_counter()
-                wait_inserted(min(entries, taken + HOLD))
-                buffer_time = max(received, insert_end.value) - start
-                del got, bare_entry
-                if b:  # the first burst of each warms up connections, staging and the allocator
-                    times["pipe"].append(pipe_time)
-                    times["buffer"].append(buffer_time)
+                for i in range(taken, taken + burst):
+                    got = None
+                    bare.send_tensor(torch.tensor(i, dtype=torch.int64))
+                    got = [bare.recv_tensor(timeout=120) for _ in range(5)]
+                    assert got[2] is not None and got[2].numel() * 2 == KV_BYTES, "bare pipe: entry missing"
+                took = {"pipe": time.perf_counter() - start}
+                for mode, buf in bufs.items():
+                    start = time.perf_counter()
+                    for i in range(taken, taken + burst):
+                        got = None
+                        got = buf.drop_select(kv_tokens(i), None)
+                        assert got[2] is not None and got[2].numel() * 2 == KV_BYTES, f"{mode}: entry {i} missing"
+                    received = time.perf_counter()
+                    wait_inserted(mode, taken + burst + HOLD)
+                    took[mode] = max(received, insert_end[mode].value) - start
+                got = None
+                if b:  # the first round warms up connections, staging and the allocator
+                    for mode, t in took.items():
+                        times[mode].append(t)
             bare.send_tensor(None)
             done.set()
             child.join(timeout=60)
@@ -181,13 +205,12 @@ def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
         if child.is_alive():
             child.kill()
     moved = bursts * burst * per_entry
-    return {
-        "buffer_gbps": moved / sum(times["buffer"]) / 1e9,
-        "pipe_gbps": moved / sum(times["pipe"]) / 1e9,
-        "ratio": sum(times["pipe"]) / sum(times["buffer"]),
-        "ratio_median_burst": statistics.median(p / b for p, b in zip(times["pipe"], times["buffer"], strict=True)),
-        "bursts": {k: [round(x, 4) for x in v] for k, v in times.items()},
-    }
+    out: dict[str, Any] = {f"{mode}_gbps": moved / sum(times[mode]) / 1e9 for mode in MODES}
+    for mode in MODES[1:]:
+        out[f"{mode}_ratio"] = sum(times["pipe"]) / sum(times[mode])
+        out[f"{mode}_ratio_median"] = statistics.median(p / b for p, b in zip(times["pipe"], times[mode], strict=True))
+    out["bursts"] = {k: [round(x, 4) for x in v] for k, v in times.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="lookup rounds (default 3)")
     parser.add_argument("--bursts", type=int, default=12, help="timed throughput bursts per mode (default 12)")
     parser.add_argument("--burst", type=int, default=4, help="KV entries per burst (default 4)")
+    parser.add_argument("--throughput-only", action="store_true", help="skip the lookup latencies")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
     lat: dict[int, dict[str, list[float]]] = {n: {"miss": [], "hit": []} for n in HELD}
-    for rnd in range(args.rounds):
+    for rnd in range(0 if args.throughput_only else args.rounds):
         cfg = make_config(timeout=120.0)
         commands, replies = _ctx.Queue(), _ctx.Queue()
         child = run_child(produce_lookup, cfg, commands, replies)
@@ -221,25 +245,32 @@ def main(argv: list[str] | None = None) -> int:
     def us(samples: list[float], q: float) -> float:
         return statistics.quantiles(samples, n=100)[q - 1] * 1e6 if q != 50 else statistics.median(samples) * 1e6
 
-    print("\n| entries held | miss p50 us | miss p90 us | hit p50 us | hit p90 us |\n|---:|---:|---:|---:|---:|")
-    for held in HELD:
-        m, h = lat[held]["miss"], lat[held]["hit"]
-        print(f"| {held} | {us(m, 50):.0f} | {us(m, 90):.0f} | {us(h, 50):.0f} | {us(h, 90):.0f} |")
+    lookup = not args.throughput_only
+    if lookup:
+        print("\n| entries held | miss p50 us | miss p90 us | hit p50 us | hit p90 us |\n|---:|---:|---:|---:|---:|")
+        for held in HELD:
+            m, h = lat[held]["miss"], lat[held]["hit"]
+            print(f"| {held} | {us(m, 50):.0f} | {us(m, 90):.0f} | {us(h, 50):.0f} | {us(h, 90):.0f} |")
     entries = args.bursts * args.burst
-    print(f"\n| {entries} KV entries (2 x 32 MiB) each way, in {args.bursts} alternating bursts | GB/s |\n|---|---:|")
-    print(f"| buffer: insert (copy) -> drop_select | {thr['buffer_gbps']:.2f} |")
-    print(f"| bare pipe: send_tensor -> recv_tensor | {thr['pipe_gbps']:.2f} |")
-    print(f"| buffer / bare pipe | {thr['ratio']:.2f} (median of per-burst ratios {thr['ratio_median_burst']:.2f}) |")
-    flat = us(lat[HELD[-1]]["miss"], 50) / us(lat[HELD[0]]["miss"], 50)
-    print(f"\nTargets: lookup flat (miss p50 at {HELD[-1]} / at {HELD[0]} entries = {flat:.2f}); "
-          f"buffer >= {TARGET}x bare pipe: {'MET' if thr['ratio'] >= TARGET else 'NOT MET'} ({thr['ratio']:.2f})")
+    print(f"\n| {entries} KV entries (2 x 32 MiB) per mode, in {args.bursts} rounds of alternating bursts | GB/s "
+          "| / bare pipe | median of per-round ratios |\n|---|---:|---:|---:|")
+    print(f"| bare pipe: send_tensor -> recv_tensor | {thr['pipe_gbps']:.2f} | 1.00 | 1.00 |")
+    for mode, label in (("copy", "buffer: insert (copies) -> drop_select"),
+                        ("handover", "buffer: insert(copy=False) -> drop_select")):
+        print(f"| {label} | {thr[f'{mode}_gbps']:.2f} | {thr[f'{mode}_ratio']:.2f} | {thr[f'{mode}_ratio_median']:.2f} |")
+    print("\nPer-burst seconds: " + json.dumps(thr["bursts"]))
+    verdict = {mode: "MET" if thr[f"{mode}_ratio"] >= TARGET else "NOT MET" for mode in MODES[1:]}
+    flat = us(lat[HELD[-1]]["miss"], 50) / us(lat[HELD[0]]["miss"], 50) if lookup else float("nan")
+    print(f"\nTargets: lookup flat (miss p50 at {HELD[-1]} / at {HELD[0]} entries = {flat:.2f}); buffer >= {TARGET}x "
+          f"bare pipe: with insert's copy {verdict['copy']} ({thr['copy_ratio']:.2f}), "
+          f"without it {verdict['handover']} ({thr['handover_ratio']:.2f})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "bench_buffer.json"
     out.write_text(json.dumps({
         "benchmark": "bench_buffer", "date": datetime.now(UTC).isoformat(timespec="seconds"), "rounds": args.rounds,
         "loadavg_end": os.getloadavg(),
         "lookup_us": {str(n): {k: {"p50": us(v, 50), "p90": us(v, 90), "samples": len(v)} for k, v in d.items()}
-                      for n, d in lat.items()},
+                      for n, d in lat.items()} if lookup else None,
         "throughput": thr,
     }, indent=2) + "\n")
     print(f"wrote {out}")

@@ -53,14 +53,15 @@ def _nbytes(tensors: list[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> list[int]:
+def _masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> torch.Tensor:
+    """The tokens that take part in a match: ``tokens`` where ``roi`` is set, as a 1-D int64 host tensor."""
     if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise ValueError(f"input_tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {list(tokens.shape)}")
-    if roi is None:
-        return tokens.tolist()
-    if roi.shape != tokens.shape:
-        raise ValueError(f"roi must have the shape of input_tokens {list(tokens.shape)}, got {list(roi.shape)}")
-    return tokens[_as_mask(roi)].tolist()
+    if roi is not None:
+        if roi.shape != tokens.shape:
+            raise ValueError(f"roi must have the shape of input_tokens {list(tokens.shape)}, got {list(roi.shape)}")
+        tokens = tokens[_as_mask(roi)]
+    return tokens.detach().to(device="cpu", dtype=torch.int64)
 
 
 RECYCLE_MIN = 1 << 20  # smaller tensors are cheap to allocate
@@ -125,10 +126,10 @@ class _BadRequest(ValueError):
         self.seq = seq
 
 
-def _request(op: int, seq: int, query: list[int] | None = None) -> torch.Tensor:
+def _request(op: int, seq: int, query: torch.Tensor | None = None) -> torch.Tensor:
     if query is None:
         return torch.tensor([op, seq, ANY], dtype=torch.int64)
-    return torch.tensor([op, seq, QUERY, *query], dtype=torch.int64)
+    return torch.cat((torch.tensor([op, seq, QUERY], dtype=torch.int64), query))
 
 
 def _read_request(t: torch.Tensor | None) -> tuple[int, int, list[int] | None]:
@@ -200,7 +201,7 @@ class SimpleBuffer(KVLookupBufferBase):
         if self._closed.is_set():
             raise BufferClosed("insert on a closed buffer")
         self._take_role("producer")
-        tokens = _masked_tokens(input_tokens, roi)
+        tokens = _masked_tokens(input_tokens, roi).tolist()
         hashes = prefix_hashes(tokens)  # outside the lock: the serving thread is not held up by it
         originals = (input_tokens, roi, key, value, hidden)
         nbytes = _nbytes(list(originals))

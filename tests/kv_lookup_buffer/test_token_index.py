@@ -65,3 +65,23 @@ def test_against_a_brute_force_scan():
             idx.remove(found)
             del held[found]
     assert len(idx) == len(held)
+
+
+def test_prefix_hashes_match_their_recurrence():
+    """The vectorised hash equals h = h * BASE + token + 1 (mod 2**64) from SEED, at every prefix and any length
+    (including lengths that grow the cached power tables, negative ids and ids beyond int64)."""
+    mask = (1 << 64) - 1
+
+    def recurrence(tokens: list[int]) -> list[int]:
+        h, out = int(token_index._SEED), []
+        for t in tokens:
+            h = (h * token_index._BASE + t + 1) & mask
+            out.append(h)
+        return out
+
+    rng = random.Random(5)
+    for n in (0, 1, 2, 3, 1000, 3000, 70_000):
+        tokens = [rng.randint(-3, 1 << 40) for _ in range(n)]
+        assert token_index.prefix_hashes(tokens) == recurrence(tokens)
+    assert token_index.prefix_hashes([(1 << 64) - 1]) == token_index.prefix_hashes([-1])
+    assert token_index.prefix_hashes([-1, 5])[-1] != token_index.prefix_hashes([5])[-1]
