@@ -15,7 +15,7 @@ Two real processes on 127.0.0.1 (the producer is a spawned child, this process t
 
 Lookup latencies are pooled over ``--rounds`` rounds. Run::
 
-    .venv/bin/python benchmarks/bench_buffer.py [--rounds 3] [--bursts 12] [--burst 4] [--throughput-only]
+    .venv/bin/python benchmarks/bench_buffer.py [--rounds 3] [--bursts 24] [--burst 4] [--throughput-only]
         [--out-dir benchmarks/results]
 
 Prints markdown tables and writes ``bench_buffer.json``.
@@ -216,7 +216,7 @@ def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="lookup rounds (default 3)")
-    parser.add_argument("--bursts", type=int, default=12, help="timed throughput bursts per mode (default 12)")
+    parser.add_argument("--bursts", type=int, default=24, help="timed rounds of throughput bursts (default 24)")
     parser.add_argument("--burst", type=int, default=4, help="KV entries per burst (default 4)")
     parser.add_argument("--throughput-only", action="store_true", help="skip the lookup latencies")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
@@ -259,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                         ("handover", "buffer: insert(copy=False) -> drop_select")):
         print(f"| {label} | {thr[f'{mode}_gbps']:.2f} | {thr[f'{mode}_ratio']:.2f} | {thr[f'{mode}_ratio_median']:.2f} |")
     print("\nPer-burst seconds: " + json.dumps(thr["bursts"]))
-    verdict = {mode: "MET" if thr[f"{mode}_ratio"] >= TARGET else "NOT MET" for mode in MODES[1:]}
+    # judged on the median of per-round ratios: one stalled burst (0.3-0.7 s here, in any mode) moves the ratio of sums
+    # by up to 0.2, the median hardly
+    verdict = {mode: "MET" if thr[f"{mode}_ratio_median"] >= TARGET else "NOT MET" for mode in MODES[1:]}
     flat = us(lat[HELD[-1]]["miss"], 50) / us(lat[HELD[0]]["miss"], 50) if lookup else float("nan")
     print(f"\nTargets: lookup flat (miss p50 at {HELD[-1]} / at {HELD[0]} entries = {flat:.2f}); buffer >= {TARGET}x "
-          f"bare pipe: with insert's copy {verdict['copy']} ({thr['copy_ratio']:.2f}), "
-          f"without it {verdict['handover']} ({thr['handover_ratio']:.2f})")
+          f"bare pipe (median of per-round ratios): with insert's copy {verdict['copy']} ({thr['copy_ratio_median']:.2f}), "
+          f"without it {verdict['handover']} ({thr['handover_ratio_median']:.2f})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "bench_buffer.json"
     out.write_text(json.dumps({
