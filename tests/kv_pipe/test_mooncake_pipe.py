@@ -65,6 +65,17 @@ def test_round_trip_both_ways(path):
         assert stats["direct_bytes"] == 0 and stats["ring_bytes"] == 2 * 12 * MiB, stats
 
 
+def test_direct_writes_are_few_and_large():
+    # Each write's completion wakes the sending thread, which in a busy process waits for the GIL: the part of a
+    # large tensor written straight into the result goes in at most max_chunks_in_flight writes, not chunk by chunk.
+    cfg = make_config(chunk_size=4 * MiB, max_chunks_in_flight=4)
+    items = [torch.arange(16 << 20, dtype=torch.int32)]  # 64 MiB: 16 chunks
+    stats: dict = {}
+    back, _ = echoed(cfg, items, stats)
+    assert same(items[0], back[0])
+    assert stats["direct_bytes"] >= 60 * MiB and stats["direct_writes"] <= 4, stats
+
+
 def test_direct_receive_offer_is_ignored_by_a_staged_sender():
     # The receiver offers its result, but a sender that stages (RDMA, device tensors) keeps to the ring.
     cfg = make_config(zero_copy_send=False, zero_copy_recv=True)
