@@ -47,6 +47,7 @@ class _Entry:
     nbytes: int
     key: list[int]  # the roi-masked tokens it is indexed under
     hashes: list[int]  # prefix_hashes(key)
+    copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
 
 
 def _nbytes(tensors: list[torch.Tensor | None]) -> int:
@@ -68,7 +69,7 @@ RECYCLE_MIN = 1 << 20  # smaller tensors are cheap to allocate
 
 
 class _Recycler:
-    """Host buffers of entries already handed to the consumer, reused by later inserts of the same byte size.
+    """Host buffers of copied entries already handed to the consumer, reused by later inserts of the same byte size.
 
     A fresh allocation page-faults on first write, which roughly doubles the cost of copying a KV-sized entry in;
     reusing the memory of a dropped entry avoids that. Holds at most ``limit`` bytes (oldest dropped first).
@@ -235,7 +236,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._cv.notify_all()
             raise
         with self._cv:
-            self._index.add(tokens, _Entry(tensors, nbytes, tokens, hashes), hashes)
+            self._index.add(tokens, _Entry(tensors, nbytes, tokens, hashes, copy), hashes)
         self.start_serving()
 
     def start_serving(self) -> None:
@@ -296,7 +297,7 @@ class SimpleBuffer(KVLookupBufferBase):
         self.stats["hits"] += 1
         with self._cv:
             self.buffer_size -= entry.nbytes
-            for t in entry.tensors:
+            for t in entry.tensors if entry.copied else ():
                 if t is not None:
                     self._recycler.give(t)
             self._cv.notify_all()
