@@ -23,6 +23,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/bench_pipe.py             # 4 KiB .. 256 MiB, about a minute
     .venv/bin/python benchmarks/bench_pipe.py --quick     # 4 KiB .. 1 MiB, few repeats (smoke test)
     .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 64M 256M --chunk-size 16M --inflight 2
+    .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 128M --busy sender  # a spinning Python thread there
 
 It prints a markdown table and whether the targets are met, and writes ``bench_pipe.json`` (every median/p90,
 the configuration and versions) and ``bench_pipe.png`` (throughput and latency vs. size) to ``--out-dir``.
@@ -45,6 +46,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -295,8 +297,21 @@ SENDERS: dict[str, Callable[[dict[str, Any]], Sender]] = {
     "ours": PipeSender, "ours_out": PipeSender, "raw_te": RawTESender, "socket": SocketSender}
 
 
-def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any]) -> None:
+def spin() -> None:
+    """A Python thread that never waits, as vLLM's engine loop while a request waits for its KV (``--busy``): every
+    other thread of the process then waits for the GIL on each wake-up, up to the 5 ms switch interval."""
+    while True:
+        time.monotonic()
+
+
+def start_spinner() -> None:
+    threading.Thread(target=spin, name="busy-spinner", daemon=True).start()
+
+
+def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any], busy: bool = False) -> None:
     """The child process: one transport, every size; each transfer starts when the receiver's token arrives."""
+    if busy:
+        start_spinner()
     try:
         sender = SENDERS[transport](setup)
         try:
@@ -456,7 +471,7 @@ def measure_size(receiver: Receiver, size: int, plan: Plan, proc: BaseProcess, l
     return latencies
 
 
-def run_transport(transport: str, plan: Plan, config: dict[str, Any]) -> TransportResult:
+def run_transport(transport: str, plan: Plan, config: dict[str, Any], busy: bool = False) -> TransportResult:
     """Start the receiver here and a sender child, measure every size, tear both down (engines included)."""
     result = TransportResult(transport)
     link = Link()
@@ -464,7 +479,7 @@ def run_transport(transport: str, plan: Plan, config: dict[str, Any]) -> Transpo
     proc: BaseProcess | None = None
     try:
         receiver = RECEIVERS[transport](config, max(plan.sizes))
-        proc = _ctx.Process(target=sender_main, args=(transport, plan, link, receiver.setup), daemon=True)
+        proc = _ctx.Process(target=sender_main, args=(transport, plan, link, receiver.setup, busy), daemon=True)
         proc.start()
         for size in plan.sizes:
             result.latencies[size] = measure_size(receiver, size, plan, proc, link)
@@ -654,6 +669,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which transports to measure (default: all three)")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
                    help="where bench_pipe.json and bench_pipe.png go (default: benchmarks/results)")
+    p.add_argument("--busy", choices=("sender", "receiver", "both"), default=None,
+                   help="a never-waiting Python thread in the sending, the receiving or both processes (as in a vLLM "
+                        "process whose engine loop spins); results go to bench_pipe_busy.json/png")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: sizes {' '.join(fmt_size(s) for s in QUICK_SIZES)} unless --sizes is given, "
                         f"repeats x{QUICK_REPEATS_SCALE}")
@@ -690,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     if load_start[0] > BUSY_LOAD:
         print(f"note: load average {load_start[0]:.2f} - other processes use the CPU, expect noisy numbers", flush=True)
+    if args.busy in ("receiver", "both"):
+        start_spinner()  # the receiving side (this process); sender children start their own
     results = {name: TransportResult(name, error=NOT_RUN) for name in TRANSPORTS}
     for name in args.transports:
         results[name].error = None
@@ -697,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         order = args.transports[rnd % len(args.transports):] + args.transports[:rnd % len(args.transports)]
         print(f"round {rnd + 1} of {args.rounds}: {', '.join(order)}", flush=True)
         for name in order:
-            results[name].merge(run_transport(name, plan, config))
+            results[name].merge(run_transport(name, plan, config, args.busy in ("sender", "both")))
     targets = evaluate_targets(plan, results)
     print()
     print(markdown_table(plan, results))
@@ -707,9 +727,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.error and r.error != NOT_RUN:
             print(f"\n{name} failed:\n{r.error}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "bench_pipe.json", args, plan, config, results, targets, load_start)
-    write_plot(args.out_dir / "bench_pipe.png", plan, results)
-    print(f"\nwrote {args.out_dir / 'bench_pipe.json'} and {args.out_dir / 'bench_pipe.png'}")
+    name = "bench_pipe_busy" if args.busy else "bench_pipe"
+    write_json(args.out_dir / f"{name}.json", args, plan, config, results, targets, load_start)
+    write_plot(args.out_dir / f"{name}.png", plan, results)
+    print(f"\nwrote {args.out_dir / f'{name}.json'} and {args.out_dir / f'{name}.png'}")
     return 1 if any(results[t].error for t in args.transports) else 0
 
 
