@@ -281,6 +281,7 @@ class _WorkerSide:
         self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
         self.scratch: torch.Tensor | None = None  # producer: reused gather memory for pull saves
+        self.recv_scratch: torch.Tensor | None = None  # consumer: reused memory pulled entries are received into
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
@@ -421,7 +422,11 @@ class _WorkerSide:
                 return self._load_pushed(req, entry, start, time.perf_counter() - start)
         try:
             tokens = torch.tensor(req.token_ids, dtype=torch.int64)
-            _, _, kv, layout, _ = self.buffer.drop_select(tokens, None)
+            try:
+                _, _, kv, layout, _ = self.buffer.drop_select(tokens, None, key_out=self._recv_scratch(len(req.block_ids)))
+            except BaseException:
+                self.recv_scratch = None  # writes may still land in it for a while: never reuse it (the pipe holds it)
+                raise
             fetched = time.perf_counter()
             if kv is None:
                 logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens): recomputing",
@@ -449,6 +454,18 @@ class _WorkerSide:
                     "copy into the KV cache %.1f ms)", req.req_id, req.num_tokens, nbytes / 2**20, seconds * 1e3,
                     nbytes / seconds / 1e9, (fetched - start) * 1e3, (start + seconds - fetched) * 1e3)
         return n == len(wanted), wanted[n:]
+
+    def _recv_scratch(self, nblocks: int) -> torch.Tensor:
+        """Memory to receive a pulled entry of up to ``nblocks`` blocks into, kept from load to load (loads run one
+        at a time): fresh memory for every load costs its page faults, measured at 50-500 ms for 128 MiB here, more
+        than the transfer itself (~60 ms). Grown as needed; a larger entry than expected still arrives (the pipe then
+        allocates for it)."""
+        nbytes = nblocks * len(self.layers) * self.block_bytes
+        if self.recv_scratch is None or self.recv_scratch.numel() < nbytes:
+            self.recv_scratch = None  # free the smaller one first
+            self.recv_scratch = torch.empty(nbytes, dtype=torch.uint8)
+            prefault(self.recv_scratch)
+        return self.recv_scratch
 
     def _load_pushed(self, req: LoadRequest, entry: PushedEntry, start: float, waited: float) -> tuple[bool, list[int]]:
         """Write a pushed entry's pieces into the request's blocks; the same checks and fallbacks as a pulled one."""

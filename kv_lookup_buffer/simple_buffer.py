@@ -303,8 +303,12 @@ class SimpleBuffer(KVLookupBufferBase):
             self._cv.notify_all()
 
     # ---------------------------------------------------------------- consumer
-    def drop_select(self, input_tokens: torch.Tensor | None,
-                    roi: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
+                    key_out: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """See ``KVLookupBufferBase.drop_select``. ``key_out`` (an extension): a buffer the entry's key is received
+        into, through the data pipe's ``recv_tensor(out=...)`` (``MooncakePipe``); the key returned is then a view of
+        it. Reusing one buffer for large entries saves the page faults of a fresh allocation each time. If this call
+        raises, do not reuse ``key_out`` (see ``MooncakePipe.recv_tensor``)."""
         if self._closed.is_set():
             raise BufferClosed("drop_select on a closed buffer")
         self._take_role("consumer")
@@ -321,12 +325,17 @@ class SimpleBuffer(KVLookupBufferBase):
                 status, seq = _read_message(self.data_pipe.recv_tensor(), (HIT, MISS, CLOSED), "drop_select answer")
                 if status == CLOSED:
                     raise BufferClosed("the producer closed the buffer")
-                entry = [None] * 5 if status == MISS else [self.data_pipe.recv_tensor() for _ in range(5)]
+                entry = [None] * 5 if status == MISS else self._receive_entry(key_out)
                 if seq == self._seq:
                     return entry
                 if status == HIT:  # the answer to an earlier request that timed out: nobody wants it any more
                     self.stats["late_hits_dropped"] += 1
                     logger.warning("dropped a late answer to drop_select request %d (its caller timed out)", seq)
+
+    def _receive_entry(self, key_out: torch.Tensor | None) -> list[torch.Tensor | None]:
+        tokens, roi = self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()
+        key = self.data_pipe.recv_tensor() if key_out is None else self.data_pipe.recv_tensor(out=key_out)  # type: ignore[call-arg]
+        return [tokens, roi, key, self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()]
 
     def _take_role(self, role: str) -> None:
         if self.role is None:

@@ -45,7 +45,13 @@ def shuffled(entries: list[Entry], seed: int) -> list[Entry]:
     return [entries[i] for i in order]
 
 
-ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress_entries}
+def large_entries() -> list[Entry]:
+    """Keys large enough for the pipe's zero-copy receive (12 MiB each)."""
+    return [(torch.tensor([7, 8, i]), None, torch.arange(3 << 20, dtype=torch.float32) + i, torch.ones(2), None)
+            for i in range(2)]
+
+
+ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress_entries, "large": large_entries}
 
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,

@@ -48,6 +48,25 @@ def test_exact_round_trip(cfg):
     assert left == {"entries": 0, "bytes": 0, "stats": {"hits": 1, "misses": 1, "malformed": 0, "late_hits_dropped": 0}}
 
 
+def test_key_out_receives_the_key_in_place(cfg):
+    done = ctx.Event()
+    producer = Peer(programs.produce, cfg, "large", 1 << 30, done)
+    pipe, buf = consumer(cfg)
+    expected = programs.large_entries()
+    with pipe:
+        room = torch.empty(16 << 20, dtype=torch.uint8)
+        got = buf.drop_select(torch.tensor([7, 8, 0]), None, key_out=room)
+        assert same(got[2], expected[0][2]) and got[2].data_ptr() == room.data_ptr()  # a view of key_out
+        small = torch.empty(1 << 20, dtype=torch.uint8)  # too small: the key gets memory of its own
+        got = buf.drop_select(torch.tensor([7, 8, 1]), None, key_out=small)
+        assert same(got[2], expected[1][2]) and got[2].data_ptr() != small.data_ptr()
+        assert same(got[3], expected[1][3])
+        settle(buf)
+        done.set()
+        left = producer.result()
+    assert left["entries"] == 0 and left["stats"]["hits"] == 2
+
+
 def test_insert_copies_unless_told_not_to(cfg):
     done = ctx.Event()
     producer = Peer(programs.insert_then_overwrite, cfg, done)
