@@ -45,8 +45,8 @@ class BufferClosed(RuntimeError):
 class _Entry:
     tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
     nbytes: int
-    key: list[int]  # the roi-masked tokens it is indexed under
-    hashes: list[int]  # prefix_hashes(key)
+    match_tokens: list[int]  # the roi-masked tokens it is indexed under
+    hashes: list[int]  # prefix_hashes(match_tokens)
     copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
 
 
@@ -292,7 +292,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self.data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
-                self._index.add(entry.key, entry, entry.hashes)
+                self._index.add(entry.match_tokens, entry, entry.hashes)
             raise
         self.stats["hits"] += 1
         with self._cv:

@@ -87,9 +87,10 @@ class Outbound(Connection):
     """Sender side: ring reservations, and a thread reading the ACKs that release them."""
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
-                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int) -> None:
+                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int, offers_direct: bool = False) -> None:
         super().__init__(sock, peer, closed)
         self.session = session
+        self.offers_direct = offers_direct  # the receiver offers large host results for direct writes (WELCOME)
         self.inline_max = inline_max  # tensors up to this size travel inside their frame
         self.ring_addr = ring_addr
         self.ring_size = ring_size
@@ -176,6 +177,17 @@ class Outbound(Connection):
         with self._cv:
             return self._direct_addr if seq == self.tensor_seq else None
 
+    def wait_direct_target(self, seq: int, timeout: float) -> int | None:
+        """``direct_target``, waiting up to ``timeout`` seconds for the receiver's offer (None if none came)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while seq == self.tensor_seq and self._direct_addr is None and not self._dead.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return self._direct_addr if seq == self.tensor_seq else None
+
     def _handle(self, kind: Kind, payload: bytes) -> None:
         if kind == Kind.DIRECT:
             offer = wire.decode_direct(payload)
@@ -186,6 +198,7 @@ class Outbound(Connection):
                     if offer.nbytes != self._tensor_nbytes:
                         raise ProtocolError(f"DIRECT offers {offer.nbytes} bytes for a tensor of {self._tensor_nbytes}")
                     self._direct_addr = offer.addr
+                    self._cv.notify_all()
         elif kind == Kind.ACK:
             end = wire.decode_ack(payload)
             with self._cv:

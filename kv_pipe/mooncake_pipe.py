@@ -12,8 +12,8 @@ How one tensor travels (sender A -> receiver B):
    space for A's next chunks. Memory use is fixed: two staging areas plus the result tensor.
 4. Zero-copy receive (TCP, host result of at least ``DIRECT_MIN`` bytes): on the TENSOR frame B registers the
    result itself and offers it (DIRECT); from then on A writes the rest straight into it, in at most
-   ``max_chunks_in_flight`` large writes started at once (every completion wakes a Python thread, which in a busy
-   process such as vLLM's waits up to the 5 ms GIL switch interval), and announces them with DCHUNK frames.
+   ``max_chunks_in_flight`` large writes started at once (every completion wakes a Python thread, which in a
+   process with a busy Python thread waits up to the 5 ms GIL switch interval), and announces them with DCHUNK frames.
    B unregisters the result before returning it. Registering is bookkeeping over TCP with
    P2PHANDSHAKE (~0.1 ms); with a metadata server it would write to that server twice per tensor, and RDMA would
    pin memory per tensor, so those keep the ring.
@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 DIRECT_MIN = 8 << 20  # tensors at least this large are received zero-copy (TCP): one round trip to set it up
 FIRST_CHUNK = 1 << 20  # while that offer is on its way, only this much is written to the ring
+OFFER_WAIT = 0.02  # then, if the receiver said it makes offers, wait this long for it before filling the ring
 _HELLO = {"kv_rank": int, "local_rank": int, "session": str}
-_WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int}
+_WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int, "direct_recv": bool}
 
 
 class MooncakePipe(KVPipeBase):
@@ -147,6 +148,7 @@ class MooncakePipe(KVPipeBase):
         inflight: deque[tuple[int, Chunk | DirectChunk]] = deque()
         announced = 0
         direct_piece = 0  # once offered: the rest goes in max_chunks_in_flight writes at most, all started at once
+        offer_waited = False
 
         def announce_oldest() -> None:
             nonlocal announced
@@ -159,13 +161,18 @@ class MooncakePipe(KVPipeBase):
         try:
             while pos < nbytes:
                 target = out.direct_target(seq) if offer_expected else None
+                if target is None and offer_expected and announced and out.offers_direct and not offer_waited:
+                    # A receiver that offers answers as soon as it reads the header; if it is not reading yet (busy,
+                    # or sending to us itself), fill its ring rather than wait longer.
+                    offer_waited = True
+                    target = out.wait_direct_target(seq, OFFER_WAIT)
                 waiting_offer = offer_expected and announced == 0 and target is None
                 length = min(FIRST_CHUNK if waiting_offer else out.chunk_size, nbytes - pos)
                 piece: Chunk | DirectChunk
                 if target is not None:
                     # No ring to share: a few large writes instead of many chunk-sized ones. Each completion needs
-                    # this thread, and in a busy process (vLLM's engine loop) every wake-up waits for the GIL, up
-                    # to the 5 ms switch interval: 32 chunks of 4 MiB cost 0.1-0.4 s there; 8 pieces cost far less.
+                    # this thread, and next to a busy Python thread every wake-up waits for the GIL, up to the 5 ms
+                    # switch interval (bench_pipe --busy sender: 128 MiB took ~200 ms in 4 MiB writes, ~125 in 8).
                     if not direct_piece:
                         direct_piece = max(out.chunk_size, -(-(nbytes - pos) // self.config.max_chunks_in_flight))
                     length = min(direct_piece, nbytes - pos)
@@ -255,7 +262,8 @@ class MooncakePipe(KVPipeBase):
         sock.settimeout(timeout)
         inline_max = min(self.config.inline_max, welcome["inline_max"])
         out = Outbound(sock, self.peer, self._closed, session=welcome["session"], ring_addr=welcome["ring_addr"],
-                       ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max)
+                       ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max,
+                       offers_direct=welcome["direct_recv"])
         with self._state:
             self._outbound = out
         self._peer_was_up = True
@@ -416,7 +424,8 @@ class MooncakePipe(KVPipeBase):
                 raise PipeError(f"this pipe end already has a live peer ({self._inbound.peer})")
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
-                "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max}))
+                "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max,
+                "direct_recv": self._direct_recv and self.device.type == "cpu"}))
             sock.settimeout(self.config.timeout)
             inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
                               inline_max=self.config.inline_max)

@@ -29,14 +29,19 @@ def cfg():
     return make_config()
 
 
-def echoed(cfg, items: list, stats: dict | None = None) -> tuple[list, int]:
+def echoed(cfg, items: list, stats: dict | None = None, lockstep: bool = False) -> tuple[list, int]:
     """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw
-    (and fills ``stats`` with this end's receive counters)."""
+    (and fills ``stats`` with this end's receive counters). ``lockstep``: wait for each echo before sending the
+    next item, so this end is already receiving when an echo starts (else the echoes of large items may fill the
+    ring before this end reads them, and rightly go without a direct offer)."""
     peer = Peer(peers.echo, cfg, 0, len(items))
     with open_pipe(cfg, 1) as pipe:
+        back = []
         for item in items:
             pipe.send_tensor(item)
-        back = [pipe.recv_tensor() for _ in items]
+            if lockstep:
+                back.append(pipe.recv_tensor())
+        back += [pipe.recv_tensor() for _ in range(len(items) - len(back))]
         pipe.send_tensor(None)
         if stats is not None:
             stats.update(pipe.stats)
@@ -56,7 +61,7 @@ def test_round_trip_both_ways(path):
     items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5), big,
              big.view(-1, 1024).t()]  # and a non-contiguous one
     stats: dict = {}
-    back, tensors = echoed(cfg, items, stats)
+    back, tensors = echoed(cfg, items, stats, lockstep=True)
     assert tensors == 5
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
     if path["zero_copy_recv"]:  # a first small chunk of each big tensor goes through the ring, the rest direct
@@ -272,7 +277,7 @@ def _handshake(sock: socket.socket, pipe) -> dict:
     kind, payload = wire.recv_frame(sock)
     assert kind == Kind.WELCOME
     return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int,
-                                      "inline_max": int})
+                                      "inline_max": int, "direct_recv": bool})
 
 
 def _assert_still_serves(cfg, pipe) -> None:
