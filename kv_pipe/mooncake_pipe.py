@@ -11,7 +11,9 @@ How one tensor travels (sender A -> receiver B):
 3. B's ``recv_tensor`` allocates the result once, copies each chunk out of the ring and ACKs it, which frees the
    space for A's next chunks. Memory use is fixed: two staging areas plus the result tensor.
 4. Zero-copy receive (TCP, host result of at least ``DIRECT_MIN`` bytes): on the TENSOR frame B registers the
-   result itself and offers it (DIRECT); from then on A writes the rest straight into it, in at most
+   result itself and offers it (DIRECT; its WELCOME told A whether it does). A writes a first small chunk to the ring
+   meanwhile and then waits up to ``OFFER_WAIT`` for the offer (a receiver that is not reading yet gets its ring
+   filled instead); from then on A writes the rest straight into it, in at most
    ``max_chunks_in_flight`` large writes started at once (every completion wakes a Python thread, which in a
    process with a busy Python thread waits up to the 5 ms GIL switch interval), and announces them with DCHUNK frames.
    B unregisters the result before returning it. Registering is bookkeeping over TCP with
