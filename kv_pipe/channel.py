@@ -172,13 +172,9 @@ class Outbound(Connection):
             self._direct_addr = None
             return self.tensor_seq
 
-    def direct_target(self, seq: int) -> int | None:
-        """The address in the receiver's result where tensor ``seq`` goes, if the receiver offered one."""
-        with self._cv:
-            return self._direct_addr if seq == self.tensor_seq else None
-
-    def wait_direct_target(self, seq: int, timeout: float) -> int | None:
-        """``direct_target``, waiting up to ``timeout`` seconds for the receiver's offer (None if none came)."""
+    def direct_target(self, seq: int, timeout: float = 0.0) -> int | None:
+        """The address in the receiver's result where tensor ``seq`` goes, if the receiver offered one (waiting up
+        to ``timeout`` seconds for the offer)."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while seq == self.tensor_seq and self._direct_addr is None and not self._dead.is_set():

@@ -79,8 +79,9 @@ class MooncakePipe(KVPipeBase):
         self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
         # Zero-copy receive registers each large result: bookkeeping over TCP with P2PHANDSHAKE (~0.1 ms), but two
         # writes to the metadata service per tensor with etcd/http (measured 1.4 ms), and memory pinning with RDMA.
+        # Results on a GPU are copied out of the ring.
         self._direct_recv = (self.config.zero_copy_recv and self.config.protocol == "tcp"
-                             and self.config.metadata.backend == "p2p")
+                             and self.config.metadata.backend == "p2p" and self.device.type == "cpu")
         # received through the ring / written into results directly, and in how many direct writes
         self.stats = {"ring_bytes": 0, "direct_bytes": 0, "direct_writes": 0}
         try:
@@ -141,10 +142,10 @@ class MooncakePipe(KVPipeBase):
         # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
         # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
         direct = self.config.zero_copy_send and self.config.protocol == "tcp" and flat.device.type == "cpu"
-        # A large tensor may be written straight into the receiver's result (zero-copy receive): the receiver offers
-        # it (DIRECT) when it reads this header. Until a first small chunk is done only that chunk is in flight, so
-        # the offer, which takes one round trip, usually arrives before more of the tensor went to the ring.
-        offer_expected = direct and nbytes >= DIRECT_MIN
+        # A large tensor may be written straight into the receiver's result (zero-copy receive): a receiver that said
+        # so in its WELCOME offers it (DIRECT) when it reads this header. Until a first small chunk is done only that
+        # chunk is in flight, so the offer, which takes one round trip, usually arrives before more went to the ring.
+        offer_expected = direct and nbytes >= DIRECT_MIN and out.offers_direct
         seq = out.start_tensor(nbytes)
         out.send(wire.encode_tensor(src.dtype, shape, nbytes))
         inflight: deque[tuple[int, Chunk | DirectChunk]] = deque()
@@ -162,12 +163,13 @@ class MooncakePipe(KVPipeBase):
         pos = 0
         try:
             while pos < nbytes:
-                target = out.direct_target(seq) if offer_expected else None
-                if target is None and offer_expected and announced and out.offers_direct and not offer_waited:
-                    # A receiver that offers answers as soon as it reads the header; if it is not reading yet (busy,
-                    # or sending to us itself), fill its ring rather than wait longer.
-                    offer_waited = True
-                    target = out.wait_direct_target(seq, OFFER_WAIT)
+                target = None
+                if offer_expected:
+                    # Once the first chunk is done, wait a little for the offer: the receiver answers as soon as it
+                    # reads the header; if it is not reading yet (busy, or sending to us itself), fill its ring.
+                    wait = OFFER_WAIT if announced and not offer_waited else 0.0
+                    offer_waited = offer_waited or wait > 0
+                    target = out.direct_target(seq, wait)
                 waiting_offer = offer_expected and announced == 0 and target is None
                 length = min(FIRST_CHUNK if waiting_offer else out.chunk_size, nbytes - pos)
                 piece: Chunk | DirectChunk
@@ -326,7 +328,7 @@ class MooncakePipe(KVPipeBase):
         if header.nbytes == 0:
             return result
         out = result.reshape(-1).view(torch.uint8)
-        direct = (header.nbytes >= DIRECT_MIN and self._direct_recv and out.device.type == "cpu"
+        direct = (header.nbytes >= DIRECT_MIN and self._direct_recv
                   and self._engine.register_region(out.data_ptr(), header.nbytes))
         pos = 0
         try:
@@ -427,7 +429,7 @@ class MooncakePipe(KVPipeBase):
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
                 "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max,
-                "direct_recv": self._direct_recv and self.device.type == "cpu"}))
+                "direct_recv": self._direct_recv}))
             sock.settimeout(self.config.timeout)
             inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
                               inline_max=self.config.inline_max)
