@@ -62,6 +62,26 @@ CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; hon
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
 
 
+class _WarmMemory:
+    """Host memory kept from use to use, grown as needed and faulted in once: on this kind of host, fresh pages for
+    every KV-sized entry cost more than the copies into them (measured: 20-90 ms for 32 MiB, 50-500 ms for 128 MiB
+    inside vLLM). One user at a time."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None  # free the smaller one first
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            prefault(self.buf)
+        return self.buf
+
+    def drop(self) -> None:
+        """Never hand this memory out again (the next ``get`` allocates)."""
+        self.buf = None
+
+
 class LayoutMismatch(RuntimeError):
     """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
 
@@ -280,8 +300,8 @@ class _WorkerSide:
         self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
         self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
-        self.scratch: torch.Tensor | None = None  # producer: reused gather memory for pull saves
-        self.recv_scratch: torch.Tensor | None = None  # consumer: reused memory pulled entries are received into
+        self.scratch = _WarmMemory()  # producer: pull saves gather into it
+        self.recv_scratch = _WarmMemory()  # consumer: pulled entries are received into it
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
@@ -358,7 +378,7 @@ class _WorkerSide:
             if step.token_ids is not None:  # the request's first step: announce it if the consumer has room
                 key = entry_key(step.token_ids)
                 nblocks = -(-step.prompt_len // self.connector.block_size)
-                nbytes = nblocks * len(self.layers) * self.block_bytes
+                nbytes = self._kv_bytes(nblocks)
                 if self.push.begin(key, nbytes, len(self.layers), nblocks):
                     self.pushing[step.req_id] = _PushState(key, nblocks)
                 else:
@@ -389,11 +409,8 @@ class _WorkerSide:
         start = time.perf_counter()
         # Gather into reused scratch memory, then insert copies it into memory the buffer recycles: two copies into
         # warm pages cost less than one into fresh pages (measured: ~8 ms vs ~20-90 ms for 32 MiB).
-        nbytes = len(req.block_ids) * len(self.layers) * self.block_bytes
-        if self.scratch is None or self.scratch.numel() < nbytes:
-            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
-            prefault(self.scratch)
-        kv = block_copy.gather(self.layers, self.block_dim, req.block_ids, self.scratch)
+        scratch = self.scratch.get(self._kv_bytes(len(req.block_ids)))
+        kv = block_copy.gather(self.layers, self.block_dim, req.block_ids, scratch)
         try:
             self.buffer.insert(torch.tensor(req.token_ids, dtype=torch.int64), None, kv, self._layout_tensor(), None)
         except (TimeoutError, BufferClosed, PipeError) as e:
@@ -422,10 +439,13 @@ class _WorkerSide:
                 return self._load_pushed(req, entry, start, time.perf_counter() - start)
         try:
             tokens = torch.tensor(req.token_ids, dtype=torch.int64)
+            # One buffer from load to load (they run one at a time); a larger entry than expected still arrives
+            # (the pipe then allocates for it).
+            key_out = self.recv_scratch.get(self._kv_bytes(len(req.block_ids)))
             try:
-                _, _, kv, layout, _ = self.buffer.drop_select(tokens, None, key_out=self._recv_scratch(len(req.block_ids)))
+                _, _, kv, layout, _ = self.buffer.drop_select(tokens, None, key_out=key_out)
             except BaseException:
-                self.recv_scratch = None  # writes may still land in it for a while: never reuse it (the pipe holds it)
+                self.recv_scratch.drop()  # writes may still land in it for a while: never reuse it (the pipe holds it)
                 raise
             fetched = time.perf_counter()
             if kv is None:
@@ -455,17 +475,9 @@ class _WorkerSide:
                     nbytes / seconds / 1e9, (fetched - start) * 1e3, (start + seconds - fetched) * 1e3)
         return n == len(wanted), wanted[n:]
 
-    def _recv_scratch(self, nblocks: int) -> torch.Tensor:
-        """Memory to receive a pulled entry of up to ``nblocks`` blocks into, kept from load to load (loads run one
-        at a time): fresh memory for every load costs its page faults, measured at 50-500 ms for 128 MiB here, more
-        than the transfer itself (~60 ms). Grown as needed; a larger entry than expected still arrives (the pipe then
-        allocates for it)."""
-        nbytes = nblocks * len(self.layers) * self.block_bytes
-        if self.recv_scratch is None or self.recv_scratch.numel() < nbytes:
-            self.recv_scratch = None  # free the smaller one first
-            self.recv_scratch = torch.empty(nbytes, dtype=torch.uint8)
-            prefault(self.recv_scratch)
-        return self.recv_scratch
+    def _kv_bytes(self, nblocks: int) -> int:
+        """Bytes of ``nblocks`` blocks of every layer (one entry's KV)."""
+        return nblocks * len(self.layers) * self.block_bytes
 
     def _load_pushed(self, req: LoadRequest, entry: PushedEntry, start: float, waited: float) -> tuple[bool, list[int]]:
         """Write a pushed entry's pieces into the request's blocks; the same checks and fallbacks as a pulled one."""
