@@ -45,8 +45,6 @@ class BufferClosed(RuntimeError):
 class _Entry:
     tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
     nbytes: int
-    match_tokens: list[int]  # the roi-masked tokens it is indexed under
-    hashes: list[int]  # prefix_hashes(match_tokens)
     copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
 
 
@@ -236,7 +234,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._cv.notify_all()
             raise
         with self._cv:
-            self._index.add(tokens, _Entry(tensors, nbytes, tokens, hashes, copy), hashes)
+            self._index.add(tokens, _Entry(tensors, nbytes, copy), hashes)
         self.start_serving()
 
     def start_serving(self) -> None:
@@ -292,7 +290,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self.data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
-                self._index.add(entry.match_tokens, entry, entry.hashes)
+                self._index.add(_masked_tokens(entry.tensors[0], entry.tensors[1]).tolist(), entry)
             raise
         self.stats["hits"] += 1
         with self._cv:
