@@ -236,6 +236,13 @@ class MooncakePipe(KVPipeBase):
                 last_error = str(e)
                 time.sleep(min(0.05, max(remaining, 0)))
                 continue
+            if sock.getsockname() == sock.getpeername():
+                # Nothing listened yet and the kernel gave us the peer's port as our own source port: TCP connected
+                # the socket to itself (we would read our own HELLO). Not the peer: try again.
+                sock.close()
+                last_error = "connected to itself (the peer is not listening yet)"
+                time.sleep(min(0.05, max(remaining, 0)))
+                continue
             try:
                 return self._handshake_out(sock, min(max(remaining, 0.1), HANDSHAKE_TIMEOUT), timeout)
             except (OSError, ProtocolError) as e:

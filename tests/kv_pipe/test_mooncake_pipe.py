@@ -197,6 +197,30 @@ def test_no_peer_gives_a_clear_timeout(cfg):
         assert time.monotonic() - start < 4.0
 
 
+def test_a_connection_to_itself_is_retried(cfg, monkeypatch):
+    # Connecting to a port nobody listens on yet can, rarely, connect a socket to itself (the kernel picks that
+    # very port as the source port): the pipe must not take its own HELLO for the peer's answer. Forced here once.
+    real = socket.create_connection
+    calls = []
+
+    def first_to_itself(address, *args, **kwargs):
+        calls.append(address)
+        if len(calls) > 1:
+            return real(address, *args, **kwargs)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.connect(sock.getsockname())
+        return sock
+
+    monkeypatch.setattr(socket, "create_connection", first_to_itself)
+    peer = Peer(peers.echo, cfg, 0, 1)
+    with open_pipe(cfg, 1) as pipe:
+        pipe.send_tensor(torch.ones(3))
+        assert same(pipe.recv_tensor(), torch.ones(3))
+        pipe.send_tensor(None)
+    assert peer.result() == 1 and len(calls) >= 2
+
+
 def test_a_peer_that_went_away_fails_fast_and_is_found_again_when_back(cfg):
     first = Peer(peers.echo, cfg, 0, 1)
     with open_pipe(cfg, 1) as pipe:
