@@ -2,16 +2,24 @@
 
 The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
 
-- consumer -> producer, signal pipe: one int64 tensor per request, ``[op, seq, kind, *tokens]``: ``OP_DROP_SELECT``
-  with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi; only the masked
-  tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None, None)``); or
-  ``OP_CLOSE`` (the consumer is going away). One frame per request: a round trip costs one small frame each way.
+- consumer -> producer, signal pipe: one int64 tensor per request, ``[op, seq, kind, row_start, row_stop, *tokens]``:
+  ``OP_DROP_SELECT`` with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi;
+  only the masked tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None,
+  None)``); ``row_start``/``row_stop`` ask for rows [start, stop) of the entry's key (its first dimension), ``stop``
+  -1 for all of them. Or ``OP_CLOSE`` (the consumer is going away).
 - producer -> consumer, data pipe: an int64 tensor ``[status, seq]`` echoing the request's ``seq``: ``HIT``
   followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going away).
-  A consumer whose request timed out recognises the late answer by its ``seq`` and discards it (counted as lost).
+
+The consumer may have several requests in flight (several threads calling ``drop_select``): a receiving thread
+hands each answer to the request with its ``seq``; an answer nobody waits for any more (its caller timed out) is
+received and dropped (counted as late). The producer answers requests in order, one at a time.
 
 Requests are validated by the producer; a malformed one is answered with MISS (or skipped, if it does not even
 carry an op and a seq) and logged, and the serving thread goes on.
+
+Extensions to vLLM v0's contract (all off by default): ``max_age`` drops entries nobody took within that many seconds,
+``evict`` makes ``insert`` drop the oldest entries to make room instead of waiting for a consumer, and
+``drop_select(..., key_rows=...)`` fetches only some rows of the entry's key.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -34,7 +42,10 @@ logger = logging.getLogger(__name__)
 OP_DROP_SELECT, OP_CLOSE = 1, 2
 ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
 HIT, MISS, CLOSED = 0, 1, 2
+ALL_ROWS = -1
+REQUEST_HEAD = 5  # op, seq, kind, row_start, row_stop
 DEFAULT_TIMEOUT = 30.0
+_POLL = 0.5  # how often the serving and receiving threads look at the clock (expiry) and at close()
 
 
 class BufferClosed(RuntimeError):
@@ -46,9 +57,10 @@ class _Entry:
     tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
     nbytes: int
     copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
+    created: float = field(default_factory=time.monotonic)
 
 
-def _nbytes(tensors: list[torch.Tensor | None]) -> int:
+def _nbytes(tensors: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -125,26 +137,37 @@ class _BadRequest(ValueError):
         self.seq = seq
 
 
-def _request(op: int, seq: int, query: torch.Tensor | None = None) -> torch.Tensor:
-    if query is None:
-        return torch.tensor([op, seq, ANY], dtype=torch.int64)
-    return torch.cat((torch.tensor([op, seq, QUERY], dtype=torch.int64), query))
+@dataclass(frozen=True)
+class _Request:
+    op: int
+    seq: int
+    query: list[int] | None = None  # None: any entry
+    rows: tuple[int, int] | None = None  # rows [start, stop) of the key; None: all
 
 
-def _read_request(t: torch.Tensor | None) -> tuple[int, int, list[int] | None]:
-    """``(op, seq, query)`` from a request frame; ValueError (with ``seq`` when it could be read) if malformed."""
-    if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < 3:
+def _request(op: int, seq: int, query: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    start, stop = rows if rows is not None else (0, ALL_ROWS)
+    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop], dtype=torch.int64)
+    return head if query is None else torch.cat((head, query))
+
+
+def _read_request(t: torch.Tensor | None) -> _Request:
+    """The request in a frame; ``_BadRequest`` (with ``seq`` when it could be read) if malformed."""
+    if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < REQUEST_HEAD:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-        raise _BadRequest(f"expected a 1-D int64 tensor [op, seq, kind, *tokens], got {desc}")
-    op, seq, kind, *query = t.tolist()
+        raise _BadRequest(f"expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, *tokens], got {desc}")
+    op, seq, kind, start, stop, *query = t.tolist()
     if op not in (OP_DROP_SELECT, OP_CLOSE):
         raise _BadRequest(f"unknown op {op}")
     if op == OP_CLOSE:
-        return op, seq, None
+        return _Request(op, seq)
+    if start < 0 or not (stop == ALL_ROWS or stop >= start):
+        raise _BadRequest(f"request {seq}: rows [{start}, {stop}) are not a range", seq)
+    rows = None if stop == ALL_ROWS else (start, stop)
     if kind == ANY and not query:
-        return op, seq, None
+        return _Request(op, seq, None, rows)
     if kind == QUERY:
-        return op, seq, query
+        return _Request(op, seq, query, rows)
     raise _BadRequest(f"request {seq}: kind must be {QUERY} (tokens follow) or {ANY} (nothing follows), "
                       f"got {kind} with {len(query)} tokens", seq)
 
@@ -156,37 +179,66 @@ def _read_message(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -
     return int(t[0]), int(t[1])
 
 
+def _rows(key: torch.Tensor | None, rows: tuple[int, int] | None) -> torch.Tensor | None:
+    """Rows [start, stop) of ``key``'s first dimension (clamped to what it has): a view, contiguous if ``key`` is."""
+    if key is None or rows is None or key.dim() == 0:
+        return key
+    start = min(rows[0], key.shape[0])
+    return key[start:min(max(rows[1], start), key.shape[0])]
+
+
+@dataclass
+class _Pending:
+    """A consumer request waiting for its answer."""
+
+    key_out: torch.Tensor | None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[torch.Tensor | None] | None = None
+    error: BaseException | None = None
+
+
 class SimpleBuffer(KVLookupBufferBase):
     """A lookup buffer holding at most ``buffer_size_thresh`` bytes of tensors.
 
     The producer calls ``insert``; a thread serving the consumer's requests starts with the first insert (or
-    ``start_serving()``). The consumer calls ``drop_select``. ``role`` is taken from the first of those calls
-    unless given; ``close()`` uses it to tell the right side. ``timeout`` bounds every wait (default: the data
-    pipe's configured timeout, else 30 s).
+    ``start_serving()``). The consumer calls ``drop_select``, from as many threads as it likes. ``role`` is taken
+    from the first of those calls unless given; ``close()`` uses it to tell the right side. ``timeout`` bounds every
+    wait (default: the data pipe's configured timeout, else 30 s).
+
+    Producer options: ``max_age`` (seconds; None: forever) drops entries nobody took within that time; ``evict``
+    makes an insert that does not fit drop the oldest entries instead of waiting for a consumer to take some (the
+    entries being sent at that moment still count, so the bytes held may pass the threshold by those). Both are
+    counted in ``stats`` (``expired``, ``evicted``) and logged once per entry.
     """
 
     def __init__(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase, buffer_size_thresh: float,
-                 timeout: float | None = None, role: Literal["producer", "consumer"] | None = None) -> None:
+                 timeout: float | None = None, role: Literal["producer", "consumer"] | None = None, *,
+                 max_age: float | None = None, evict: bool = False) -> None:
         if buffer_size_thresh <= 0:
             raise ValueError(f"buffer_size_thresh must be > 0 bytes, got {buffer_size_thresh}")
+        if max_age is not None and not max_age > 0:
+            raise ValueError(f"max_age must be > 0 seconds or None, got {max_age}")
+        if role not in (None, "producer", "consumer"):
+            raise ValueError(f"role must be 'producer', 'consumer' or None, got {role!r}")
         self.signal_pipe = signal_pipe
         self.data_pipe = data_pipe
         self.buffer_size_threshold = buffer_size_thresh
         config = getattr(data_pipe, "config", None)
         self.timeout = timeout if timeout is not None else getattr(config, "timeout", DEFAULT_TIMEOUT)
-        self.buffer_size = 0  # bytes held
+        self.max_age = max_age
+        self.evict = evict
+        self.role = role
+        self.buffer_size = 0  # bytes held (entries in the index and the one being sent)
         self._index: TokenIndex[_Entry] = TokenIndex()
         self._recycler = _Recycler(buffer_size_thresh)
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._consumer_closes = 0  # bumped when the consumer says goodbye: wakes blocked inserts
-        self._server: threading.Thread | None = None
-        self._request_lock = threading.Lock()  # one consumer request on the wire at a time
-        if role not in (None, "producer", "consumer"):
-            raise ValueError(f"role must be 'producer', 'consumer' or None, got {role!r}")
-        self.role = role
+        self._thread: threading.Thread | None = None  # producer: serving requests; consumer: receiving answers
         self._seq = 0  # the consumer's request counter
-        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0}
+        self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
+        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "expired": 0, "evicted": 0,
+                      "hit_bytes": 0}
 
     def __len__(self) -> int:
         with self._cv:
@@ -196,21 +248,28 @@ class SimpleBuffer(KVLookupBufferBase):
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor | None, key: torch.Tensor | None,
                value: torch.Tensor | None, hidden: torch.Tensor | None, *, copy: bool = True) -> None:
         """See ``KVLookupBufferBase.insert``. ``copy=False`` (an extension): keep the caller's tensors instead of
-        copying them; the caller hands them over and must not touch them again (saves a copy of a fresh gather)."""
+        copying them; the caller hands them over and must not touch them again (saves a copy of a fresh gather).
+        With ``evict``, never waits: the oldest entries make room."""
         if self._closed.is_set():
             raise BufferClosed("insert on a closed buffer")
         self._take_role("producer")
         tokens = _masked_tokens(input_tokens, roi).tolist()
         hashes = prefix_hashes(tokens)  # outside the lock: the serving thread is not held up by it
         originals = (input_tokens, roi, key, value, hidden)
-        nbytes = _nbytes(list(originals))
+        nbytes = _nbytes(originals)
         if nbytes > self.buffer_size_threshold:
             raise ValueError(f"an entry of {nbytes} bytes can never fit a buffer of buffer_size_thresh="
                              f"{self.buffer_size_threshold:.0f} bytes; raise the threshold")
         deadline = time.monotonic() + self.timeout
         with self._cv:  # claim room first, then copy: no copy is held outside the threshold
+            self._expire()
             closes = self._consumer_closes
             while self.buffer_size + nbytes > self.buffer_size_threshold:
+                if self.evict and len(self._index):
+                    self._drop_oldest("evicted", f"to make room for an entry of {len(tokens)} tokens")
+                    continue
+                if self.evict:
+                    break  # only entries being sent are left: they leave in a moment
                 if self._closed.is_set():
                     raise BufferClosed("the buffer was closed while insert waited for room")
                 if self._consumer_closes != closes:
@@ -237,76 +296,129 @@ class SimpleBuffer(KVLookupBufferBase):
             self._index.add(tokens, _Entry(tensors, nbytes, copy), hashes)
         self.start_serving()
 
+    def _drop_oldest(self, why: str, detail: str) -> None:
+        """Forget the oldest entry (under the lock), counted under ``why`` and logged."""
+        ident = self._index.find(None)
+        assert ident is not None
+        entry = self._index.remove(ident)
+        self._release(entry)
+        self.stats[why] += 1
+        logger.info("%s an entry of %d tokens (%.1f MiB) nobody took in %.1f s, %s", why, entry.tensors[0].numel(),
+                    entry.nbytes / 2**20, time.monotonic() - entry.created, detail)
+
+    def _expire(self) -> None:
+        """Drop entries older than ``max_age`` (under the lock). The index is in insertion order: oldest first."""
+        if self.max_age is None:
+            return
+        limit = time.monotonic() - self.max_age
+        while len(self._index):
+            oldest = self._index.find(None)
+            assert oldest is not None
+            if self._index.peek(oldest).created > limit:
+                return
+            self._drop_oldest("expired", f"older than max_age={self.max_age:g} s")
+
+    def _release(self, entry: _Entry) -> None:
+        """An entry left the buffer (under the lock): free its bytes, recycle its memory, wake waiting inserts."""
+        self.buffer_size -= entry.nbytes
+        for t in entry.tensors if entry.copied else ():
+            if t is not None:
+                self._recycler.give(t)
+        self._cv.notify_all()
+
     def start_serving(self) -> None:
         """Start answering the consumer's requests (idempotent; insert calls it)."""
         self._take_role("producer")
         with self._cv:
-            if self._server is None and not self._closed.is_set():
-                self._server = threading.Thread(target=self._serve, name="kv-buffer-server", daemon=True)
-                self._server.start()
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(target=self._serve, name="kv-buffer-server", daemon=True)
+                self._thread.start()
 
     def _serve(self) -> None:
         while not self._closed.is_set():
             try:
-                request = self.signal_pipe.recv_tensor(timeout=1.0)
-                try:
-                    op, seq, query = _read_request(request)
-                except _BadRequest as e:
-                    self.stats["malformed"] += 1
-                    logger.error("malformed drop_select request (%s): %s", e,
-                                 "skipped" if e.seq is None else f"answering MISS to request {e.seq}")
-                    if e.seq is not None:
-                        self.data_pipe.send_tensor(_message(MISS, e.seq))
-                    continue
-                if op == OP_CLOSE:
-                    logger.info("the consumer closed the buffer")
-                    with self._cv:
-                        self._consumer_closes += 1
-                        self._cv.notify_all()
-                    continue
-                self._answer(seq, query)
+                frame = self.signal_pipe.recv_tensor(timeout=_POLL)
             except PipeTimeout:
+                with self._cv:
+                    self._expire()
                 continue
             except PipeClosed:
                 return
             except PeerDisconnected as e:
                 logger.warning("buffer consumer went away (%s); waiting for it to come back", e)
+                self._closed.wait(_POLL)  # its next connection is accepted by the pipe meanwhile
+                continue
             except (PipeError, ValueError) as e:
                 self.stats["malformed"] += 1
                 logger.error("ignored a malformed or broken request from the consumer: %s", e)
+                continue
+            try:
+                self._handle(frame)
+            except PipeClosed:
+                return
+            except (PipeError, ValueError) as e:
+                logger.warning("could not answer the consumer: %s", e)
 
-    def _answer(self, seq: int, query: list[int] | None) -> None:
+    def _handle(self, frame: torch.Tensor | None) -> None:
+        try:
+            request = _read_request(frame)
+        except _BadRequest as e:
+            self.stats["malformed"] += 1
+            logger.error("malformed drop_select request (%s): %s", e,
+                         "skipped" if e.seq is None else f"answering MISS to request {e.seq}")
+            if e.seq is not None:
+                self.data_pipe.send_tensor(_message(MISS, e.seq))
+            return
+        if request.op == OP_CLOSE:
+            logger.info("the consumer closed the buffer")
+            with self._cv:
+                self._consumer_closes += 1
+                self._cv.notify_all()
+            return
+        self._answer(request)
+
+    def _answer(self, request: _Request) -> None:
+        query = request.query
         hashes = None if query is None else prefix_hashes(query)  # outside the lock, away from the inserting thread
         with self._cv:
+            self._expire()
             ident = self._index.find(query, hashes)
             entry = None if ident is None else self._index.remove(ident)
         if entry is None:
             self.stats["misses"] += 1
-            self.data_pipe.send_tensor(_message(MISS, seq))
+            self.data_pipe.send_tensor(_message(MISS, request.seq))
             return
+        tokens, roi, key, value, hidden = entry.tensors
+        answer = [tokens, roi, _rows(key, request.rows), value, hidden]
         try:
-            self.data_pipe.send_tensor(_message(HIT, seq))
-            for t in entry.tensors:
+            self.data_pipe.send_tensor(_message(HIT, request.seq))
+            for t in answer:
                 self.data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
-                self._index.add(_masked_tokens(entry.tensors[0], entry.tensors[1]).tolist(), entry)
+                self._index.add(_masked_tokens(tokens, roi).tolist(), entry)
             raise
         self.stats["hits"] += 1
+        self.stats["hit_bytes"] += _nbytes(answer)
         with self._cv:
-            self.buffer_size -= entry.nbytes
-            for t in entry.tensors if entry.copied else ():
-                if t is not None:
-                    self._recycler.give(t)
-            self._cv.notify_all()
+            self._release(entry)
 
     # ---------------------------------------------------------------- consumer
     def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
-                    key_out: torch.Tensor | None = None) -> list[torch.Tensor | None]:
-        """See ``KVLookupBufferBase.drop_select``. ``key_out`` (an extension): a buffer the entry's key is received
-        into, through the data pipe's ``recv_tensor(out=...)`` (``MooncakePipe``); the key returned is then a view of
-        it. Reusing one buffer for large entries saves the page faults of a fresh allocation each time. If this call
-        raises, do not reuse ``key_out`` (see ``MooncakePipe.recv_tensor``)."""
+                    key_out: torch.Tensor | None = None, key_rows: tuple[int, int] | None = None,
+                    timeout: float | None = None) -> list[torch.Tensor | None]:
+        """See ``KVLookupBufferBase.drop_select``. Extensions:
+
+        - ``key_rows=(start, stop)``: only rows [start, stop) of the entry's key are sent (its first dimension,
+          clamped to the rows it has); the entry is taken all the same.
+        - ``key_out``: a buffer the entry's key is received into, through the data pipe's ``recv_tensor(out=...)``
+          (``MooncakePipe``); the key returned is then a view of it. Reusing one buffer for large entries saves
+          the page faults of a fresh allocation each time. If this call raises, do not reuse ``key_out`` (see
+          ``MooncakePipe.recv_tensor``).
+        - ``timeout``: seconds to wait for the answer (default: the buffer's); ``TimeoutError`` after that.
+
+        Several threads may call this at once: their requests are in flight together.
+        """
         if self._closed.is_set():
             raise BufferClosed("drop_select on a closed buffer")
         self._take_role("consumer")
@@ -316,19 +428,67 @@ class SimpleBuffer(KVLookupBufferBase):
             raise ValueError("roi given without input_tokens")
         else:
             query = None
-        with self._request_lock:
+        if key_rows is not None and not (0 <= key_rows[0] <= key_rows[1]):
+            raise ValueError(f"key_rows must be (start, stop) with 0 <= start <= stop, got {key_rows}")
+        wait = self.timeout if timeout is None else timeout
+        pending = _Pending(key_out)
+        with self._cv:
             self._seq += 1
-            self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, self._seq, query))
-            while True:
-                status, seq = _read_message(self.data_pipe.recv_tensor(), (HIT, MISS, CLOSED), "drop_select answer")
+            seq = self._seq
+            self._pending[seq] = pending
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._receive_loop, name="kv-buffer-receiver", daemon=True)
+                self._thread.start()
+        try:
+            self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, seq, query, key_rows), timeout=wait)
+            if not pending.done.wait(wait):
+                raise TimeoutError(f"no answer to drop_select request {seq} within {wait:.1f} s")
+        finally:
+            with self._cv:
+                self._pending.pop(seq, None)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
+
+    def _receive_loop(self) -> None:
+        """Consumer: receive every answer and hand it to its request."""
+        while not self._closed.is_set():
+            try:
+                status, seq = _read_message(self.data_pipe.recv_tensor(timeout=_POLL), (HIT, MISS, CLOSED),
+                                            "drop_select answer")
                 if status == CLOSED:
-                    raise BufferClosed("the producer closed the buffer")
-                entry = [None] * 5 if status == MISS else self._receive_entry(key_out)
-                if seq == self._seq:
-                    return entry
-                if status == HIT:  # the answer to an earlier request that timed out: nobody wants it any more
-                    self.stats["late_hits_dropped"] += 1
-                    logger.warning("dropped a late answer to drop_select request %d (its caller timed out)", seq)
+                    self._fail_pending(BufferClosed("the producer closed the buffer"))
+                    continue
+                with self._cv:
+                    pending = self._pending.get(seq)
+                if status == MISS:
+                    result: list[torch.Tensor | None] = [None] * 5
+                else:
+                    result = self._receive_entry(pending.key_out if pending is not None else None)
+                    if pending is None:
+                        self.stats["late_hits_dropped"] += 1
+                        logger.warning("dropped a late answer to drop_select request %d (its caller gave up)", seq)
+                if pending is not None:
+                    pending.result = result
+                    pending.done.set()
+            except PipeTimeout:
+                continue
+            except PipeClosed:
+                self._fail_pending(BufferClosed("the buffer was closed"))
+                return
+            except (PipeError, ValueError) as e:  # the answers in flight are lost with the connection
+                logger.warning("drop_select answers lost: %s", e)
+                self._fail_pending(e)
+                self._closed.wait(0.01)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._cv:
+            waiting = list(self._pending.values())
+        for pending in waiting:
+            if not pending.done.is_set():
+                pending.error = error
+                pending.done.set()
 
     def _receive_entry(self, key_out: torch.Tensor | None) -> list[torch.Tensor | None]:
         tokens, roi = self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()
@@ -350,16 +510,14 @@ class SimpleBuffer(KVLookupBufferBase):
         self._closed.set()
         with self._cv:
             self._cv.notify_all()
-            server = self._server
+            thread = self._thread
+        self._fail_pending(BufferClosed("the buffer was closed"))
         try:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5.0)
             if self.role == "producer":
-                if server is not None:
-                    server.join(timeout=5.0)
                 self.data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
-            elif self.role == "consumer" and self._request_lock.acquire(timeout=1.0):
-                try:
-                    self.signal_pipe.send_tensor(_request(OP_CLOSE, -1), timeout=1.0)
-                finally:
-                    self._request_lock.release()
+            elif self.role == "consumer":
+                self.signal_pipe.send_tensor(_request(OP_CLOSE, -1), timeout=1.0)
         except PipeError as e:
             logger.info("could not tell the other side that the buffer closed: %s", e)

@@ -115,6 +115,10 @@ class TokenIndex(Generic[T]):
             del self._lengths[n]
         return item.value
 
+    def peek(self, ident: int) -> T:
+        """The value indexed under ``ident`` (left in the index)."""
+        return self._items[ident].value
+
     def values(self) -> list[T]:
         return [item.value for item in self._items.values()]
 

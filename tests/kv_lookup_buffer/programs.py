@@ -45,29 +45,43 @@ def shuffled(entries: list[Entry], seed: int) -> list[Entry]:
     return [entries[i] for i in order]
 
 
+def rows_entries() -> list[Entry]:
+    """Keys of 6 rows (row r holds r); the second is large enough for zero-copy receive (6 x 2 MiB)."""
+    return [(torch.tensor([40, 41, i]), None, torch.arange(6, dtype=torch.float32).repeat_interleave(n).view(6, n),
+             torch.tensor([i]), None) for i, n in enumerate((8, 1 << 19))]
+
+
 def large_entries() -> list[Entry]:
     """Keys large enough for the pipe's zero-copy receive (12 MiB each)."""
     return [(torch.tensor([7, 8, i]), None, torch.arange(3 << 20, dtype=torch.float32) + i, torch.ones(2), None)
             for i in range(2)]
 
 
-ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress_entries, "large": large_entries}
+ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress_entries, "large": large_entries,
+              "rows": rows_entries}
 
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,
-            full: Any = None, linger: float = 120.0) -> dict[str, Any]:
-    """Insert the entries (in a shuffled order if order_seed), then wait for ``done`` and report what is left."""
+            full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Insert the entries (in a shuffled order if order_seed), then wait for ``done`` and report what is left.
+    ``options``: SimpleBuffer keyword arguments (max_age, evict); with them the report has ``insert_seconds``, the
+    longest insert."""
     entries = ENTRY_SETS[entry_set]()
     if order_seed is not None:
         entries = shuffled(entries, order_seed)
+    longest = 0.0
     with open_pipe(cfg, 0) as pipe:
-        buf = SimpleBuffer(pipe, pipe, thresh)
+        buf = SimpleBuffer(pipe, pipe, thresh, **(options or {}))
         for i, entry in enumerate(entries):
+            start = time.monotonic()
             buf.insert(*entry)
+            longest = max(longest, time.monotonic() - start)
             if full is not None and i + 1 == min(100, len(entries)):
                 full.set()  # the first 100 (or all) are in
         done.wait(linger)
         left = {"entries": len(buf), "bytes": buf.buffer_size, "stats": dict(buf.stats)}
+        if options:
+            left["insert_seconds"] = longest
         buf.close()
     return left
 

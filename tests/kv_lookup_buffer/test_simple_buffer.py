@@ -45,7 +45,9 @@ def test_exact_round_trip(cfg):
         left = producer.result()
     tokens, roi, key, value, hidden = programs.basic_entries()[0]
     assert same(got[0], tokens) and got[1] is None and same(got[2], key) and same(got[3], value) and got[4] is None
-    assert left == {"entries": 0, "bytes": 0, "stats": {"hits": 1, "misses": 1, "malformed": 0, "late_hits_dropped": 0}}
+    assert left["entries"] == 0 and left["bytes"] == 0
+    assert {k: left["stats"][k] for k in ("hits", "misses", "malformed", "expired", "evicted")} == {
+        "hits": 1, "misses": 1, "malformed": 0, "expired": 0, "evicted": 0}
 
 
 def test_key_out_receives_the_key_in_place(cfg):
@@ -230,13 +232,85 @@ def test_malformed_requests_do_not_kill_the_producer(cfg):
         pipe.send_tensor(torch.tensor([9, 8, 1], dtype=torch.int64))  # unknown op: skipped
         pipe.send_tensor(torch.tensor([1, 8], dtype=torch.int64))  # too short to be a request: skipped
         pipe.send_tensor(None)  # not a request at all: skipped
-        pipe.send_tensor(torch.tensor([1, 7, 5, 1, 2], dtype=torch.int64))  # DROP_SELECT of an unknown kind
-        pipe.send_tensor(torch.tensor([1, 8, 0, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens after it
+        pipe.send_tensor(torch.tensor([1, 7, 5, 0, -1, 1, 2], dtype=torch.int64))  # DROP_SELECT of an unknown kind
+        pipe.send_tensor(torch.tensor([1, 8, 0, 0, -1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens after it
+        pipe.send_tensor(torch.tensor([1, 9, 1, 5, 2, 1, 2, 3], dtype=torch.int64))  # rows [5, 2): not a range
         assert pipe.recv_tensor().tolist() == [1, 7]  # MISS for request 7
         assert pipe.recv_tensor().tolist() == [1, 8]  # MISS for request 8
+        assert pipe.recv_tensor().tolist() == [1, 9]  # MISS for request 9
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)
         settle(buf)
         done.set()
         left = producer.result()
     assert got[0] is not None and same(got[2], programs.basic_entries()[0][2])
-    assert left["stats"]["malformed"] == 6 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
+    assert left["stats"]["malformed"] == 7 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
+
+
+def test_key_rows_sends_only_those_rows(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "rows", 1 << 30, done, None, full)
+    entries = programs.rows_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        small = buf.drop_select(torch.tensor([40, 41, 0]), None, key_rows=(2, 4))
+        room = torch.empty(16 << 20, dtype=torch.uint8)
+        large = buf.drop_select(torch.tensor([40, 41, 1]), None, key_rows=(3, 99), key_out=room)  # clamped to 6
+        settle(buf)
+        done.set()
+        left = producer.result()
+    assert same(small[2], entries[0][2][2:4]) and same(small[0], entries[0][0]) and same(small[3], entries[0][3])
+    assert same(large[2], entries[1][2][3:]) and large[2].data_ptr() == room.data_ptr()
+    rows_bytes = (2 * 8 + 3 * (1 << 19)) * 4
+    assert left["stats"]["hits"] == 2 and left["stats"]["hit_bytes"] == rows_bytes + 2 * (3 * 8 + 8)
+
+
+def test_entries_older_than_max_age_expire(cfg):
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full, 120.0, {"max_age": 1.0})
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        time.sleep(2.0)  # the serving thread expires them on its own, without a request
+        assert buf.drop_select(None, None) == [None] * 5
+        done.set()
+        left = producer.result()
+    assert left["entries"] == 0 and left["bytes"] == 0 and left["stats"]["expired"] == 4
+
+
+def test_evict_makes_room_without_waiting(cfg):
+    """A buffer with room for 100 of 200 entries and no consumer asking: every insert returns at once, and the
+    oldest entries make room (the newest are the likeliest to be asked for)."""
+    done, full = ctx.Event(), ctx.Event()
+    thresh = 100 * programs.STRESS_ENTRY_BYTES
+    producer = Peer(programs.produce, cfg, "stress", thresh, done, None, full, 120.0, {"evict": True})
+    entries = programs.stress_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        time.sleep(1.0)  # all 200 inserted
+        newest, oldest = buf.drop_select(*entries[-1][:2]), buf.drop_select(*entries[0][:2])
+        settle(buf)
+        done.set()
+        left = producer.result()
+    assert all(same(a, b) for a, b in zip(newest, entries[-1], strict=True)) and oldest == [None] * 5
+    assert left["stats"]["evicted"] == 100 and left["entries"] == 99
+    assert left["insert_seconds"] < 0.5
+
+
+def test_a_request_that_times_out_does_not_disturb_later_ones(cfg):
+    """drop_select's own timeout: the late answer is recognised and dropped; the next request gets its own entry."""
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "large", 1 << 30, done, None, full)
+    entries = programs.large_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        with pytest.raises(TimeoutError, match="no answer to drop_select request"):
+            buf.drop_select(entries[0][0], None, timeout=0.0005)
+        got = buf.drop_select(entries[1][0], None)
+        settle(buf)
+        done.set()
+        producer.result()
+    assert same(got[2], entries[1][2])
+    assert buf.stats["late_hits_dropped"] == 1
