@@ -1,10 +1,14 @@
-"""Copies between vLLM's paged KV cache and one dense tensor holding a request's blocks of every layer.
+"""Copies between vLLM's paged KV cache and one dense, block-major tensor holding some blocks of every layer.
 
-``gather(layers, block_dim, ids)`` returns ``[num_layers, *layer_shape]`` with the block dimension cut down to
-``ids`` (in that order); ``scatter`` writes such a tensor back into the given blocks. On the host the copies are
-plain memmoves of contiguous runs (one per run of consecutive block ids, per layer and per index before the block
-dimension): ``index_select`` / ``index_copy_`` would fan out over the OpenMP pool that vLLM pins to the instance's
-core and busy-wait there afterwards. Device tensors (or non-contiguous caches) use torch's indexed copies.
+The dense tensor is ``[blocks, layers, *block_shape]`` (``block_shape``: a layer's shape without its block
+dimension): block-major, so any range of blocks is a contiguous slice (a consumer fetching only the blocks it lacks
+gets a slice the producer sends without copying). ``gather(layers, block_dim, ids)`` builds one from blocks ``ids``
+(in that order); ``scatter`` writes one back into given blocks.
+
+On the host the copies are plain memmoves, one per block and layer (and index before the block dimension), merged
+into one per run of consecutive block ids where the dense side is contiguous too: ``index_select`` / ``index_copy_``
+would fan out over the OpenMP pool that vLLM pins to the instance's core and busy-wait there afterwards. Device
+tensors (or non-contiguous caches) use torch's indexed copies.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def block_shape(layer: torch.Tensor, block_dim: int) -> list[int]:
+    """One block of one layer: the layer's shape without its block dimension."""
+    shape = list(layer.shape)
+    del shape[block_dim]
+    return shape
+
+
 def _host_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
@@ -37,69 +48,67 @@ def _check_ids(ids: Sequence[int], blocks: int) -> None:
         raise ValueError(f"block ids {min(ids)}..{max(ids)} out of range for a cache of {blocks} blocks")
 
 
-def _geometry(layer: torch.Tensor, block_dim: int) -> tuple[int, int, int]:
-    """(outer count, blocks, bytes per block slab) of a contiguous layer seen as [outer, blocks, inner]."""
-    outer = math.prod(layer.shape[:block_dim])
-    inner = math.prod(layer.shape[block_dim + 1:])
-    return outer, layer.shape[block_dim], inner * layer.element_size()
-
-
-def _move(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], dense: torch.Tensor, dense_blocks: int,
+def _move(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], dense: torch.Tensor,
           into_cache: bool) -> None:
-    """memmove blocks ``ids`` between contiguous host layers and ``dense`` ([layers, outer, dense_blocks, inner]
-    bytes), whose positions 0..len(ids)-1 hold them, one run of consecutive ids at a time."""
-    outer, blocks, slab = _geometry(layers[0], block_dim)
+    """memmove blocks ``ids`` between contiguous host layers and the block-major ``dense``, whose rows
+    0..len(ids)-1 hold them."""
+    first = layers[0]
+    outer = math.prod(first.shape[:block_dim])
+    blocks = first.shape[block_dim]
+    slab = math.prod(first.shape[block_dim + 1:]) * first.element_size()  # bytes of one block under one outer index
     _check_ids(ids, blocks)
-    spans = runs(ids)
+    nlayers = len(layers)
+    row = nlayers * outer * slab  # bytes of one dense row (one block of every layer)
     base = dense.data_ptr()
+    merge = nlayers * outer == 1  # consecutive blocks are then contiguous on both sides
     for li, layer in enumerate(layers):
         cache = layer.data_ptr()
-        dense_layer = base + li * outer * dense_blocks * slab
         for o in range(outer):
-            for pos, block, length in spans:
-                at_cache = cache + (o * blocks + block) * slab
-                at_dense = dense_layer + (o * dense_blocks + pos) * slab
-                if into_cache:
-                    ctypes.memmove(at_cache, at_dense, length * slab)
-                else:
-                    ctypes.memmove(at_dense, at_cache, length * slab)
+            for pos, block, length in runs(ids):
+                steps = ((pos, block, length),) if merge else ((pos + i, block + i, 1) for i in range(length))
+                for p, b, n in steps:
+                    at_cache = cache + (o * blocks + b) * slab
+                    at_dense = base + p * row + (li * outer + o) * slab
+                    if into_cache:
+                        ctypes.memmove(at_cache, at_dense, n * slab)
+                    else:
+                        ctypes.memmove(at_dense, at_cache, n * slab)
 
 
 def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int],
            scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """A dense tensor ``[len(layers), *shape]`` holding blocks ``ids`` of every layer (block dim = len(ids)): new, or
-    a view of the host byte tensor ``scratch`` when it is large enough (reused memory: no page faults to fill)."""
+    """A dense ``[len(ids), len(layers), *block_shape]`` tensor holding blocks ``ids`` of every layer: new, or a view
+    of the host byte tensor ``scratch`` when it is large enough (reused memory: no page faults to fill)."""
     first = layers[0]
-    shape = list(first.shape)
-    shape[block_dim] = len(ids)
+    size = [len(ids), len(layers), *block_shape(first, block_dim)]
     if not _host_contiguous(layers):
         index = torch.tensor(list(ids), dtype=torch.long, device=first.device)
-        return torch.stack([layer.index_select(block_dim, index) for layer in layers])
-    size = [len(layers), *shape]
+        return torch.stack([layer.index_select(block_dim, index).movedim(block_dim, 0) for layer in layers], dim=1)
     nbytes = math.prod(size) * first.element_size()
     if scratch is not None and scratch.is_contiguous() and scratch.device.type == "cpu" and scratch.numel() >= nbytes:
         out = scratch.view(torch.uint8)[:nbytes].view(first.dtype).view(size)
     else:
         out = torch.empty(size, dtype=first.dtype)
-    _move(layers, block_dim, ids, out, len(ids), into_cache=False)
+    _move(layers, block_dim, ids, out, into_cache=False)
     return out
 
 
 def scatter(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], kv: torch.Tensor) -> None:
-    """Write ``kv`` (as returned by ``gather``, block dim >= len(ids)) into blocks ``ids`` of every layer."""
+    """Write the first ``len(ids)`` rows of ``kv`` (block-major, as ``gather`` returns) into blocks ``ids`` of every
+    layer."""
     n = len(ids)
     if not n:
         return
+    first = layers[0]
+    if kv.dim() < 2 or kv.dtype != first.dtype or kv.shape[1] != len(layers) or \
+            list(kv.shape[2:]) != block_shape(first, block_dim):
+        raise ValueError(f"KV of shape {list(kv.shape)} {kv.dtype} does not fit {len(layers)} layers of "
+                         f"{list(first.shape)} {first.dtype} (blocks along dim {block_dim})")
+    if kv.shape[0] < n:
+        raise ValueError(f"KV holds {kv.shape[0]} blocks, {n} wanted")
     if not _host_contiguous(layers) or kv.device.type != "cpu" or not kv.is_contiguous():
-        index = torch.tensor(list(ids), dtype=torch.long, device=layers[0].device)
-        for layer, blocks in zip(layers, kv, strict=True):
-            layer.index_copy_(block_dim, index, blocks.narrow(block_dim, 0, n).to(layer.device))
+        index = torch.tensor(list(ids), dtype=torch.long, device=first.device)
+        for li, layer in enumerate(layers):
+            layer.index_copy_(block_dim, index, kv[:n, li].movedim(0, block_dim).to(layer.device))
         return
-    if kv.dtype != layers[0].dtype or kv.shape[0] != len(layers) or list(kv.shape[2 + block_dim:]) != list(
-            layers[0].shape[block_dim + 1:]) or list(kv.shape[1:1 + block_dim]) != list(layers[0].shape[:block_dim]):
-        raise ValueError(f"KV of shape {list(kv.shape)} {kv.dtype} does not fit layers of {list(layers[0].shape)} "
-                         f"{layers[0].dtype} along dim {block_dim}")
-    have = kv.shape[1 + block_dim]
-    if have < n:
-        raise ValueError(f"KV holds {have} blocks, {n} wanted")
-    _move(layers, block_dim, ids, kv, have, into_cache=True)
+    _move(layers, block_dim, ids, kv, into_cache=True)

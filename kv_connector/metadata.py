@@ -1,4 +1,5 @@
-"""What the scheduler-side connector tells the worker-side connector each step (pickled by vLLM between processes)."""
+"""What the scheduler-side connector tells the worker-side connector each step (pickled by vLLM between its own
+processes; nothing here crosses to another instance)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
+
 
 @dataclass
 class SaveRequest:
-    """Producer: the prompt of ``req_id`` is complete in these blocks after this step; insert it into the buffer."""
+    """Producer: the prompt of ``req_id`` is complete in these blocks (one per prompt block) after this step."""
 
     req_id: str
     token_ids: list[int]
@@ -18,14 +21,15 @@ class SaveRequest:
 
 @dataclass
 class LoadRequest:
-    """Consumer: take the producer's entry for these tokens and write it into ``block_ids`` (from ``start_block``)."""
+    """Consumer: write the producer's KV for prompt blocks ``first_block`` .. ``first_block + len(block_ids) - 1``
+    into ``block_ids``. The blocks before ``first_block`` are in this instance's own prefix cache already."""
 
     req_id: str
-    token_ids: list[int]
+    token_ids: list[int]  # the whole prompt: the producer's entry is found by it
+    first_block: int
     block_ids: list[int]
-    start_block: int
     num_tokens: int  # tokens claimed, for the stats
-    corrupt: bool = False  # test-only: flip the KV before writing it (see ConnectorOptions.allow_test_corruption)
+    corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
 
 
 @dataclass

@@ -16,8 +16,12 @@ GiB = 1 << 30
 class ConnectorOptions:
     """Options under ``kv_connector_extra_config``; every one has a default.
 
-    - ``buffer_size``: bytes of KV the producer may hold for consumers to take (back-pressure beyond it).
-    - ``save_timeout``: seconds the producer's forward pass may wait for buffer room before it drops an entry.
+    - ``buffer_size``: producer: bytes of KV held for consumers to take; a save that does not fit evicts the oldest
+      entries nobody took (the newest prompt is the likeliest to be decoded next). A save never waits.
+    - ``entry_ttl``: producer: seconds an entry nobody took is kept (a prefill whose decode never came).
+    - ``load_timeout``: consumer: seconds one load may take (request, transfer, copy) before it is given up and the
+      prompt recomputed.
+    - ``load_concurrency``: consumer: loads in flight at once (the fetch of one overlaps the copy of another).
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
     - ``transfer_mode``: "pull" (the consumer fetches a request's KV once the prefill is done) or "push" (the producer
       streams each layer's KV to the consumer while the prefill runs); default: mooncake.json's ``transfer_mode``,
@@ -25,7 +29,7 @@ class ConnectorOptions:
     - ``push_staging_size``: consumer, push mode: bytes of pushed KV it may hold; when full, the producer serves
       further requests by pull.
     - ``push_ttl``: consumer, push mode: seconds a pushed entry waits for its decode request before it is dropped.
-    - ``push_wait``: consumer, push mode: seconds a load waits for a push still on its way to complete.
+    - ``push_wait``: consumer, push mode: seconds a load waits for a push that has begun to be committed.
     - ``gil_switch_interval``: seconds; the Python thread switch interval set in the vLLM worker process (0 keeps
       Python's 5 ms). The transfer runs in side threads that compete for the GIL with vLLM's busy engine loop; each
       hand-over costs up to one interval.
@@ -34,11 +38,13 @@ class ConnectorOptions:
     """
 
     buffer_size: int = 2 * GiB
-    save_timeout: float = 5.0
+    entry_ttl: float = 30.0
+    load_timeout: float = 10.0
+    load_concurrency: int = 4
     mooncake_config_path: str | None = None
     transfer_mode: str | None = None
     push_staging_size: int = GiB
-    push_ttl: float = 60.0
+    push_ttl: float = 30.0
     push_wait: float = 5.0
     gil_switch_interval: float = 0.0001
     allow_test_corruption: bool = False
@@ -55,14 +61,15 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                               f"known keys: {', '.join(sorted(known))}")
         opts = cls(**extra)
-        for name in ("buffer_size", "push_staging_size"):
+        for name in ("buffer_size", "push_staging_size", "load_concurrency"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{name}: expected a positive number of bytes, got {value!r}")
-        for name in ("save_timeout", "push_ttl", "push_wait"):
+                what = "a positive number of bytes" if name != "load_concurrency" else "a positive integer"
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected {what}, got {value!r}")
+        for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait"):
             value = getattr(opts, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0 (and < 1e6), got {value!r}")
         if opts.transfer_mode is not None and opts.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
                               f"{opts.transfer_mode!r}")

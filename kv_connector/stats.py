@@ -1,50 +1,157 @@
-"""Per-request transfer statistics, carried from the worker to vLLM's metrics logger (plain, msgpack-able data)."""
+"""Transfer statistics: counted in the worker, carried to vLLM's metrics (plain, msgpack-able data), logged in its
+periodic "KV Transfer metrics" line and exported on ``/metrics`` as ``vllm:mooncake_kv_*``.
+
+Bytes are counted where they really moved, never inferred from a claim (vLLM counts a claimed load as an external
+prefix-cache hit even when it then fails and the prompt is recomputed):
+
+- ``fetched_bytes``: consumer, pull: KV bytes received from the producer.
+- ``loaded_bytes``: consumer: KV bytes written into this instance's cache by loads (pulled or pushed).
+- ``saved_bytes``: producer: KV bytes put into its buffer for consumers to take.
+- ``served_bytes``: producer: KV bytes sent to consumers that asked (pull).
+- ``pushed_bytes``: producer, push mode: KV bytes streamed to the consumer during prefills.
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-_COUNTERS = ("saved", "save_dropped", "loaded", "load_misses", "load_failures", "pushed", "push_loaded")
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+COUNTERS = {  # name -> help text
+    "saved": "Prompts whose KV the producer saved for a consumer.",
+    "save_dropped": "Prompts whose KV the producer could not save (the consumer recomputes them).",
+    "expired": "Saved entries dropped because no consumer took them within entry_ttl.",
+    "evicted": "Saved entries dropped to make room for newer ones (buffer_size reached).",
+    "pushed": "Prompts whose KV the producer pushed to the consumer in full (push mode).",
+    "loaded": "Loads that wrote the producer's KV into this instance's cache.",
+    "push_loaded": "Loads served from KV the producer had pushed (push mode).",
+    "partial_loads": "Loads that got only some of the blocks they claimed (the rest is recomputed).",
+    "load_misses": "Loads for which the producer held no KV (recomputed).",
+    "load_failures": "Loads that failed (peer down, timeout, layout mismatch; recomputed).",
+    "push_expired": "Pushed entries dropped on the consumer because no request took them within push_ttl.",
+    "fetched_bytes": "KV bytes received from producers by pull loads.",
+    "loaded_bytes": "KV bytes written into this instance's KV cache by loads.",
+    "saved_bytes": "KV bytes the producer saved for consumers.",
+    "served_bytes": "KV bytes the producer sent to consumers that asked for them.",
+    "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
+}
+GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
 
 
 @dataclass
 class MooncakeConnectorStats(KVConnectorStats):
-    """``data``: counters plus ``transfers``, a list of [tokens, bytes, seconds] per completed load or save."""
+    """``data``: the counters, the gauges, and ``loads`` / ``saves``: [tokens, bytes, seconds] per completed load or
+    save (for the histograms and the log line's averages)."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in _COUNTERS} | {"transfers": []}
-
-    def count(self, name: str) -> None:
-        self.data[name] += 1
-
-    def record(self, tokens: int, nbytes: int, seconds: float) -> None:
-        self.data["transfers"].append([tokens, nbytes, seconds])
+        self.data = dict.fromkeys(COUNTERS, 0) | dict.fromkeys(GAUGES, -1) | {"loads": [], "saves": []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Workers of one step (tensor parallel ranks) or successive steps: counters and samples add up; a gauge
+        takes the other's value when it has one."""
         if not other.is_empty():
-            for name in _COUNTERS:
+            for name in COUNTERS:
                 self.data[name] += other.data.get(name, 0)
-            self.data["transfers"] += other.data.get("transfers", [])
+            for name in GAUGES:
+                if other.data.get(name, -1) >= 0:
+                    self.data[name] = other.data[name]
+            self.data["loads"] += other.data.get("loads", [])
+            self.data["saves"] += other.data.get("saves", [])
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        transfers: list[Any] = self.data["transfers"]
-        nbytes = sum(t[1] for t in transfers)
-        seconds = sum(t[2] for t in transfers)
-        return {name: self.data[name] for name in _COUNTERS} | {
-            "transfers": len(transfers),
-            "tokens": sum(t[0] for t in transfers),
-            "MiB": round(nbytes / 2**20, 1),
-            "avg_ms": round(1e3 * seconds / len(transfers), 2) if transfers else 0.0,
-            "GB/s": round(nbytes / seconds / 1e9, 3) if seconds else 0.0,
-        }
+        out: dict[str, int | float] = {name: self.data[name] for name in COUNTERS if self.data[name]}
+        for kind in ("loads", "saves"):
+            samples: list[Any] = self.data[kind]
+            if samples:
+                nbytes, seconds = sum(s[1] for s in samples), sum(s[2] for s in samples)
+                out[f"{kind}_avg_ms"] = round(1e3 * seconds / len(samples), 2)
+                out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+        return out
 
     def is_empty(self) -> bool:
-        return not self.data["transfers"] and not any(self.data[name] for name in _COUNTERS)
+        return not self.data["loads"] and not self.data["saves"] and not any(self.data[n] for n in COUNTERS) \
+            and all(self.data[n] < 0 for n in GAUGES)
+
+
+class StatsRecorder:
+    """The worker's running stats, shared by its threads; ``take`` hands them to vLLM and starts afresh."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = MooncakeConnectorStats()
+        self._gauges = dict.fromkeys(GAUGES, 0)
+        self._reported_gauges = dict.fromkeys(GAUGES, -1)
+
+    def count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._stats.data[name] += n
+
+    def sample(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
+        """One completed load or save (``kind`` "loads" or "saves")."""
+        with self._lock:
+            self._stats.data[kind].append([tokens, nbytes, seconds])
+
+    def gauge(self, name: str, delta: int) -> None:
+        with self._lock:
+            self._gauges[name] += delta
+
+    def take(self) -> MooncakeConnectorStats | None:
+        with self._lock:
+            for name, value in self._gauges.items():
+                if value != self._reported_gauges[name]:
+                    self._stats.data[name] = self._reported_gauges[name] = value
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, MooncakeConnectorStats()
+        return stats
+
+
+class MooncakePromMetrics(KVConnectorPromMetrics):
+    """``vllm:mooncake_kv_<counter>_total``, ``vllm:mooncake_kv_loads_in_flight``, and histograms of the time and
+    size of loads and saves."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {name: self._per_engine(self._counter_cls(name=f"vllm:mooncake_kv_{name}", documentation=doc,
+                                                                  labelnames=labelnames))
+                         for name, doc in COUNTERS.items()}
+        self.gauges = {name: self._per_engine(self._gauge_cls(name=f"vllm:mooncake_kv_{name}", documentation=doc,
+                                                              labelnames=labelnames, multiprocess_mode="mostrecent"))
+                       for name, doc in GAUGES.items()}
+        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        sizes = [float(2 ** (16 + 2 * i)) for i in range(9)]  # 64 KiB .. 4 GiB
+        self.histograms = {}
+        for kind, what in (("load", "loads (request, transfer and copy into the KV cache)"),
+                           ("save", "saves (gather from the KV cache into the producer's buffer)")):
+            self.histograms[f"{kind}s", 2] = self._per_engine(self._histogram_cls(
+                name=f"vllm:mooncake_kv_{kind}_seconds", documentation=f"Duration of {what}.", buckets=seconds,
+                labelnames=labelnames))
+            self.histograms[f"{kind}s", 1] = self._per_engine(self._histogram_cls(
+                name=f"vllm:mooncake_kv_{kind}_bytes", documentation=f"KV bytes moved by {what}.", buckets=sizes,
+                labelnames=labelnames))
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, counter in self.counters.items():
+            if transfer_stats_data.get(name):
+                counter[engine_idx].inc(transfer_stats_data[name])
+        for name, gauge in self.gauges.items():
+            if transfer_stats_data.get(name, -1) >= 0:
+                gauge[engine_idx].set(transfer_stats_data[name])
+        for (kind, column), histogram in self.histograms.items():
+            for sample in transfer_stats_data.get(kind, ()):
+                histogram[engine_idx].observe(sample[column])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import random
 import threading
 import time
@@ -49,6 +48,7 @@ KIND_NAMES = {HELLO: "HELLO", BEGIN: "BEGIN", DATA: "DATA", COMMIT: "COMMIT", PU
 HEADER_LEN = 11
 NO_KEY = b"\0" * 32
 _POLL = 0.5
+_Outgoing = tuple[torch.Tensor, "torch.Tensor | None", bool, bytes]  # header, payload, is a HELLO, entry key
 
 
 def entry_key(tokens: torch.Tensor | list[int]) -> bytes:
@@ -114,7 +114,11 @@ class PushBuffer:
         self._credit_free = 0
         self._credit_epoch = -1
         self._failed: set[bytes] = set()
-        self._outbox: queue.Queue[tuple[torch.Tensor, torch.Tensor | None, bool, bytes] | None] = queue.Queue()
+        # BEGIN, PULL, ABORT and HELLO go before queued DATA and COMMIT: a consumer must learn at once that a push
+        # has begun (or will not come), not after the pieces of other entries queued before it
+        self._control: deque[_Outgoing] = deque()
+        self._data: deque[_Outgoing] = deque()
+        self._out_cv = threading.Condition()
         # consumer
         self._entries: dict[bytes, PushedEntry] = {}
         self._notices: dict[bytes, tuple[str, float]] = {}  # key -> ("pull" | "rejected" | "aborted", when)
@@ -125,7 +129,7 @@ class PushBuffer:
         if role == "producer":
             self._start(self._send_loop, "kv-push-sender")
             self._start(self._credit_loop, "kv-push-credit")
-            self._outbox.put((_header(HELLO, a=self._epoch), None, True, NO_KEY))
+            self._enqueue((_header(HELLO, a=self._epoch), None, True, NO_KEY), control=True)
         else:
             self._start(self._receive_loop, "kv-push-receiver")
 
@@ -145,24 +149,40 @@ class PushBuffer:
             self._sent_begins.append(nbytes)
             self._begins_total += 1
             self.stats["begun"] += 1
-        self._outbox.put((_header(BEGIN, key, nbytes, num_layers, num_blocks), None, False, key))
+        self._enqueue((_header(BEGIN, key, nbytes, num_layers, num_blocks), None, False, key), control=True)
         return True
 
     def push(self, key: bytes, layer: int, first_block: int, blocks: torch.Tensor, num_blocks: int) -> None:
         """Queue one layer's blocks [first_block, first_block + num_blocks) (``blocks`` is not copied: do not reuse
         it). Returns at once; a sender thread moves it."""
-        self._outbox.put((_header(DATA, key, layer, first_block, num_blocks), blocks, False, key))
+        self._enqueue((_header(DATA, key, layer, first_block, num_blocks), blocks, False, key), control=False)
 
     def commit(self, key: bytes, num_tokens: int, meta: torch.Tensor | None) -> None:
         """The entry is complete: the consumer may hand it out."""
-        self._outbox.put((_header(COMMIT, key, num_tokens), meta, False, key))
+        self._enqueue((_header(COMMIT, key, num_tokens), meta, False, key), control=False)
 
     def notify_pull(self, key: bytes) -> None:
         """Tell the consumer not to wait for a push of these tokens."""
-        self._outbox.put((_header(PULL, key), None, False, key))
+        self._enqueue((_header(PULL, key), None, False, key), control=True)
 
     def abort(self, key: bytes) -> None:
-        self._outbox.put((_header(ABORT, key), None, False, key))
+        self._enqueue((_header(ABORT, key), None, False, key), control=True)
+
+    def _enqueue(self, item: _Outgoing, control: bool) -> None:
+        with self._out_cv:
+            (self._control if control else self._data).append(item)
+            self._out_cv.notify()
+
+    def _next_outgoing(self) -> _Outgoing | None:
+        """The next message to send, control first; None once closed."""
+        with self._out_cv:
+            while not self._closed.is_set():
+                if self._control:
+                    return self._control.popleft()
+                if self._data:
+                    return self._data.popleft()
+                self._out_cv.wait(_POLL)
+        return None
 
     def failed(self, key: bytes) -> bool:
         """True if sending part of this entry failed (the consumer will not get it)."""
@@ -171,8 +191,8 @@ class PushBuffer:
 
     def _send_loop(self) -> None:
         while True:
-            item = self._outbox.get()
-            if item is None or self._closed.is_set():
+            item = self._next_outgoing()
+            if item is None:
                 return
             header, payload, is_hello, key = item
             if key in self._failed and int(header[2]) not in (HELLO, PULL):
@@ -190,7 +210,7 @@ class PushBuffer:
             except PipeError as e:
                 if is_hello:
                     logger.info("push channel: the consumer is not reachable yet (%s); retrying", e)
-                    threading.Timer(1.0, self._outbox.put, ((header, None, True, NO_KEY),)).start()
+                    threading.Timer(1.0, self._enqueue, ((header, None, True, NO_KEY), True)).start()
                     continue
                 with self._cv:
                     if key not in self._failed:
@@ -222,7 +242,7 @@ class PushBuffer:
                         last_hello = time.monotonic()
                         self._begins_total = 0  # the consumer counts BEGINs from this HELLO on
                         self._sent_begins.clear()
-                        self._outbox.put((_header(HELLO, a=self._epoch), None, True, NO_KEY))
+                        self._enqueue((_header(HELLO, a=self._epoch), None, True, NO_KEY), control=True)
                     continue
                 uncounted = self._begins_total - begun
                 while len(self._sent_begins) > max(uncounted, 0):
@@ -231,22 +251,21 @@ class PushBuffer:
 
     # ---------------------------------------------------------------- consumer
     def take(self, key: bytes, timeout: float) -> PushedEntry | None:
-        """Wait up to ``timeout`` s for the entry of ``key`` to be committed and take it (its memory leaves the staging
-        budget). None if the producer sends it by pull, gave up, had no room, or nothing came in time."""
+        """Take the entry of ``key`` once it is committed, waiting up to ``timeout`` s if its push has begun (its
+        BEGIN arrived) but is not complete yet; its memory leaves the staging budget. None at once if no push of it
+        has begun (never announced, refused, aborted, sent by pull), and None if it is not committed in time."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            if self._producer_epoch == 0 and key not in self._entries:
-                return None  # no producer has pushed to this consumer: nothing to wait for
             while True:
                 entry = self._entries.get(key)
-                if entry is not None and entry.committed:
+                if entry is None:
+                    self._notices.pop(key, None)
+                    return None
+                if entry.committed:
                     del self._entries[key]
                     self._free += entry.nbytes
                     self.stats["taken"] += 1
                     break
-                notice = self._notices.pop(key, None)
-                if notice is not None:
-                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed.is_set():
                     return None
@@ -357,6 +376,11 @@ class PushBuffer:
                            "y" if len(old) == 1 else "ies", self.ttl)
             self._send_credit()
 
+    def has_begun(self, key: bytes) -> bool:
+        """Consumer: a push of ``key`` has begun (its BEGIN arrived) and the entry was not taken or dropped."""
+        with self._cv:
+            return key in self._entries
+
     def has_producer(self) -> bool:
         """Consumer: a producer has said HELLO on this channel (before that, ``take`` does not wait)."""
         with self._cv:
@@ -376,7 +400,8 @@ class PushBuffer:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._outbox.put(None)
+        with self._out_cv:
+            self._out_cv.notify_all()
         with self._cv:
             self._cv.notify_all()
         for thread in self._threads:

@@ -238,7 +238,7 @@ class SimpleBuffer(KVLookupBufferBase):
         self._seq = 0  # the consumer's request counter
         self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
         self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "expired": 0, "evicted": 0,
-                      "hit_bytes": 0}
+                      "hit_bytes": 0, "hit_key_bytes": 0}
 
     def __len__(self) -> int:
         with self._cv:
@@ -400,6 +400,7 @@ class SimpleBuffer(KVLookupBufferBase):
             raise
         self.stats["hits"] += 1
         self.stats["hit_bytes"] += _nbytes(answer)
+        self.stats["hit_key_bytes"] += _nbytes(answer[2:3])
         with self._cv:
             self._release(entry)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
 
 import torch
 
@@ -57,3 +58,31 @@ def advise_huge_pages(region: torch.Tensor) -> None:
     end = (region.data_ptr() + region.numel()) // _HUGE * _HUGE
     if end > start:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+
+
+class WarmPool:
+    """Host byte buffers kept from use to use, faulted in once: on this kind of host, fresh pages for every KV-sized
+    transfer cost more than the copies into them (measured inside vLLM: 20-90 ms for 32 MiB, 50-500 ms for
+    128 MiB). ``get`` hands a buffer to one user, ``put`` takes it back; at most ``keep`` idle buffers are kept."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes: the smallest idle one that fits, else a new one."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        prefault(buf)  # no huge pages: compacting memory for them stalled for milliseconds per MiB here
+        return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        """Give ``buf`` back for reuse (only if nothing may still write into it)."""
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))

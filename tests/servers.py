@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,10 +33,21 @@ class ServerUnavailable(RuntimeError):
     """A server binary is missing or would not start; the message says what to do."""
 
 
+_PORTS = (20000, 32000)  # below the kernel's ephemeral range: a port picked here is not handed out meanwhile to
+# another process's outgoing connection or to a server binding port 0 (vLLM's own sockets do)
+
+
 def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a server a test starts next."""
+    for _ in range(1000):
+        port = random.randrange(*_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ServerUnavailable(f"no free port in {_PORTS} on {host}")
 
 
 def find_etcd() -> str:

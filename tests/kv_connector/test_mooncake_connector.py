@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from kv_connector.simple_connector import CORRUPT_PARAM
+from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import SERVE_ARGS, build_model, connector_config, mooncake_json
 from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, kill, spawn, start_vllm, stop, wait_ready
 

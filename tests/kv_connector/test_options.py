@@ -15,7 +15,8 @@ from tests.servers import VllmServer, free_port
 
 def test_defaults():
     opts = ConnectorOptions.from_extra_config({})
-    assert opts.buffer_size == 2 << 30 and opts.save_timeout == 5.0 and not opts.allow_test_corruption
+    assert opts.buffer_size == 2 << 30 and opts.entry_ttl == 30.0 and not opts.allow_test_corruption
+    assert opts.load_concurrency == 4 and opts.load_timeout == 10.0
     assert opts.gil_switch_interval == 0.0001
 
 
@@ -23,7 +24,9 @@ def test_defaults():
     ({"bufer_size": 1}, "unknown key.*bufer_size.*known keys: allow_test_corruption, buffer_size"),
     ({"buffer_size": -5}, "buffer_size: expected a positive number of bytes"),
     ({"buffer_size": "1GiB"}, "buffer_size: expected a positive number of bytes"),
-    ({"save_timeout": 0}, "save_timeout: expected seconds > 0"),
+    ({"entry_ttl": 0}, "entry_ttl: expected seconds > 0"),
+    ({"load_timeout": float("nan")}, "load_timeout: expected seconds > 0"),
+    ({"load_concurrency": 0}, "load_concurrency: expected a positive integer"),
     ({"allow_test_corruption": "yes"}, "allow_test_corruption: expected true or false"),
     ({"gil_switch_interval": 1}, "gil_switch_interval: expected seconds between 1e-6 and 0.1"),
     ({"gil_switch_interval": -0.001}, "gil_switch_interval: expected seconds"),

@@ -7,7 +7,7 @@ import concurrent.futures
 import re
 from pathlib import Path
 
-from kv_connector.simple_connector import CORRUPT_PARAM
+from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import start_pair
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
@@ -64,7 +64,7 @@ def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path
         assert consumer.metric(HITS) - before == 2 * 999
         assert answers == [producer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
         log = consumer.log_text()
-        assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+: 999 tokens", log)) == 1
+        assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+ \(pulled\): 999 tokens", log)) == 1
         assert "no push room on the consumer" in producer.log_text()
     finally:
         producer.stop()

@@ -30,6 +30,15 @@ def consumer_for(pipe, **kwargs) -> PushBuffer:
     return buf
 
 
+def take_once_begun(buf: PushBuffer, key: bytes, timeout: float = 30.0):
+    """``take`` waits only for a push that has begun: wait for its BEGIN first (a real load comes after the prefill,
+    long after the BEGIN)."""
+    deadline = time.monotonic() + timeout
+    while not buf.has_begun(key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return buf.take(key, timeout=max(deadline - time.monotonic(), 0.0))
+
+
 def assemble(entry) -> torch.Tensor:
     """The pieces of a taken entry, put back into [layers, blocks, *block]."""
     kv = torch.full((entry.num_layers, entry.num_blocks, *programs.PUSH_BLOCK), float("nan"))
@@ -46,7 +55,7 @@ def test_pushed_entries_arrive_exactly_and_are_taken_once(cfg):
         try:
             for seed in (2, 1, 3):  # any order
                 tokens, kv = programs.push_entry(seed)
-                entry = buf.take(entry_key(tokens), timeout=30)
+                entry = take_once_begun(buf, entry_key(tokens))
                 assert entry is not None and entry.committed and entry.num_tokens == len(tokens)
                 assert torch.equal(assemble(entry), kv)
                 assert entry.meta.tolist() == [seed, 7] and entry.received == ENTRY_BYTES
@@ -71,7 +80,7 @@ def test_no_room_means_pull_and_the_consumer_does_not_wait(cfg):
             start = time.monotonic()
             assert buf.take(entry_key(programs.push_entry(2)[0]), timeout=30) is None  # went by pull: no wait
             assert time.monotonic() - start < 1.0
-            first = buf.take(entry_key(programs.push_entry(1)[0]), timeout=30)
+            first = take_once_begun(buf, entry_key(programs.push_entry(1)[0]))
             assert first is not None and torch.equal(assemble(first), programs.push_entry(1)[1])
         finally:
             done.set()
@@ -136,6 +145,23 @@ def test_a_producer_killed_mid_entry_leaves_nothing_waiting(cfg):
             buf.close()
 
 
+def test_take_of_an_entry_nobody_pushes_returns_at_once(cfg):
+    """A request sent straight to the consumer (nothing prefilled, nothing pushed): no waiting for a push."""
+    done = ctx().Event()
+    producer = Peer(programs.push_entries, cfg, [1], done)
+    with open_pipe(cfg, 1) as pipe:
+        buf = consumer_for(pipe, capacity=1 << 20)
+        try:
+            assert take_once_begun(buf, entry_key(programs.push_entry(1)[0])) is not None
+            start = time.monotonic()
+            assert buf.take(entry_key([5, 6, 7]), timeout=10) is None
+            assert time.monotonic() - start < 0.1
+        finally:
+            done.set()
+            producer.result()
+            buf.close()
+
+
 def test_take_without_any_producer_returns_at_once(cfg):
     with open_pipe(cfg, 1) as pipe:
         buf = PushBuffer(pipe, "consumer")
@@ -154,7 +180,7 @@ def test_malformed_messages_are_counted_and_the_consumer_keeps_serving(cfg):
         buf = consumer_for(pipe, capacity=1 << 20)
         try:
             tokens, kv = programs.push_entry(9)
-            entry = buf.take(entry_key(tokens), timeout=30)
+            entry = take_once_begun(buf, entry_key(tokens))
             assert entry is not None and torch.equal(assemble(entry), kv)
             assert buf.stats["malformed"] >= 4  # not a header, bad magic, unknown kind, oversized DATA
             assert buf.take(entry_key([1, 2, 3]), timeout=0.5) is None  # the oversized entry was dropped

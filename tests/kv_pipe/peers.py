@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from kv_pipe import MooncakeTransferEngineConfig
+from tests.servers import free_port
 
 _ctx = mp.get_context("spawn")
 
@@ -16,12 +16,6 @@ _ctx = mp.get_context("spawn")
 def ctx() -> Any:
     """The "spawn" multiprocessing context the peers run in (for Events and Queues shared with them)."""
     return _ctx
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_config(**overrides: Any) -> dict[str, Any]:

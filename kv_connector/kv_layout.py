@@ -1,0 +1,105 @@
+"""The shape of the KV that moves: this instance's paged KV cache, and the descriptor every entry carries.
+
+An entry's KV is block-major, ``[blocks, layers, *block_shape]`` (``block_copy``): row ``i`` is block ``i`` of the
+prompt in every layer, K and V together as the attention backend stores them. Blocks are copied whole, so both
+instances must run the same model with the same KV layout; the descriptor (model fingerprint, layers, block shape,
+dtype) rides with every entry and is checked on every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kv_connector import block_copy
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+MAX_DESCRIPTOR = 4096  # bytes
+
+
+class LayoutMismatch(RuntimeError):
+    """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
+
+
+def model_fingerprint(vllm_config: VllmConfig) -> str:
+    """Architecture plus a hash of the model's config (without its path): equal for the same model on any host."""
+    hf = vllm_config.model_config.hf_config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        hf.pop(key, None)
+    digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{'/'.join(hf.get('architectures') or ['?'])}:{digest}"
+
+
+def parse_descriptor(t: torch.Tensor | None) -> dict[str, Any]:
+    """Decode and type-check a peer's layout descriptor (JSON; nothing in it is executed)."""
+    try:
+        if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_DESCRIPTOR:
+            raise ValueError("not a small 1-D uint8 tensor")
+        layout = json.loads(bytes(t.tolist()).decode())
+        if not (isinstance(layout, dict) and isinstance(layout.get("model"), str) and isinstance(layout.get("layers"), int)
+                and isinstance(layout.get("block"), list) and isinstance(layout.get("dtype"), str)):
+            raise ValueError(f"unexpected content {layout!r}")
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise LayoutMismatch(f"the producer sent no valid layout descriptor ({e}): is it running this connector?") from None
+    return layout
+
+
+@dataclass
+class KVCacheLayout:
+    """This instance's KV cache: its layer tensors and where the block dimension is."""
+
+    layers: list[torch.Tensor]
+    layer_index: dict[str, int]  # vLLM's layer name -> position in ``layers``
+    block_dim: int
+    block_bytes: int  # one block of one layer
+    descriptor: dict[str, Any]
+
+    @classmethod
+    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int | None, fingerprint: str) -> KVCacheLayout:
+        layers = list(kv_caches.values())
+        first = layers[0]
+        num_blocks = num_blocks or first.shape[0]
+        block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
+        block_bytes = math.prod(block_copy.block_shape(first, block_dim)) * first.element_size()
+        descriptor = {"model": fingerprint, "layers": len(layers), "block": block_copy.block_shape(first, block_dim),
+                      "dtype": str(first.dtype)}
+        return cls(layers, {name: i for i, name in enumerate(kv_caches)}, block_dim, block_bytes, descriptor)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one entry row: one block of every layer."""
+        return self.block_bytes * len(self.layers)
+
+    def kv_bytes(self, nblocks: int) -> int:
+        return nblocks * self.row_bytes
+
+    def descriptor_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(self.descriptor, sort_keys=True).encode()), dtype=torch.uint8)
+
+    def check(self, descriptor: torch.Tensor | None, kv: torch.Tensor | None = None) -> None:
+        """Raise ``LayoutMismatch`` unless the producer's descriptor equals ours and ``kv`` (block-major rows, if
+        given) agrees with it."""
+        theirs = parse_descriptor(descriptor)
+        if kv is not None:
+            actual = {"layers": kv.shape[1] if kv.dim() > 1 else None, "block": list(kv.shape[2:]), "dtype": str(kv.dtype)}
+            if any(theirs.get(k) != v for k, v in actual.items()):
+                raise LayoutMismatch(f"the producer's entry contradicts its own layout ({theirs} vs tensor {actual})")
+        diff = {k: (theirs.get(k), mine) for k, mine in self.descriptor.items() if theirs.get(k) != mine}
+        if diff:
+            described = ", ".join(f"{k}: producer {a} vs this instance {b}" for k, (a, b) in diff.items())
+            raise LayoutMismatch(f"the producer's KV layout differs from this instance's ({described}): run the same "
+                                 "model, dtype and block size on both instances")
+
+    def check_piece(self, layer: int, piece: torch.Tensor) -> None:
+        """A pushed piece: rows of one layer, ``[blocks, 1, *block_shape]``."""
+        if not 0 <= layer < len(self.layers) or piece.dtype != self.layers[0].dtype or piece.dim() < 2 or \
+                piece.shape[1] != 1 or list(piece.shape[2:]) != self.descriptor["block"]:
+            raise LayoutMismatch(f"a pushed piece (layer {layer}, {list(piece.shape)} {piece.dtype}) does not fit this "
+                                 "instance's KV cache")

@@ -1,0 +1,116 @@
+"""The consumer's loads in flight: each runs in a pool thread (fetch, then copy into the KV cache) with its own
+deadline, so the fetch of one overlaps the copy of another and a slow producer delays only its own requests. The
+engine loop collects finished ones every step. A load never raises into vLLM: whatever goes wrong is logged,
+counted, and reported as a failed load, which vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+
+from kv_connector.kv_layout import LayoutMismatch
+from kv_connector.metadata import LoadRequest
+from kv_connector.stats import StatsRecorder
+from kv_connector.transfer import KVMiss, LoadResult
+from kv_lookup_buffer import BufferClosed
+from kv_pipe import PipeError
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass
+class Finished:
+    """What the engine loop reports to vLLM this step."""
+
+    done: set[str] = field(default_factory=set)  # every finished load, failed ones included
+    failed: set[str] = field(default_factory=set)  # nothing usable: the prompt is recomputed
+    bad_blocks: set[int] = field(default_factory=set)  # blocks a partial load did not write (recomputed from there)
+
+
+class Loads:
+    def __init__(self, load: Callable[[LoadRequest, float], LoadResult], concurrency: int, timeout: float,
+                 stats: StatsRecorder) -> None:
+        self._load = load
+        self.timeout = timeout
+        self.stats = stats
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mooncake-kv-load")
+        self._running: dict[str, tuple[LoadRequest, Future[LoadResult | None]]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def start(self, req: LoadRequest) -> None:
+        deadline = time.monotonic() + self.timeout  # from the claim: time queued behind other loads counts too
+        self.stats.gauge("loads_in_flight", 1)
+        self._running[req.req_id] = (req, self._pool.submit(self._run, req, deadline))
+
+    def _run(self, req: LoadRequest, deadline: float) -> LoadResult | None:
+        """One load, start to end; None if nothing was written. Never raises."""
+        start = time.perf_counter()
+        try:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"it waited longer than load_timeout={self.timeout:g} s to start")
+            result = self._load(req, deadline)
+        except KVMiss:
+            logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens): recomputing",
+                        req.req_id, len(req.token_ids))
+            self.stats.count("load_misses")
+            return None
+        except LayoutMismatch as e:
+            logger.error("MooncakeConnector: %s; recomputing request %s", e, req.req_id)
+            self.stats.count("load_failures")
+            return None
+        except (PipeError, BufferClosed, TimeoutError, ValueError) as e:
+            logger.warning("MooncakeConnector: loading the KV of request %s failed (%s): recomputing", req.req_id, e)
+            self.stats.count("load_failures")
+            return None
+        except Exception:
+            logger.exception("MooncakeConnector: loading the KV of request %s failed unexpectedly: recomputing",
+                             req.req_id)
+            self.stats.count("load_failures")
+            return None
+        finally:
+            self.stats.gauge("loads_in_flight", -1)
+        seconds = time.perf_counter() - start
+        self.stats.count("loaded")
+        self.stats.count("loaded_bytes", result.loaded_bytes)
+        self.stats.count("fetched_bytes", result.fetched_bytes)
+        self.stats.sample("loads", req.num_tokens, result.loaded_bytes, seconds)
+        partial = result.written < len(req.block_ids)
+        if partial:
+            self.stats.count("partial_loads")
+        logger.info("MooncakeConnector: loaded request %s (%s): %d tokens, blocks %d-%d of the prompt%s, %.2f MiB in "
+                    "%.1f ms (%.2f GB/s; %s)", req.req_id, result.source, req.num_tokens, req.first_block,
+                    req.first_block + result.written - 1,
+                    f" (the producer's entry covered {result.written} of {len(req.block_ids)} blocks)" if partial else "",
+                    result.loaded_bytes / 2**20, seconds * 1e3, result.loaded_bytes / seconds / 1e9, result.detail)
+        return result
+
+    def collect(self, wait: float = 0.0) -> Finished:
+        """Loads finished since the last call. ``wait``: block up to that long for one to finish (when the step had
+        nothing to compute: vLLM would otherwise spin its engine loop, taking the CPU and the GIL from the load)."""
+        if wait and self._running:
+            futures_wait([f for _, f in self._running.values()], timeout=wait, return_when=FIRST_COMPLETED)
+        out = Finished()
+        for req_id, (req, future) in list(self._running.items()):
+            if not future.done():
+                continue
+            del self._running[req_id]
+            result = future.result()
+            out.done.add(req_id)
+            if result is None or result.written == 0:
+                out.failed.add(req_id)
+            else:
+                out.bad_blocks.update(req.block_ids[result.written:])
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,122 @@
+"""Pull mode: the producer keeps each finished prompt's KV in a SimpleBuffer; the consumer asks for the blocks it
+lacks and copies them into its KV cache.
+
+Save (producer, inside the forward pass): gather the prompt's blocks of every layer into one block-major tensor and
+insert it keyed by the prompt's tokens. The buffer evicts the oldest unclaimed entries when full and expires those
+nobody takes within ``entry_ttl``, so a save never waits for a consumer.
+
+Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens, asking only for rows [first_block,
+first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire;
+then write them into the request's blocks. The entry's tokens come back with it: a block is used only where its
+tokens agree with the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.logger import init_logger
+
+from kv_connector import block_copy
+from kv_connector.kv_layout import KVCacheLayout
+from kv_connector.metadata import LoadRequest, SaveRequest
+from kv_connector.stats import StatsRecorder
+from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
+from kv_lookup_buffer import BufferClosed, SimpleBuffer
+from kv_pipe import PipeError
+from kv_pipe.memory import WarmPool
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two 1-D integer tensors."""
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+class PullTransfer(KVTransfer):
+    def __init__(self, layout: KVCacheLayout, buffer: SimpleBuffer, stats: StatsRecorder, block_size: int,
+                 corrupt_ok: bool = False, concurrency: int = 1) -> None:
+        self.layout, self.buffer, self.stats = layout, buffer, stats
+        self.block_size = block_size
+        self.corrupt_ok = corrupt_ok
+        self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
+        self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
+        self._buffer_stats = dict(buffer.stats)
+
+    # ---------------------------------------------------------------- producer
+    def finish_prompt(self, save: SaveRequest) -> None:
+        start = time.perf_counter()
+        nbytes = self.layout.kv_bytes(len(save.block_ids))
+        scratch = self.scratch.get(nbytes)
+        try:
+            kv = block_copy.gather(self.layout.layers, self.layout.block_dim, save.block_ids, scratch)
+            # insert copies into memory the buffer recycles: two copies into warm pages cost less than one into
+            # fresh pages, and the forward pass never waits for a consumer (full: the oldest entries are evicted)
+            self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv,
+                               self.layout.descriptor_tensor(), None)
+        except (BufferClosed, PipeError, ValueError) as e:
+            logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
+                           len(save.token_ids), e)
+            self.stats.count("save_dropped")
+            return
+        finally:
+            self.scratch.put(scratch)
+        seconds = time.perf_counter() - start
+        self.stats.count("saved")
+        self.stats.count("saved_bytes", nbytes)
+        self.stats.sample("saves", len(save.token_ids), nbytes, seconds)
+        logger.info("MooncakeConnector: saved request %s: %d tokens, %d blocks, %.1f MiB in %.1f ms", save.req_id,
+                    len(save.token_ids), len(save.block_ids), nbytes / 2**20, seconds * 1e3)
+
+    # ---------------------------------------------------------------- consumer
+    def load(self, req: LoadRequest, deadline: float) -> LoadResult:
+        start = time.perf_counter()
+        n = len(req.block_ids)
+        rows = (req.first_block, req.first_block + n)
+        query = torch.tensor(req.token_ids, dtype=torch.int64)
+        buf = self.receive.get(self.layout.kv_bytes(n))
+        # If drop_select raises, writes may still land in buf for a while: it is then not put back for reuse.
+        tokens, _, kv, descriptor, _ = self.buffer.drop_select(query, None, key_rows=rows, key_out=buf,
+                                                               timeout=max(deadline - time.monotonic(), 0.001))
+        fetched = time.perf_counter()
+        try:
+            if kv is None:
+                raise KVMiss()
+            self.layout.check(descriptor, kv)
+            if tokens is None or tokens.dtype != torch.int64 or tokens.dim() != 1:
+                raise ValueError("the producer's entry has no valid token ids")
+            usable = self._usable_rows(req, query, tokens, kv.shape[0])
+            if usable == 0:
+                raise KVMiss()
+            if req.corrupt and self.corrupt_ok:
+                kv = kv.flip(-1)  # test-only control: proves the consumer really uses the transferred KV
+                logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
+            block_copy.scatter(self.layout.layers, self.layout.block_dim, req.block_ids[:usable], kv[:usable])
+        finally:
+            self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)
+        copied = time.perf_counter()
+        nbytes = kv.numel() * kv.element_size()
+        return LoadResult(usable, self.layout.kv_bytes(usable), nbytes, "pulled",
+                          f"fetch {(fetched - start) * 1e3:.1f} ms, copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
+
+    def _usable_rows(self, req: LoadRequest, query: torch.Tensor, tokens: torch.Tensor, received: int) -> int:
+        """How many of the received rows hold this prompt's KV: all of them when the entry's tokens agree with the
+        prompt up to the end of the claim, else only the blocks lying wholly inside the common prefix."""
+        agree = common_prefix(query, tokens)
+        claim_end = req.first_block * self.block_size + req.num_tokens
+        end = req.first_block + len(req.block_ids) if agree >= claim_end else agree // self.block_size
+        return max(0, min(end - req.first_block, received))
+
+    # ---------------------------------------------------------------- stats, closing
+    def collect_stats(self) -> None:
+        now = dict(self.buffer.stats)
+        for ours, theirs in (("expired", "expired"), ("evicted", "evicted"), ("served_bytes", "hit_key_bytes")):
+            self.stats.count(ours, now[theirs] - self._buffer_stats[theirs])
+        self._buffer_stats = now
+
+    def close(self) -> None:
+        self.buffer.close()

@@ -1,0 +1,134 @@
+"""The connector's worker side (vLLM's Worker process): owns the KV cache tensors, the pipe, the buffer and the
+transfer (pull or push); saves inside the forward pass, loads in pool threads."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+from kv_connector.kv_layout import KVCacheLayout, model_fingerprint
+from kv_connector.loads import Loads
+from kv_connector.metadata import MooncakeConnectorMetadata
+from kv_connector.options import ConnectorOptions
+from kv_connector.pull import PullTransfer
+from kv_connector.push import PushTransfer
+from kv_connector.stats import MooncakeConnectorStats, StatsRecorder
+from kv_connector.transfer import KVTransfer
+from kv_lookup_buffer import SimpleBuffer
+from kv_lookup_buffer.push_buffer import PushBuffer
+from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
+PUSH_RANK_OFFSET = 50  # the push pipe of TP rank r uses the side-channel port of rank r + 50 (see docs/deployment.md)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
+
+
+class ConnectorWorker:
+    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, mooncake: MooncakeTransferEngineConfig,
+                 is_producer: bool, push_mode: bool, kv_cache_config: KVCacheConfig | None) -> None:
+        self.vllm_config, self.options, self.mooncake = vllm_config, options, mooncake
+        self.is_producer, self.push_mode = is_producer, push_mode
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.stats = StatsRecorder()
+        self.layout: KVCacheLayout | None = None
+        self.transfer: KVTransfer | None = None
+        self.loads: Loads | None = None
+        self.pipes: list[MooncakePipe] = []
+        self.layout_checked = False
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+        interval = self.options.gil_switch_interval
+        if interval and interval < sys.getswitchinterval():
+            # The KV moves in side threads of this process while vLLM's engine loop keeps the GIL busy (it steps
+            # continuously while a load is pending): at Python's default 5 ms switch interval every hand-over of the
+            # GIL to such a thread costs up to 5 ms, and a transfer needs dozens.
+            logger.info("MooncakeConnector: Python thread switch interval %.2f ms -> %.2f ms (gil_switch_interval)",
+                        sys.getswitchinterval() * 1e3, interval * 1e3)
+            sys.setswitchinterval(interval)
+        layout = KVCacheLayout.from_caches(kv_caches, self.num_blocks, model_fingerprint(self.vllm_config))
+        self.layout = layout
+        rank = get_tensor_model_parallel_rank()
+        opts, producer = self.options, self.is_producer
+        role = "producer" if producer else "consumer"
+        pipe = MooncakePipe(local_rank=rank, kv_rank=0 if producer else 1, config=self.mooncake)
+        self.pipes.append(pipe)
+        buffer = SimpleBuffer(pipe, pipe, opts.buffer_size, role=role, max_age=opts.entry_ttl, evict=True)
+        if producer:
+            buffer.start_serving()
+        pull = PullTransfer(layout, buffer, self.stats, self.block_size, opts.allow_test_corruption,
+                            opts.load_concurrency)
+        self.transfer = pull
+        where = f"pipe {pipe.host}:{pipe.port}"
+        if self.push_mode:
+            push_pipe = MooncakePipe(local_rank=rank + PUSH_RANK_OFFSET, kv_rank=0 if producer else 1, config=self.mooncake)
+            self.pipes.append(push_pipe)
+            push = PushBuffer(push_pipe, role, capacity=opts.push_staging_size, ttl=opts.push_ttl)
+            self.transfer = PushTransfer(layout, push, pull, self.stats, self.block_size, opts.push_wait,
+                                         opts.allow_test_corruption)
+            where += f", push mode on {push_pipe.host}:{push_pipe.port}"
+        if not producer:
+            self.loads = Loads(self._load, opts.load_concurrency, opts.load_timeout, self.stats)
+        first = layout.layers[0]
+        logger.info("MooncakeConnector %s (TP rank %d): %d layers of %s %s, blocks along dim %d, %s", role, rank,
+                    len(layout.layers), list(first.shape), first.dtype, layout.block_dim, where)
+
+    def _load(self, req, deadline):  # noqa: ANN001, ANN202 - Loads' callback
+        assert self.transfer is not None
+        result = self.transfer.load(req, deadline)
+        if not self.layout_checked:
+            self.layout_checked = True
+            logger.info("MooncakeConnector: the producer's KV layout matches (%s)", self.layout.descriptor)
+        return result
+
+    # ---------------------------------------------------------------- per step
+    def start_step(self, meta: MooncakeConnectorMetadata) -> None:
+        assert self.transfer is not None
+        if self.loads is not None:
+            for load in meta.loads:
+                self.loads.start(load)
+        if meta.pushes:
+            self.transfer.begin_step(meta)
+
+    def save_layer(self, layer_name: str, meta: MooncakeConnectorMetadata) -> None:
+        if self.transfer is None or self.layout is None or not meta.pushes:
+            return
+        index = self.layout.layer_index.get(layer_name)
+        if index is not None:
+            self.transfer.save_layer(index, meta)
+
+    def wait_for_save(self, meta: MooncakeConnectorMetadata) -> None:
+        assert self.transfer is not None
+        for save in meta.saves:
+            self.transfer.finish_prompt(save)
+
+    def transfer_results(self, idle: bool) -> tuple[KVConnectorTransferResults, set[int]]:
+        """Finished loads, and the blocks of partial ones that must be recomputed."""
+        if self.loads is None:
+            return KVConnectorTransferResults(), set()
+        finished = self.loads.collect(IDLE_WAIT if idle else 0.0)
+        return KVConnectorTransferResults(finished_recving=finished.done, failed_recving=finished.failed), \
+            finished.bad_blocks
+
+    def take_stats(self) -> MooncakeConnectorStats | None:
+        if self.transfer is not None:
+            self.transfer.collect_stats()
+        return self.stats.take()
+
+    def close(self) -> None:
+        if self.loads is not None:
+            self.loads.close()
+        if self.transfer is not None:
+            self.transfer.close()
+        for pipe in self.pipes:
+            pipe.close()
