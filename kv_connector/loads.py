@@ -60,8 +60,8 @@ class Loads:
                 raise TimeoutError(f"it waited longer than load_timeout={self.timeout:g} s to start")
             result = self._load(req, deadline)
         except KVMiss:
-            logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens): recomputing",
-                        req.req_id, len(req.token_ids))
+            logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens; asked in %.1f ms): "
+                        "recomputing", req.req_id, len(req.token_ids), (time.perf_counter() - start) * 1e3)
             self.stats.count("load_misses")
             return None
         except LayoutMismatch as e:

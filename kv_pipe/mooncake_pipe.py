@@ -124,6 +124,14 @@ class MooncakePipe(KVPipeBase):
                 out.fail(e)  # a half-sent tensor leaves the stream unusable: the next send reconnects
                 raise
 
+    def _staging(self) -> torch.Tensor:
+        """The registered area chunks are copied into before they are written (RDMA, device tensors, or
+        zero_copy_send off); allocated on first use (under the send lock): over TCP from host memory it is never
+        needed, and faulting in its pages made a link's first transfer slow."""
+        if self._stage is None:
+            self._stage = self._engine.allocate(self.config.staging_buffer_size, pin=torch.cuda.is_available())
+        return self._stage
+
     def _send(self, out: Outbound, tensor: torch.Tensor, timeout: float) -> None:
         src = tensor.detach()
         if not src.is_contiguous():
@@ -135,13 +143,12 @@ class MooncakePipe(KVPipeBase):
             data = flat.cpu().numpy().tobytes() if nbytes else b""
             out.send(wire.encode_tensor_inline(src.dtype, shape, data))
             return
-        stage = self._stage
-        assert stage is not None
-        stage_addr = stage.data_ptr()
         # Over TCP the engine reads the source with plain socket writes, so host memory needs no registration: write
         # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
         # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
         direct = self.config.zero_copy_send and self.config.protocol == "tcp" and flat.device.type == "cpu"
+        stage = None if direct else self._staging()
+        stage_addr = 0 if stage is None else stage.data_ptr()
         # A large tensor may be written straight into the receiver's result (zero-copy receive): a receiver that said
         # so in its WELCOME offers it (DIRECT) when it reads this header. Until a first small chunk is done only that
         # chunk is in flight, so the offer, which takes one round trip, usually arrives before more went to the ring.
@@ -189,7 +196,7 @@ class MooncakePipe(KVPipeBase):
                         continue
                     if chunk is None:
                         chunk = out.reserve(length, timeout)
-                    if direct:
+                    if stage is None:
                         source = flat.data_ptr() + pos
                     else:
                         copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
@@ -266,9 +273,7 @@ class MooncakePipe(KVPipeBase):
         welcome = wire.decode_json(payload, _WELCOME)
         if welcome["ring_size"] <= 0 or welcome["max_chunk"] <= 0 or welcome["ring_addr"] <= 0:
             raise ProtocolError(f"WELCOME announces an unusable ring: {welcome}")
-        if self._stage is None:
-            self._stage = self._engine.allocate(self.config.staging_buffer_size, pin=torch.cuda.is_available())
-        ring_size = min(welcome["ring_size"], self._stage.numel())  # our stage mirrors the ring's offsets
+        ring_size = min(welcome["ring_size"], self.config.staging_buffer_size)  # our stage mirrors the ring's offsets
         chunk_size = min(self.config.chunk_size, welcome["max_chunk"], ring_size // 2)
         sock.settimeout(timeout)
         inline_max = min(self.config.inline_max, welcome["inline_max"])

@@ -248,9 +248,9 @@ class OpenAIClient:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
-    def complete(self, tokens: list[int], max_tokens: int, **extra: object) -> str:
+    def complete(self, tokens: list[int], max_tokens: int, timeout: float = 120.0, **extra: object) -> str:
         body = {"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, **extra}
-        return self.post("/v1/completions", body)["choices"][0]["text"]
+        return self.post("/v1/completions", body, timeout)["choices"][0]["text"]
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
@@ -262,12 +262,16 @@ class VllmServer(OpenAIClient):
     """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file."""
 
     def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
-                 mooncake_json: Path | None, extra_args: list[str], env: dict[str, str] | None = None) -> None:
+                 mooncake_json: Path | None, extra_args: list[str], env: dict[str, str] | None = None,
+                 confine: bool = False) -> None:
         super().__init__(f"http://{HOST}:{port}", str(model))
         self.name, self.port = name, port
         self.log = log_dir / f"{name}.log"
-        self.cmd = [str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", HOST, "--port", str(port),
-                    *extra_args]
+        # confine: every process of the instance on its core. A starting vLLM (torch's import) pins itself to each
+        # core it may use in turn to probe it, and next to a busy vLLM on the other core that probe stalled for
+        # minutes on this 2-core machine: an instance (re)started under load must stay off the busy core.
+        self.cmd = [*(["taskset", "-c", str(core)] if confine else []), str(Path(sys.executable).parent / "vllm"), "serve",
+                    self.model, "--host", HOST, "--port", str(port), *extra_args]
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         # the connector is found through the installed package, as for users; ``env`` adds or overrides variables
@@ -275,6 +279,7 @@ class VllmServer(OpenAIClient):
                "MC_LOG_LEVEL": "WARNING", **(env or {})}
         if mooncake_json is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
+        self.env = env
         self.proc = spawn(self.cmd, self.log, env)
 
     def wait_ready(self) -> None:
@@ -285,6 +290,12 @@ class VllmServer(OpenAIClient):
 
     def stop(self) -> None:
         stop(self.proc)
+
+    def restart(self) -> None:
+        """Start the same command again (after a stop or a kill), and wait until it serves."""
+        stop(self.proc)
+        self.proc = spawn(self.cmd, self.log, self.env)
+        self.wait_ready()
 
 
 def start_vllm(*servers: VllmServer) -> None:

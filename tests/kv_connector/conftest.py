@@ -1,7 +1,7 @@
-"""Real vLLM instances for the connector tests: a producer pinned to core 0 and a consumer pinned to core 1.
+"""Real vLLM instances for the connector tests: a producer pinned to core 0 and a consumer pinned to core 1, both with
+prefix caching on (as deployed), and a colocated reference instance without any connector.
 
 Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 1000 tokens are prefilled in chunks).
-The producer runs without prefix caching, so that its own full answers are an independent colocated reference.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,9 @@ from tests.servers import REPO, VllmServer, free_port, start_vllm
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
               "--max-num-batched-tokens", "512"]
+BLOCK = 128  # the CPU backend's block size
+ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model in float32: 4 layers x [2, 128, 128]
+STAT_PREFIX = "vllm:mooncake_kv_"
 
 
 def build_model(preset: str) -> Path:
@@ -41,18 +46,29 @@ def tiny_model() -> Path:
     return build_model("tiny")
 
 
-def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None,
-               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
-    """A producer (core 0, no prefix caching: its full answers are the colocated reference) and a consumer (core 1,
-    test corruption allowed) serving ``model``, paired through one mooncake.json in ``work``; both started."""
+def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
+               confine: bool = False, **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+    """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model``, paired through one
+    mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core (see
+    ``VllmServer``)."""
     config = mooncake_json(work / "mooncake.json", **mooncake_extra)
-    producer = VllmServer(f"{name}-producer", model, free_port(), 0, work, connector_config("kv_producer"), config,
-                          [*SERVE_ARGS, "--no-enable-prefix-caching"])
+    producer = VllmServer(f"{name}-producer", model, free_port(), 0, work,
+                          connector_config("kv_producer", **(producer_extra or {})), config, SERVE_ARGS, confine=confine)
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True, **(consumer_extra or {})), config,
-                          SERVE_ARGS)
+                          SERVE_ARGS, confine=confine)
     start_vllm(producer, consumer)
     return producer, consumer
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The colocated reference: the same model and settings, no connector, no prefix caching (core 0)."""
+    server = VllmServer("reference", tiny_model, free_port(), 0, tmp_path_factory.mktemp("reference"), None, None,
+                        [*SERVE_ARGS, "--no-enable-prefix-caching"])
+    start_vllm(server)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +87,50 @@ def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     yield producer, consumer
     producer.stop()
     consumer.stop()
+
+
+# ----------------------------------------------------------------------------- connector stats, from /metrics
+def metrics(server: VllmServer) -> dict[str, float]:
+    """Every counter and gauge of the instance's /metrics, summed over labels: ``name`` -> value (counters without
+    their ``_total``)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name.endswith(("_bucket", "_sum", "_count", "_created")):
+            continue
+        name = name.removesuffix("_total")
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def kv_stats(server: VllmServer) -> dict[str, float]:
+    """The connector's own stats (``vllm:mooncake_kv_*``) plus vLLM's prefix-cache hit counters, in tokens."""
+    every = metrics(server)
+    out = {name.removeprefix(STAT_PREFIX): v for name, v in every.items() if name.startswith(STAT_PREFIX)}
+    out["local_hits"] = every.get("vllm:prefix_cache_hits", 0.0)
+    out["external_hits"] = every.get("vllm:external_prefix_cache_hits", 0.0)
+    return out
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def settled_stats(server: VllmServer, before: dict[str, float], loads: int, timeout: float = 10.0) -> dict[str, float]:
+    """The change in ``kv_stats`` since ``before`` once ``loads`` more loads have ended (loaded, missed or failed):
+    stats reach /metrics with the engine step after the load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        change = diff(kv_stats(server), before)
+        ended = sum(change.get(k, 0) for k in ("loaded", "load_misses", "load_failures"))
+        if ended >= loads or time.monotonic() > deadline:
+            return change
+        time.sleep(0.05)
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)

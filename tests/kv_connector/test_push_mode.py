@@ -14,7 +14,7 @@ from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 
 
-def test_consumer_decodes_from_pushed_kv(push_pair):
+def test_consumer_decodes_from_pushed_kv(push_pair, reference):
     producer, consumer = push_pair
     matches, hits = [], []
     loaded_before = len(PUSHED.findall(consumer.log_text()))
@@ -23,7 +23,7 @@ def test_consumer_decodes_from_pushed_kv(push_pair):
         before = consumer.metric(HITS)
         got = disaggregated(producer, consumer, tokens)
         hits.append(consumer.metric(HITS) - before)
-        matches.append(got == producer.complete(tokens, MAX_TOKENS))
+        matches.append(got == reference.complete(tokens, MAX_TOKENS))
     print(f"push: matches {sum(matches)}/{len(matches)}, external hits {hits}")
     assert all(matches)
     assert hits == [n - 1 for n in PROMPT_LENGTHS]
@@ -31,7 +31,7 @@ def test_consumer_decodes_from_pushed_kv(push_pair):
     assert "push mode on 127.0.0.1:" in producer.log_text()
 
 
-def test_several_requests_prefilling_in_one_step(push_pair):
+def test_several_requests_prefilling_in_one_step(push_pair, reference):
     """Four prompts sent at once: the producer prefills them in shared steps and pushes each one's blocks."""
     producer, consumer = push_pair
     prompts = [prompt(1100 + i, 300 + 90 * i) for i in range(4)]
@@ -40,19 +40,19 @@ def test_several_requests_prefilling_in_one_step(push_pair):
         list(pool.map(lambda t: producer.complete(t, 1), prompts))  # concurrent prefills
     answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in prompts]
     assert consumer.metric(HITS) - before == sum(len(t) - 1 for t in prompts)
-    assert answers == [producer.complete(tokens, MAX_TOKENS) for tokens in prompts]  # colocated references
+    assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in prompts]
 
 
-def test_corrupted_pushed_kv_changes_the_output(push_pair):
+def test_corrupted_pushed_kv_changes_the_output(push_pair, reference):
     producer, consumer = push_pair
     for seed in (1200, 1201):
         tokens = prompt(seed, 400)
         corrupted = disaggregated(producer, consumer, tokens, kv_transfer_params={CORRUPT_PARAM: True})
-        assert corrupted != producer.complete(tokens, MAX_TOKENS)
+        assert corrupted != reference.complete(tokens, MAX_TOKENS)
     assert consumer.log_text().count("corrupted the KV of request") == 2
 
 
-def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path):
+def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path, reference):
     """A consumer with room for one 1000-token entry: the second prompt prefilled before any decode goes by pull."""
     producer, consumer = start_pair(tiny_model, tmp_path, "small", {"push_staging_size": 6 << 20}, transfer_mode="push")
     try:
@@ -62,7 +62,7 @@ def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path
         before = consumer.metric(HITS)
         answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
         assert consumer.metric(HITS) - before == 2 * 999
-        assert answers == [producer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
+        assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
         log = consumer.log_text()
         assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+ \(pulled\): 999 tokens", log)) == 1
         assert "no push room on the consumer" in producer.log_text()

@@ -1,0 +1,144 @@
+"""Faults on real vLLM instances (pull mode, a pair of its own): prefills whose decode never comes filling the
+producer's buffer, entries expiring, the producer killed and restarted under traffic, the consumer killed and
+restarted. Every answer equals the colocated reference throughout."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
+from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.servers import VllmServer, kill
+
+BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
+TTL = 4.0
+
+
+@pytest.fixture(scope="module")
+def fault_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("faults"), "faults", confine=True,
+                                    producer_extra={"buffer_size": BUFFER, "entry_ttl": TTL})
+    yield producer, consumer
+    producer.stop()
+    consumer.stop()
+
+
+def producer_stats(producer: VllmServer, before: dict[str, float], key: str, at_least: float) -> dict[str, float]:
+    """The producer's stats change once ``key`` reached ``at_least`` (they reach /metrics with its engine steps)."""
+    deadline = time.monotonic() + 10
+    while True:
+        change = diff(kv_stats(producer), before)
+        if change.get(key, 0) >= at_least or time.monotonic() > deadline:
+            return change
+        producer.complete([1, 2, 3], 1)  # a step, to carry the stats
+        time.sleep(0.1)
+
+
+def test_orphans_fill_the_buffer_without_stalling_the_producer(fault_pair, reference):
+    """14 prefills of 4 MiB of KV each, none decoded, into a 12 MiB buffer: every prefill takes as long as the first
+    ones (the oldest entries are evicted), and the newest still loads."""
+    producer, consumer = fault_pair
+    before = kv_stats(producer)
+    latencies = []
+    prompts = [prompt(2000 + i, 1000) for i in range(14)]
+    for tokens in prompts:
+        start = time.monotonic()
+        producer.complete(tokens, 1)
+        latencies.append(time.monotonic() - start)
+    change = producer_stats(producer, before, "evicted", 12)
+    print(f"prefill seconds: {[round(t, 3) for t in latencies]}, producer stats: {change}")
+    assert change.get("saved", 0) >= 14 and change.get("evicted", 0) + change.get("expired", 0) >= 12
+    assert max(latencies[3:]) < 2 * statistics.median(latencies[:3]) + 0.5, "prefills slowed down as the buffer filled"
+    before = kv_stats(consumer)
+    assert consumer.complete(prompts[-1], MAX_TOKENS) == reference.complete(prompts[-1], MAX_TOKENS)
+    moved = settled_stats(consumer, before, 1)
+    assert moved.get("loaded") == 1 and moved.get("fetched_bytes") == blocks(999) * ROW_BYTES
+    before = kv_stats(consumer)
+    assert consumer.complete(prompts[0], MAX_TOKENS) == reference.complete(prompts[0], MAX_TOKENS)  # evicted
+    assert settled_stats(consumer, before, 1).get("load_misses") == 1
+
+
+def test_entries_nobody_takes_expire(fault_pair, reference):
+    producer, consumer = fault_pair
+    tokens = prompt(2100, 300)
+    before = kv_stats(producer)
+    producer.complete(tokens, 1)
+    time.sleep(TTL + 1.5)
+    assert producer_stats(producer, before, "expired", 1).get("expired", 0) >= 1
+    before = kv_stats(consumer)
+    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+    assert settled_stats(consumer, before, 1).get("load_misses") == 1
+
+
+def test_producer_killed_and_restarted_under_traffic(fault_pair, reference):
+    """Two clients keep sending prefill-then-decode requests while the producer is killed and restarted. While it is
+    down the consumer recomputes, and notices at once (no request waits for a timeout); once it is back, loads
+    resume without restarting the consumer. (The pair is confined to a core each: see ``VllmServer``.)"""
+    producer, consumer = fault_pair
+    stop = threading.Event()
+    phase = ["up"]
+    results: list[tuple[str, list[int], str, float]] = []
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            tokens = prompt(3000 + 1000 * k + i, 300 + 40 * (i % 5))
+            i += 1
+            try:
+                producer.complete(tokens, 1, timeout=30)
+            except OSError:
+                pass  # down: the decode goes to the consumer anyway, as a proxy without the prefill would
+            try:
+                start = time.monotonic()
+                answer = consumer.complete(tokens, 8)
+                results.append((phase[0], tokens, answer, time.monotonic() - start))
+            except OSError as e:
+                errors.append(f"consumer request failed: {e}")
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(3)
+        kill(producer.proc)
+        phase[0] = "down"
+        time.sleep(4)
+        phase[0] = "restarting"
+        producer.restart()
+        phase[0] = "back"
+        before = kv_stats(consumer)
+        time.sleep(5)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    after = settled_stats(consumer, before, 1)
+    assert not errors, errors[:3]
+    by_phase = {p: [r for r in results if r[0] == p] for p in ("up", "down", "restarting", "back")}
+    print({p: (len(rs), round(max((r[3] for r in rs), default=0), 2)) for p, rs in by_phase.items()})
+    assert all(len(by_phase[p]) >= 2 for p in by_phase), "too little traffic in some phase"
+    slowest_down = max(r[3] for p in ("down", "restarting") for r in by_phase[p])
+    assert slowest_down < 3.0, f"a request waited {slowest_down:.1f} s while the producer was down"
+    wrong = [r for r in results if r[2] != reference.complete(r[1], 8)]
+    assert not wrong, f"{len(wrong)} of {len(results)} answers differ from the reference (phases {[r[0] for r in wrong]})"
+    assert after.get("loaded", 0) >= 1 and after.get("fetched_bytes", 0) > 0, "loads did not resume"
+
+
+def test_consumer_killed_and_restarted(fault_pair, reference):
+    producer, consumer = fault_pair
+    kill(consumer.proc)
+    producer.complete(prompt(2201, 500), 1)  # the producer keeps serving while its consumer is gone
+    consumer.restart()  # longer than entry_ttl: that entry expires meanwhile
+    tokens = prompt(2200, 500)
+    producer.complete(tokens, 1)
+    before = kv_stats(consumer)
+    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+    moved = settled_stats(consumer, before, 1)
+    assert moved.get("loaded") == 1 and moved.get("fetched_bytes") == blocks(499) * ROW_BYTES
