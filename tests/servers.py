@@ -37,16 +37,22 @@ _PORTS = (20000, 32000)  # below the kernel's ephemeral range: a port picked her
 # another process's outgoing connection or to a server binding port 0 (vLLM's own sockets do)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = HOST) -> int:
-    """A port nothing listens on now, for a server a test starts next."""
+    """A port nothing listens on now and not handed out before by this process, for a server a test starts next."""
     for _ in range(1000):
         port = random.randrange(*_PORTS)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise ServerUnavailable(f"no free port in {_PORTS} on {host}")
 
 

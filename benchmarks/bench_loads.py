@@ -1,0 +1,254 @@
+"""Concurrent loads inside vLLM, next to the bare pipe moving the same bytes, in one run.
+
+A producer (core 0) and a consumer (core 1) serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per
+token in bfloat16) with our connector in pull mode. For each number of requests in flight N (16, 64):
+
+1. N fresh prompts of 1024-3072 tokens (uniform) are prefilled on the producer, which keeps their KV;
+2. the N decode requests (``max_tokens`` 1) go to the consumer at once; it claims N loads, which run
+   ``load_concurrency`` at a time (each: request to the producer, transfer, copy into the KV cache blocks);
+3. "in vLLM": the KV bytes the consumer fetched (its ``vllm:mooncake_kv_fetched_bytes`` counter) over the wall time
+   from sending the requests until its ``loaded`` counter reached N (polled every 10 ms).
+
+"bare pipe": the same N tensors (the same byte sizes) sent back to back through a ``MooncakePipe`` from one process
+to another, each received into a reused buffer as the connector does; bytes over the time from the receiver's "go" to
+the last tensor received. Both sides with the worker's GIL switch interval (0.1 ms), one sender, the same pipe
+settings (chunk size, writes in flight) as the vLLM pair's mooncake.json.
+
+Run (from the repository root; ~10 minutes)::
+
+    .venv/bin/python benchmarks/bench_loads.py
+    .venv/bin/python benchmarks/bench_loads.py --in-flight 16 --load-concurrency 4 --rounds 1   # shorter
+
+Prints a markdown table and writes bench_loads.json / bench_loads.md to ``--out-dir`` (default benchmarks/results).
+Goal (issue #14): in-vLLM aggregate >= 0.5x the bare pipe at 16 and 64 requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+from tests.servers import VllmServer, free_port, start_vllm  # noqa: E402
+
+MODEL = ROOT / ".cache" / "models" / "kv32k"
+BLOCK = 128
+ROW_BYTES = 8 * 8 * 128 * 256 * 2  # kv32k in bfloat16: 8 layers x [8 heads, 128 tokens, K and V of 128] per block
+GOAL = 0.5
+SWITCH_INTERVAL = 0.0001  # the connector's gil_switch_interval default, for the bare pipe too
+
+
+def mooncake_json(path: Path) -> Path:
+    path.write_text(json.dumps({"prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}",
+                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 30}))
+    return path
+
+
+def serve_args(dtype: str, kv_bytes: int) -> list[str]:
+    return ["--dtype", dtype, "--enforce-eager", "--max-model-len", "3200", "--kv-cache-memory-bytes", str(kv_bytes),
+            "--max-num-seqs", "128"]
+
+
+def start(work: Path, dtype: str, concurrency: int, max_in_flight: int) -> tuple[VllmServer, VllmServer]:
+    config = mooncake_json(work / "mooncake.json")
+    kv_max = max_in_flight * 3072 * 32 * 1024
+    connector = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+    producer = VllmServer("producer", MODEL, free_port(), 0, work,
+                          {**connector, "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"buffer_size": kv_max + (1 << 30), "entry_ttl": 600}},
+                          config, serve_args(dtype, 1 << 30))
+    consumer = VllmServer("consumer", MODEL, free_port(), 1, work,
+                          {**connector, "kv_role": "kv_consumer",
+                           "kv_connector_extra_config": {"load_concurrency": concurrency, "load_timeout": 120}},
+                          config, serve_args(dtype, kv_max + (256 << 20)))
+    start_vllm(producer, consumer)
+    return producer, consumer
+
+
+def stats(server: VllmServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:mooncake_kv_") and "{" in line:
+            name = line.split("{", 1)[0].removeprefix("vllm:mooncake_kv_").removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def post(server: VllmServer, tokens: list[int], max_tokens: int) -> None:
+    body = json.dumps({"model": server.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()
+
+
+def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: random.Random) -> dict[str, Any]:
+    prompts = [[rng.randrange(10, 7000) for _ in range(rng.randint(1024, 3072))] for _ in range(n)]
+    saved = stats(producer).get("saved", 0)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # prefills: the producer keeps every prompt's KV
+        list(pool.map(lambda t: post(producer, t, 1), prompts))
+    deadline = time.monotonic() + 60
+    while stats(producer).get("saved", 0) < saved + n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = stats(consumer)
+    ended = lambda s: sum(s.get(k, 0) - before.get(k, 0) for k in ("loaded", "load_misses", "load_failures"))  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(post, consumer, t, 1) for t in prompts]
+        while True:
+            now = stats(consumer)
+            if ended(now) >= n:
+                wall = time.perf_counter() - start
+                break
+            if time.perf_counter() - start > 600:
+                raise RuntimeError(f"only {ended(now)} of {n} loads ended in 600 s")
+            time.sleep(0.01)
+        for f in futures:
+            f.result()
+    after = stats(consumer)
+    fetched = after.get("fetched_bytes", 0) - before.get("fetched_bytes", 0)
+    sizes = [(-(-(len(t) - 1) // BLOCK)) * ROW_BYTES for t in prompts]  # what each load moves (nothing cached)
+    return {"n": n, "loaded": after.get("loaded", 0) - before.get("loaded", 0),
+            "failed": ended(after) - (after.get("loaded", 0) - before.get("loaded", 0)),
+            "bytes": fetched, "expected_bytes": sum(sizes), "seconds": wall, "GBps": fetched / wall / 1e9, "sizes": sizes}
+
+
+# ----------------------------------------------------------------------------- the bare pipe
+def _pipe_config(base: dict[str, Any]) -> Any:
+    from kv_pipe import MooncakeTransferEngineConfig  # noqa: PLC0415
+
+    return MooncakeTransferEngineConfig.from_dict(base)
+
+
+def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    from kv_pipe import MooncakePipe  # noqa: PLC0415
+
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    with MooncakePipe(kv_rank=0, config=_pipe_config(cfg)) as pipe:
+        data = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8)
+        ready.set()
+        pipe.recv_tensor(timeout=120)  # "go"
+        for size in sizes:
+            pipe.send_tensor(data[:size])
+        pipe.recv_tensor(timeout=120)  # "done": keep the pipe up until everything is received
+
+
+def bare_pipe_round(cfg: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    from kv_pipe import MooncakePipe  # noqa: PLC0415
+    from kv_pipe.memory import WarmPool  # noqa: PLC0415
+
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    sender = ctx.Process(target=_bare_sender, args=(cfg, sizes, ready), daemon=True)
+    sender.start()
+    pool = WarmPool(keep=1)
+    buf = pool.get(max(sizes))
+    with MooncakePipe(kv_rank=1, config=_pipe_config(cfg)) as pipe:
+        if not ready.wait(120):
+            raise RuntimeError("the bare-pipe sender did not start")
+        start = time.perf_counter()
+        pipe.send_tensor(torch.zeros(1))
+        for size in sizes:
+            got = pipe.recv_tensor(timeout=120, out=buf)
+            assert got is not None and got.numel() == size
+        wall = time.perf_counter() - start
+        pipe.send_tensor(torch.zeros(1))
+    sender.join(30)
+    return {"n": len(sizes), "bytes": sum(sizes), "seconds": wall, "GBps": sum(sizes) / wall / 1e9}
+
+
+# ----------------------------------------------------------------------------- run
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--in-flight", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--load-concurrency", type=int, nargs="+", default=[1, 4],
+                        help="the consumer's load_concurrency values to run (1: one load at a time, as before #14)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
+    parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
+    args = parser.parse_args()
+    if not MODEL.is_dir():
+        print(f"{MODEL} is missing: run scripts/setup.sh", file=sys.stderr)
+        return 2
+    dtype = args.dtype or common.native_dtype()
+    if dtype != "bfloat16":
+        print("note: the KV sizes below assume bfloat16; with float32 every load moves twice the bytes", file=sys.stderr)
+    rng = random.Random(1234)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-loads-") as tmp:
+        for concurrency in args.load_concurrency:
+            work = Path(tmp) / f"c{concurrency}"
+            work.mkdir()
+            producer, consumer = start(work, dtype, concurrency, max(args.in_flight))
+            try:
+                post(producer, [5] * 600, 1)  # warm both up: the first link, the first buffers
+                post(consumer, [5] * 600, 1)
+                for n in args.in_flight:
+                    for r in range(args.rounds):
+                        result = in_vllm_round(producer, consumer, n, rng)
+                        cfg = json.loads((work / "mooncake.json").read_text())
+                        cfg["prefill_url"], cfg["decode_url"] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+                        bare = bare_pipe_round(cfg, result.pop("sizes"))
+                        row = {"load_concurrency": concurrency, "round": r, "in_vllm": result, "bare_pipe": bare,
+                               "ratio": result["GBps"] / bare["GBps"]}
+                        rows.append(row)
+                        print(f"concurrency {concurrency}, {n} in flight, round {r}: in vLLM {result['GBps']:.2f} GB/s "
+                              f"({result['loaded']:.0f} loaded, {result['bytes'] / 2**20:.0f} MiB in "
+                              f"{result['seconds']:.2f} s), bare pipe {bare['GBps']:.2f} GB/s, ratio {row['ratio']:.2f}",
+                              flush=True)
+            finally:
+                producer.stop()
+                consumer.stop()
+    table = markdown(rows, args, dtype)
+    print(table)
+    common.write("bench_loads", {"dtype": dtype, "rows": rows, "goal": GOAL}, table, args.out_dir)
+    return 0
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, dtype: str) -> str:
+    lines = [common.header("Concurrent loads inside vLLM vs the bare pipe (bench_loads.py)", dtype), "",
+             "In vLLM: KV bytes the consumer fetched / wall time from sending N decode requests at once until its N "
+             "loads ended (each: request, transfer, copy into the KV cache). Bare pipe: the same N tensors through a "
+             "MooncakePipe between two processes, received into a reused buffer. kv32k model, prompts of 1024-3072 "
+             "tokens (32-96 MiB of KV each), nothing cached on the consumer.", "",
+             "| load_concurrency | in flight | rounds | MiB per round | in vLLM GB/s | bare pipe GB/s | in vLLM / bare |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for concurrency in args.load_concurrency:
+        for n in args.in_flight:
+            group = [r for r in rows if r["load_concurrency"] == concurrency and r["in_vllm"]["n"] == n]
+            if not group:
+                continue
+            lines.append(f"| {concurrency} | {n} | {len(group)} | "
+                         f"{statistics.mean(r['in_vllm']['bytes'] for r in group) / 2**20:.0f} | "
+                         f"{statistics.median(r['in_vllm']['GBps'] for r in group):.2f} | "
+                         f"{statistics.median(r['bare_pipe']['GBps'] for r in group):.2f} | "
+                         f"**{statistics.median(r['ratio'] for r in group):.2f}** |")
+    failed = sum(r["in_vllm"]["failed"] for r in rows)
+    wrong = sum(1 for r in rows if r["in_vllm"]["bytes"] != r["in_vllm"]["expected_bytes"])
+    lines += ["", f"Goal: in vLLM >= {GOAL}x the bare pipe. Loads failed or missed: {failed:.0f}; rounds whose fetched "
+              f"bytes differ from the blocks claimed: {wrong}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
