@@ -12,7 +12,12 @@ token in bfloat16) with our connector in pull mode. For each number of requests 
 "bare pipe": the same N tensors (the same byte sizes) sent back to back through a ``MooncakePipe`` from one process
 to another, each received into a reused buffer as the connector does; bytes over the time from the receiver's "go" to
 the last tensor received. Both sides with the worker's GIL switch interval (0.1 ms), one sender, the same pipe
-settings (chunk size, writes in flight) as the vLLM pair's mooncake.json.
+settings (chunk size, writes in flight) as the vLLM pair's mooncake.json. Like-for-like, the sender runs on core 0
+and the receiver on core 1, as the vLLM instances' workers (and every thread they start) are pinned; the same
+transfer with both processes free to use both cores is shown too.
+
+Each load_concurrency setting starts with a warm-up round (not counted) in which the consumer's receive buffers grow
+to the largest entry, as they do once in a long-running instance.
 
 Run (from the repository root; ~10 minutes)::
 
@@ -30,6 +35,7 @@ import concurrent.futures
 import json
 import multiprocessing as mp
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -97,8 +103,10 @@ def post(server: VllmServer, tokens: list[int], max_tokens: int) -> None:
         resp.read()
 
 
-def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: random.Random) -> dict[str, Any]:
-    prompts = [[rng.randrange(10, 7000) for _ in range(rng.randint(1024, 3072))] for _ in range(n)]
+def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: random.Random,
+                  longest: bool = False) -> dict[str, Any]:
+    lengths = [3072 if longest else rng.randint(1024, 3072) for _ in range(n)]
+    prompts = [[rng.randrange(10, 7000) for _ in range(length)] for length in lengths]
     saved = stats(producer).get("saved", 0)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # prefills: the producer keeps every prompt's KV
         list(pool.map(lambda t: post(producer, t, 1), prompts))
@@ -135,11 +143,15 @@ def _pipe_config(base: dict[str, Any]) -> Any:
     return MooncakeTransferEngineConfig.from_dict(base)
 
 
-def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any) -> None:
+def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any, core: int | None) -> None:
+    import os  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     from kv_pipe import MooncakePipe  # noqa: PLC0415
 
+    if core is not None:
+        os.sched_setaffinity(0, {core})
     sys.setswitchinterval(SWITCH_INTERVAL)
     with MooncakePipe(kv_rank=0, config=_pipe_config(cfg)) as pipe:
         data = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8)
@@ -150,17 +162,24 @@ def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any) -> None:
         pipe.recv_tensor(timeout=120)  # "done": keep the pipe up until everything is received
 
 
-def bare_pipe_round(cfg: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+def bare_pipe_round(cfg: dict[str, Any], sizes: list[int], pinned: bool) -> dict[str, Any]:
+    """The sizes through a bare pipe; ``pinned``: sender on core 0, receiver (this process, meanwhile) on core 1."""
+    import os  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     from kv_pipe import MooncakePipe  # noqa: PLC0415
     from kv_pipe.memory import WarmPool  # noqa: PLC0415
 
+    cfg = {**cfg, "prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}"}
     sys.setswitchinterval(SWITCH_INTERVAL)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    sender = ctx.Process(target=_bare_sender, args=(cfg, sizes, ready), daemon=True)
+    sender = ctx.Process(target=_bare_sender, args=(cfg, sizes, ready, 0 if pinned else None), daemon=True)
     sender.start()
+    all_cores = os.sched_getaffinity(0)
+    if pinned:
+        os.sched_setaffinity(0, {1})
     pool = WarmPool(keep=1)
     buf = pool.get(max(sizes))
     with MooncakePipe(kv_rank=1, config=_pipe_config(cfg)) as pipe:
@@ -174,7 +193,16 @@ def bare_pipe_round(cfg: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
         wall = time.perf_counter() - start
         pipe.send_tensor(torch.zeros(1))
     sender.join(30)
-    return {"n": len(sizes), "bytes": sum(sizes), "seconds": wall, "GBps": sum(sizes) / wall / 1e9}
+    os.sched_setaffinity(0, all_cores)
+    return {"n": len(sizes), "bytes": sum(sizes), "seconds": wall, "GBps": sum(sizes) / wall / 1e9, "pinned": pinned}
+
+
+def load_timings(log: Path, skip: int) -> list[tuple[float, float, float]]:
+    """(total, fetch, copy) ms of each pulled load in the consumer's log after the first ``skip`` of them."""
+    pattern = re.compile(r"loaded request \S+ \(pulled\).* in ([\d.]+) ms \([\d.]+ GB/s; fetch ([\d.]+) ms, "
+                         r"(?:copy into the KV cache ([\d.]+) ms|received into the KV cache blocks)\)")
+    found = [(float(a), float(b), float(c or 0)) for a, b, c in pattern.findall(log.read_text(errors="replace"))]
+    return found[skip:]  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- run
@@ -201,20 +229,25 @@ def main() -> int:
             work.mkdir()
             producer, consumer = start(work, dtype, concurrency, max(args.in_flight))
             try:
-                post(producer, [5] * 600, 1)  # warm both up: the first link, the first buffers
-                post(consumer, [5] * 600, 1)
+                in_vllm_round(producer, consumer, max(concurrency, 4), random.Random(99), longest=True)  # warm-up
+                cfg = json.loads((work / "mooncake.json").read_text())
                 for n in args.in_flight:
                     for r in range(args.rounds):
+                        seen = len(load_timings(consumer.log, 0))
                         result = in_vllm_round(producer, consumer, n, rng)
-                        cfg = json.loads((work / "mooncake.json").read_text())
-                        cfg["prefill_url"], cfg["decode_url"] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-                        bare = bare_pipe_round(cfg, result.pop("sizes"))
+                        timings = load_timings(consumer.log, seen)
+                        result["load_ms"] = {name: statistics.median(t[i] for t in timings) if timings else None
+                                             for i, name in enumerate(("total", "fetch", "copy"))}
+                        sizes = result.pop("sizes")
+                        bare = bare_pipe_round(cfg, sizes, pinned=True)
+                        free = bare_pipe_round(cfg, sizes, pinned=False)
                         row = {"load_concurrency": concurrency, "round": r, "in_vllm": result, "bare_pipe": bare,
-                               "ratio": result["GBps"] / bare["GBps"]}
+                               "bare_pipe_unpinned": free, "ratio": result["GBps"] / bare["GBps"]}
                         rows.append(row)
                         print(f"concurrency {concurrency}, {n} in flight, round {r}: in vLLM {result['GBps']:.2f} GB/s "
                               f"({result['loaded']:.0f} loaded, {result['bytes'] / 2**20:.0f} MiB in "
-                              f"{result['seconds']:.2f} s), bare pipe {bare['GBps']:.2f} GB/s, ratio {row['ratio']:.2f}",
+                              f"{result['seconds']:.2f} s; median load {result['load_ms']}), bare pipe "
+                              f"{bare['GBps']:.2f} GB/s pinned, {free['GBps']:.2f} unpinned, ratio {row['ratio']:.2f}",
                               flush=True)
             finally:
                 producer.stop()
@@ -231,17 +264,22 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, dtype: str) -
              "loads ended (each: request, transfer, copy into the KV cache). Bare pipe: the same N tensors through a "
              "MooncakePipe between two processes, received into a reused buffer. kv32k model, prompts of 1024-3072 "
              "tokens (32-96 MiB of KV each), nothing cached on the consumer.", "",
-             "| load_concurrency | in flight | rounds | MiB per round | in vLLM GB/s | bare pipe GB/s | in vLLM / bare |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| load_concurrency | in flight | rounds | MiB per round | median load ms (fetch + copy) | in vLLM GB/s "
+             "| bare pipe GB/s, pinned as vLLM (unpinned) | in vLLM / bare pinned |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for concurrency in args.load_concurrency:
         for n in args.in_flight:
             group = [r for r in rows if r["load_concurrency"] == concurrency and r["in_vllm"]["n"] == n]
             if not group:
                 continue
+            ms = [r["in_vllm"]["load_ms"] for r in group if r["in_vllm"]["load_ms"]["total"] is not None]
+            timing = (f"{statistics.median(m['total'] for m in ms):.0f} ({statistics.median(m['fetch'] for m in ms):.0f} "
+                      f"+ {statistics.median(m['copy'] for m in ms):.0f})") if ms else "-"
             lines.append(f"| {concurrency} | {n} | {len(group)} | "
-                         f"{statistics.mean(r['in_vllm']['bytes'] for r in group) / 2**20:.0f} | "
+                         f"{statistics.mean(r['in_vllm']['bytes'] for r in group) / 2**20:.0f} | {timing} | "
                          f"{statistics.median(r['in_vllm']['GBps'] for r in group):.2f} | "
-                         f"{statistics.median(r['bare_pipe']['GBps'] for r in group):.2f} | "
+                         f"{statistics.median(r['bare_pipe']['GBps'] for r in group):.2f} "
+                         f"({statistics.median(r['bare_pipe_unpinned']['GBps'] for r in group):.2f}) | "
                          f"**{statistics.median(r['ratio'] for r in group):.2f}** |")
     failed = sum(r["in_vllm"]["failed"] for r in rows)
     wrong = sum(1 for r in rows if r["in_vllm"]["bytes"] != r["in_vllm"]["expected_bytes"])

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_connector import block_copy
+from kv_pipe.scatter import Scatter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +80,22 @@ class KVCacheLayout:
 
     def kv_bytes(self, nblocks: int) -> int:
         return nblocks * self.row_bytes
+
+    @property
+    def on_host(self) -> bool:
+        """The cache is contiguous host memory: loads can be received straight into its blocks."""
+        return all(t.device.type == "cpu" and t.is_contiguous() for t in self.layers)
+
+    def scatter(self, block_ids: list[int]) -> Scatter:
+        """Where the rows of a block-major entry go: block ``block_ids[i]`` of every layer for row i, in the entry's
+        byte order (row, layer, index before the block dimension)."""
+        first = self.layers[0]
+        outer = math.prod(first.shape[:self.block_dim])
+        blocks = first.shape[self.block_dim]
+        slab = self.block_bytes // outer
+        regions = [(layer.data_ptr() + (o * blocks + b) * slab, slab)
+                   for b in block_ids for layer in self.layers for o in range(outer)]
+        return Scatter.of(regions, self.layers)
 
     def descriptor_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(self.descriptor, sort_keys=True).encode()), dtype=torch.uint8)

@@ -6,9 +6,10 @@ insert it keyed by the prompt's tokens. The buffer evicts the oldest unclaimed e
 nobody takes within ``entry_ttl``, so a save never waits for a consumer.
 
 Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens, asking only for rows [first_block,
-first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire;
-then write them into the request's blocks. The entry's tokens come back with it: a block is used only where its
-tokens agree with the prompt.
+first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire,
+straight into the request's blocks of the KV cache (a ``Scatter`` target: the pipe offers the blocks to the
+producer's writes, or copies each chunk there from its ring). The entry's tokens come back with it: a block is used
+only where its tokens agree with the prompt; blocks written with anything else are reported and recomputed.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class PullTransfer(KVTransfer):
         n = len(req.block_ids)
         rows = (req.first_block, req.first_block + n)
         query = torch.tensor(req.token_ids, dtype=torch.int64)
-        buf = self.receive.get(self.layout.kv_bytes(n))
+        # Host cache: receive into the blocks themselves. Else into a pooled buffer, copied into the blocks after.
+        buf = None if self.layout.on_host else self.receive.get(self.layout.kv_bytes(n))
+        target = self.layout.scatter(req.block_ids) if buf is None else buf
         # If drop_select raises, writes may still land in buf for a while: it is then not put back for reuse.
-        tokens, _, kv, descriptor, _ = self.buffer.drop_select(query, None, key_rows=rows, key_out=buf,
+        tokens, _, kv, descriptor, _ = self.buffer.drop_select(query, None, key_rows=rows, key_out=target,
                                                                timeout=max(deadline - time.monotonic(), 0.001))
         fetched = time.perf_counter()
         try:
@@ -92,16 +95,23 @@ class PullTransfer(KVTransfer):
             usable = self._usable_rows(req, query, tokens, kv.shape[0])
             if usable == 0:
                 raise KVMiss()
-            if req.corrupt and self.corrupt_ok:
-                kv = kv.flip(-1)  # test-only control: proves the consumer really uses the transferred KV
+            ids = req.block_ids[:usable]
+            in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
+            if req.corrupt and self.corrupt_ok:  # test-only control: proves the consumer really uses the KV
+                kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
+                in_place = False
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
-            block_copy.scatter(self.layout.layers, self.layout.block_dim, req.block_ids[:usable], kv[:usable])
+            if not in_place:
+                block_copy.scatter(self.layout.layers, self.layout.block_dim, ids, kv[:usable])
         finally:
-            self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)
+            if buf is not None:
+                self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)
         copied = time.perf_counter()
         nbytes = kv.numel() * kv.element_size()
+        where = ("received into the KV cache blocks" if received_in_place
+                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
         return LoadResult(usable, self.layout.kv_bytes(usable), nbytes, "pulled",
-                          f"fetch {(fetched - start) * 1e3:.1f} ms, copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
+                          f"fetch {(fetched - start) * 1e3:.1f} ms, {where}")
 
     def _usable_rows(self, req: LoadRequest, query: torch.Tensor, tokens: torch.Tensor, received: int) -> int:
         """How many of the received rows hold this prompt's KV: all of them when the entry's tokens agree with the

@@ -63,6 +63,9 @@ class ConnectorWorker:
         role = "producer" if producer else "consumer"
         pipe = MooncakePipe(local_rank=rank, kv_rank=0 if producer else 1, config=self.mooncake)
         self.pipes.append(pipe)
+        if not producer and layout.on_host:
+            for layer in layout.layers:  # loads are received straight into the blocks they fill
+                pipe.register_receive_region(layer)
         buffer = SimpleBuffer(pipe, pipe, opts.buffer_size, role=role, max_age=opts.entry_ttl, evict=True)
         if producer:
             buffer.start_serving()

@@ -36,6 +36,7 @@ from kv_lookup_buffer.base import KVLookupBufferBase
 from kv_lookup_buffer.token_index import TokenIndex, prefix_hashes
 from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeTimeout
 from kv_pipe.memory import copy_bytes
+from kv_pipe.scatter import Scatter
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ def _rows(key: torch.Tensor | None, rows: tuple[int, int] | None) -> torch.Tenso
 class _Pending:
     """A consumer request waiting for its answer."""
 
-    key_out: torch.Tensor | None
+    key_out: torch.Tensor | Scatter | None
+    receiving: bool = False  # its entry is being received (into key_out): the caller waits for the end of it
     done: threading.Event = field(default_factory=threading.Event)
     result: list[torch.Tensor | None] | None = None
     error: BaseException | None = None
@@ -406,17 +408,20 @@ class SimpleBuffer(KVLookupBufferBase):
 
     # ---------------------------------------------------------------- consumer
     def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
-                    key_out: torch.Tensor | None = None, key_rows: tuple[int, int] | None = None,
+                    key_out: torch.Tensor | Scatter | None = None, key_rows: tuple[int, int] | None = None,
                     timeout: float | None = None) -> list[torch.Tensor | None]:
         """See ``KVLookupBufferBase.drop_select``. Extensions:
 
         - ``key_rows=(start, stop)``: only rows [start, stop) of the entry's key are sent (its first dimension,
           clamped to the rows it has); the entry is taken all the same.
-        - ``key_out``: a buffer the entry's key is received into, through the data pipe's ``recv_tensor(out=...)``
-          (``MooncakePipe``); the key returned is then a view of it. Reusing one buffer for large entries saves
-          the page faults of a fresh allocation each time. If this call raises, do not reuse ``key_out`` (see
-          ``MooncakePipe.recv_tensor``).
-        - ``timeout``: seconds to wait for the answer (default: the buffer's); ``TimeoutError`` after that.
+        - ``key_out``: where the entry's key is received, through the data pipe's ``recv_tensor(out=...)``
+          (``MooncakePipe``): a buffer (the key returned is then a view of it: reusing one buffer for large entries
+          saves the page faults of a fresh allocation each time), or a ``Scatter`` of memory regions (the key
+          returned is then a ``meta`` tensor: its bytes are in the regions). If this call raises, do not reuse a
+          buffer ``key_out`` (see ``MooncakePipe.recv_tensor``).
+        - ``timeout``: seconds to wait for the answer (default: the buffer's); ``TimeoutError`` after that. Once the
+          entry is being received the call waits for the end of that (the pipe's own timeouts bound it), so nothing
+          is written into ``key_out`` after this call returns or raises.
 
         Several threads may call this at once: their requests are in flight together.
         """
@@ -443,7 +448,13 @@ class SimpleBuffer(KVLookupBufferBase):
         try:
             self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, seq, query, key_rows), timeout=wait)
             if not pending.done.wait(wait):
-                raise TimeoutError(f"no answer to drop_select request {seq} within {wait:.1f} s")
+                with self._cv:
+                    receiving = pending.receiving
+                    if not receiving:
+                        self._pending.pop(seq, None)  # a late answer is dropped, never received into key_out
+                if not receiving:
+                    raise TimeoutError(f"no answer to drop_select request {seq} within {wait:.1f} s")
+                pending.done.wait()
         finally:
             with self._cv:
                 self._pending.pop(seq, None)
@@ -463,6 +474,8 @@ class SimpleBuffer(KVLookupBufferBase):
                     continue
                 with self._cv:
                     pending = self._pending.get(seq)
+                    if pending is not None and status == HIT:
+                        pending.receiving = True
                 if status == MISS:
                     result: list[torch.Tensor | None] = [None] * 5
                 else:
@@ -482,6 +495,9 @@ class SimpleBuffer(KVLookupBufferBase):
                 logger.warning("drop_select answers lost: %s", e)
                 self._fail_pending(e)
                 self._closed.wait(0.01)
+            except Exception as e:  # a bug must not leave callers waiting forever: fail them and go on
+                logger.exception("drop_select answers lost")
+                self._fail_pending(e)
 
     def _fail_pending(self, error: BaseException) -> None:
         with self._cv:
@@ -491,7 +507,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 pending.error = error
                 pending.done.set()
 
-    def _receive_entry(self, key_out: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def _receive_entry(self, key_out: torch.Tensor | Scatter | None) -> list[torch.Tensor | None]:
         tokens, roi = self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()
         key = self.data_pipe.recv_tensor() if key_out is None else self.data_pipe.recv_tensor(out=key_out)  # type: ignore[call-arg]
         return [tokens, roi, key, self.data_pipe.recv_tensor(), self.data_pipe.recv_tensor()]

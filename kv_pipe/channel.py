@@ -90,7 +90,7 @@ class Outbound(Connection):
                  ring_addr: int, ring_size: int, chunk_size: int, inline_max: int, offers_direct: bool = False) -> None:
         super().__init__(sock, peer, closed)
         self.session = session
-        self.offers_direct = offers_direct  # the receiver offers large host results for direct writes (WELCOME)
+        self.offers_direct = offers_direct  # the receiver answers large tensors with DIRECT (WELCOME)
         self.inline_max = inline_max  # tensors up to this size travel inside their frame
         self.ring_addr = ring_addr
         self.ring_size = ring_size
@@ -99,7 +99,7 @@ class Outbound(Connection):
         self.acked = 0  # absolute ring position the receiver has consumed up to
         self.tensor_seq = -1  # seq of the tensor being sent (TENSOR frames counted from 0)
         self._tensor_nbytes = 0
-        self._direct_addr: int | None = None  # the receiver's offer for the current tensor
+        self._offer: tuple[tuple[int, int], ...] | None = None  # the receiver's answer for the current tensor (() = no)
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read_loop, name=f"kv-pipe-acks-{peer}", daemon=True)
         self._reader.start()
@@ -169,20 +169,20 @@ class Outbound(Connection):
         with self._cv:
             self.tensor_seq += 1
             self._tensor_nbytes = nbytes
-            self._direct_addr = None
+            self._offer = None
             return self.tensor_seq
 
-    def direct_target(self, seq: int, timeout: float = 0.0) -> int | None:
-        """The address in the receiver's result where tensor ``seq`` goes, if the receiver offered one (waiting up
-        to ``timeout`` seconds for the offer)."""
+    def direct_target(self, seq: int, timeout: float = 0.0) -> tuple[tuple[int, int], ...] | None:
+        """The receiver's regions (filled in order by the whole tensor) where tensor ``seq`` goes, if it offered them,
+        waiting up to ``timeout`` seconds for its answer; None if it declined or has not answered."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while seq == self.tensor_seq and self._direct_addr is None and not self._dead.is_set():
+            while seq == self.tensor_seq and self._offer is None and not self._dead.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cv.wait(remaining)
-            return self._direct_addr if seq == self.tensor_seq else None
+            return (self._offer or None) if seq == self.tensor_seq else None
 
     def _handle(self, kind: Kind, payload: bytes) -> None:
         if kind == Kind.DIRECT:
@@ -193,7 +193,7 @@ class Outbound(Connection):
                 if offer.seq == self.tensor_seq:  # an offer for a tensor already sent in full is simply late
                     if offer.nbytes != self._tensor_nbytes:
                         raise ProtocolError(f"DIRECT offers {offer.nbytes} bytes for a tensor of {self._tensor_nbytes}")
-                    self._direct_addr = offer.addr
+                    self._offer = offer.regions
                     self._cv.notify_all()
         elif kind == Kind.ACK:
             end = wire.decode_ack(payload)
@@ -307,10 +307,11 @@ class Inbound(Connection):
         self.sock.settimeout(self.send_timeout)  # reads shorten it
         self.send(wire.encode_ack(end))
 
-    def offer_direct(self, addr: int, nbytes: int) -> None:
-        """Ask the sender to write the rest of the current tensor straight to ``addr`` (registered)."""
+    def offer_direct(self, nbytes: int, regions: tuple[tuple[int, int], ...]) -> None:
+        """Ask the sender to write the rest of the current tensor straight into ``regions`` (registered, filled in
+        order by the whole tensor); no regions: tell it not to wait for an offer."""
         self.sock.settimeout(self.send_timeout)
-        self.send(wire.encode_direct(self.tensor_seq, addr, nbytes))
+        self.send(wire.encode_direct(self.tensor_seq, nbytes, regions))
 
 
 class _Idle(Exception):

@@ -19,6 +19,10 @@ How one tensor travels (sender A -> receiver B):
    B unregisters the result before returning it. Registering is bookkeeping over TCP with
    P2PHANDSHAKE (~0.1 ms); with a metadata server it would write to that server twice per tensor, and RDMA would
    pin memory per tensor, so those keep the ring.
+5. Scatter targets (``recv_tensor(out=Scatter(...))``): the bytes go into several regions in order, e.g. the KV cache
+   blocks a request loads into. Regions inside memory registered once with ``register_receive_region`` are offered
+   to the sender as in 4 (with any metadata server: nothing is registered per tensor); otherwise chunks are copied
+   out of the ring straight into the regions. Either way the bytes are copied once, into the place they are used.
 
 Nothing on the side channel is executed or unpickled: frames are parsed by ``kv_pipe.wire`` and validated.
 """
@@ -39,6 +43,7 @@ from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
+from kv_pipe.scatter import Region, Scatter, split, within
 from kv_pipe.transfer_engine import MooncakeEngine
 from kv_pipe.wire import Chunk, DirectChunk, Kind, TensorHeader
 
@@ -80,8 +85,9 @@ class MooncakePipe(KVPipeBase):
         # Zero-copy receive registers each large result: bookkeeping over TCP with P2PHANDSHAKE (~0.1 ms), but two
         # writes to the metadata service per tensor with etcd/http (measured 1.4 ms), and memory pinning with RDMA.
         # Results on a GPU are copied out of the ring.
-        self._direct_recv = (self.config.zero_copy_recv and self.config.protocol == "tcp"
-                             and self.config.metadata.backend == "p2p" and self.device.type == "cpu")
+        self._offers = self.config.zero_copy_recv and self.config.protocol == "tcp" and self.device.type == "cpu"
+        self._direct_recv = self._offers and self.config.metadata.backend == "p2p"  # per-tensor registration
+        self._regions: list[tuple[Region, torch.Tensor]] = []  # registered once for direct writes (scatter targets)
         # received through the ring / written into results directly, and in how many direct writes
         self.stats = {"ring_bytes": 0, "direct_bytes": 0, "direct_writes": 0}
         try:
@@ -188,7 +194,12 @@ class MooncakePipe(KVPipeBase):
                         direct_piece = max(out.chunk_size, -(-(nbytes - pos) // self.config.max_chunks_in_flight))
                     length = min(direct_piece, nbytes - pos)
                     piece = DirectChunk(pos, length)
-                    batch = self._engine.write_async(out.session, flat.data_ptr() + pos, target + pos, length)
+                    parts = split(target, pos, length)
+                    sources, done = [], 0
+                    for _, n in parts:
+                        sources.append(flat.data_ptr() + pos + done)
+                        done += n
+                    batch = self._engine.write_async(out.session, sources, [a for a, _ in parts], [n for _, n in parts])
                 else:
                     chunk = out.try_reserve(length)
                     if chunk is None and inflight:
@@ -202,7 +213,7 @@ class MooncakePipe(KVPipeBase):
                         copy_bytes(stage[chunk.offset:chunk.offset + length], flat[pos:pos + length])
                         source = stage_addr + chunk.offset
                     piece = chunk
-                    batch = self._engine.write_async(out.session, source, out.ring_addr + chunk.offset, length)
+                    batch = self._engine.write_async(out.session, [source], [out.ring_addr + chunk.offset], [length])
                 inflight.append((batch, piece))
                 pos += length
                 if len(inflight) >= (1 if waiting_offer else self.config.max_chunks_in_flight):
@@ -288,14 +299,31 @@ class MooncakePipe(KVPipeBase):
         return out
 
     # ---------------------------------------------------------------- receiving
-    def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def register_receive_region(self, region: torch.Tensor) -> None:
+        """Keep this contiguous host tensor registered with the engine for the pipe's lifetime, so that scatter targets
+        inside it are written directly by the sender (e.g. a KV cache). Peers' writes can land in it only where this
+        pipe offered them (see ``recv_tensor``)."""
+        if region.device.type != "cpu" or not region.is_contiguous():
+            raise ValueError("a receive region must be a contiguous host tensor")
+        nbytes = region.numel() * region.element_size()
+        if not self._engine.register_region(region.data_ptr(), nbytes):
+            raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
+        self._regions.append(((region.data_ptr(), nbytes), region))
+
+    def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | Scatter | None = None) -> torch.Tensor | None:
         """See ``KVPipeBase.recv_tensor``. ``out``: an optional contiguous buffer on the pipe's device to receive into
         (any dtype; the result is then a view of its first bytes, saving the page faults of a fresh allocation);
         if it is too small for the incoming tensor, a new tensor is allocated instead. If this call raises, the
         contents of ``out`` are undefined, and with zero-copy receive writes the sender had already started may still
-        land in it for up to ``timeout`` + 5 s: do not reuse it for that long."""
+        land in it for up to ``timeout`` + 5 s: do not reuse it for that long.
+
+        ``out`` may also be a ``Scatter``: the tensor's bytes fill its regions in order and the result is a tensor on
+        the ``meta`` device with the tensor's dtype and shape (the bytes are in the regions). If the tensor does not
+        fill a whole number of leading regions (another size than expected), it is received into a new tensor,
+        which is returned instead. With a Scatter, this call returns or raises only once no write of the sender can
+        land in the regions any more (after a failure mid-tensor it waits ``timeout`` + 5 s first)."""
         timeout = self.config.timeout if timeout is None else timeout
-        if out is not None and (not out.is_contiguous() or out.device != self.device):
+        if isinstance(out, torch.Tensor) and (not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous tensor on {self.device}")
         deadline = time.monotonic() + timeout
         with self._recv_lock:
@@ -314,13 +342,19 @@ class MooncakePipe(KVPipeBase):
                 if kind == Kind.NONE:
                     return None
                 if kind == Kind.TENSOR_INLINE:
-                    result = self._result(item, out)
-                    if item.nbytes:
-                        copy_bytes(result.reshape(-1).view(torch.uint8), torch.frombuffer(item.data, dtype=torch.uint8))
+                    data = torch.frombuffer(item.data, dtype=torch.uint8) if item.nbytes else None
+                    if isinstance(out, Scatter) and out.prefix(item.nbytes) and data is not None:
+                        out.copy_in(0, data)
+                        return torch.empty(item.shape, dtype=item.dtype, device="meta")
+                    result = self._result(item, out if isinstance(out, torch.Tensor) else None)
+                    if data is not None:
+                        copy_bytes(result.reshape(-1).view(torch.uint8), data)
                     return result
                 if kind != Kind.TENSOR:
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
-                return self._receive(inbound, item, timeout, self._result(item, out))
+                if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
+                    return self._receive_scatter(inbound, item, timeout, out)
+                return self._receive(inbound, item, timeout, self._result(item, out if isinstance(out, torch.Tensor) else None))
             except PipeError as e:
                 inbound.fail(e)  # a half-received tensor leaves the stream unusable
                 inbound.reported = True
@@ -345,7 +379,9 @@ class MooncakePipe(KVPipeBase):
         pos = 0
         try:
             if direct:
-                inbound.offer_direct(out.data_ptr(), header.nbytes)
+                inbound.offer_direct(header.nbytes, ((out.data_ptr(), header.nbytes),))
+            elif header.nbytes >= DIRECT_MIN and self._offers:
+                inbound.offer_direct(header.nbytes, ())  # the sender need not wait for an offer
             while pos < header.nbytes:
                 kind, piece = inbound.next_frame(timeout)
                 missing = header.nbytes - pos
@@ -379,6 +415,44 @@ class MooncakePipe(KVPipeBase):
         finally:
             if direct:
                 self._engine.unregister_region(out.data_ptr())
+
+    def _receive_scatter(self, inbound: Inbound, header: TensorHeader, timeout: float, target: Scatter) -> torch.Tensor:
+        """Collect a tensor's bytes into the regions of ``target`` (which fill exactly ``header.nbytes``): offered for
+        direct writes if they lie in registered memory, else copied out of the ring into them."""
+        regions = target.prefix(header.nbytes)
+        assert regions is not None
+        direct = (header.nbytes >= DIRECT_MIN and self._offers and len(regions) <= wire.MAX_REGIONS
+                  and within(regions, [r for r, _ in self._regions]))
+        if header.nbytes >= DIRECT_MIN and self._offers:
+            inbound.offer_direct(header.nbytes, regions if direct else ())
+        pos = 0
+        try:
+            while pos < header.nbytes:
+                kind, piece = inbound.next_frame(timeout)
+                missing = header.nbytes - pos
+                if kind == Kind.CHUNK:
+                    self._check_chunk(inbound, piece, missing)
+                    target.copy_in(pos, self._ring[piece.offset:piece.offset + piece.length])
+                    inbound.ack(piece.end)
+                    self.stats["ring_bytes"] += piece.length
+                elif kind == Kind.DCHUNK:
+                    if not direct:
+                        raise ProtocolError("DCHUNK for a tensor that was not offered for direct writes")
+                    if piece.pos != pos or not 0 < piece.length <= missing:
+                        raise ProtocolError(f"DCHUNK [{piece.pos}, +{piece.length}) where bytes [{pos}, "
+                                            f"{header.nbytes}) of the tensor are missing")
+                    self.stats["direct_bytes"] += piece.length
+                    self.stats["direct_writes"] += 1
+                else:
+                    raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
+                pos += piece.length
+            return torch.empty(header.shape, dtype=header.dtype, device="meta")
+        except BaseException:
+            if direct and not self._closed.is_set():
+                # The regions belong to the caller (a KV cache vLLM reuses): writes the sender started may land until
+                # its own timeout, so do not hand them back before that.
+                self._closed.wait(self.config.timeout + 5.0)
+            raise
 
     def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int) -> None:
         if not 0 < chunk.length <= missing:
@@ -441,7 +515,7 @@ class MooncakePipe(KVPipeBase):
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
                 "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max,
-                "direct_recv": self._direct_recv}))
+                "direct_recv": self._offers}))
             sock.settimeout(self.config.timeout)
             inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
                               inline_max=self.config.inline_max)

@@ -107,12 +107,12 @@ class MooncakeEngine:
         if rc != 0:
             logger.warning("unregistering the memory at %#x from the Transfer Engine failed (rc=%d)", addr, rc)
 
-    def write_async(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> int:
-        """Start a one-sided write; returns a batch id for ``wait``."""
-        batch_id = self._engine.batch_transfer_async_write(peer, [local_addr], [remote_addr], [nbytes])
+    def write_async(self, peer: str, local_addrs: list[int], remote_addrs: list[int], lengths: list[int]) -> int:
+        """Start one-sided writes (one batch); returns a batch id for ``wait``."""
+        batch_id = self._engine.batch_transfer_async_write(peer, local_addrs, remote_addrs, lengths)
         if not batch_id:
-            raise TransferError(f"could not start a {nbytes}-byte write to {peer}: the peer's engine is unreachable "
-                                "or its segment is unknown")
+            raise TransferError(f"could not start a {sum(lengths)}-byte write to {peer}: the peer's engine is "
+                                "unreachable or its segment is unknown")
         return batch_id
 
     def wait(self, batch_id: int, peer: str, nbytes: int, timeout: float) -> None:

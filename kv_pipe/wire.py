@@ -16,8 +16,10 @@ into the receiver's registered staging ring, or straight into its result tensor,
 - NONE: empty; the value ``None`` (nothing a real tensor could carry is reserved for it).
 - CHUNK: offset u64, length u64, end u64 - the next piece of the current tensor sits at ``offset`` in the ring.
 - ACK: end u64 - the receiver has consumed the ring up to the absolute position ``end``.
-- DIRECT (receiver -> sender): seq u64, addr u64, nbytes u64 - "write the rest of tensor ``seq`` straight into my
-  registered result at ``addr``" (zero-copy receive over TCP; a sender may ignore it).
+- DIRECT (receiver -> sender): seq u64, nbytes u64, count u32, 4 pad, then count x (addr u64, length u64) - "write
+  the rest of tensor ``seq`` straight into these registered regions, filled in order" (zero-copy receive over TCP: the
+  result tensor, or the regions of a scatter target such as KV cache blocks; a sender may ignore it). ``count`` 0:
+  "no offer for this tensor: use the ring" (a sender expecting an offer stops waiting).
 - DCHUNK: pos u64, length u64 - bytes [pos, pos+length) of the current tensor were written into the result directly.
 - BYE: empty; an orderly close.
 
@@ -41,7 +43,7 @@ from kv_pipe.config import MAX_INLINE as MAX_INLINE_BYTES
 from kv_pipe.errors import ProtocolError
 
 MAGIC = b"MKVP"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("!4sBBHI")
 MAX_NDIM = 64
 MAX_JSON = 64 << 10
@@ -65,14 +67,16 @@ class Kind(IntEnum):
 _CHUNK = struct.Struct("!QQQ")
 _TENSOR_HEAD = struct.Struct("!BB6xQ")
 _ACK = struct.Struct("!Q")
-_DIRECT = struct.Struct("!QQQ")
+_DIRECT = struct.Struct("!QQI4x")
+_REGION = struct.Struct("!QQ")
+MAX_REGIONS = 1 << 16
 _DCHUNK = struct.Struct("!QQ")
 _MAX_PAYLOAD = {
     Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096,
     Kind.TENSOR: _TENSOR_HEAD.size + 8 * MAX_NDIM,
     Kind.NONE: 0, Kind.CHUNK: _CHUNK.size, Kind.ACK: _ACK.size, Kind.BYE: 0,
     Kind.TENSOR_INLINE: _TENSOR_HEAD.size + 8 * MAX_NDIM + MAX_INLINE,
-    Kind.DIRECT: _DIRECT.size, Kind.DCHUNK: _DCHUNK.size,
+    Kind.DIRECT: _DIRECT.size + _REGION.size * MAX_REGIONS, Kind.DCHUNK: _DCHUNK.size,
 }
 
 # The wire code of every dtype is fixed forever; dtypes this torch lacks are simply absent.
@@ -113,11 +117,12 @@ class DirectChunk:
 
 @dataclass(frozen=True)
 class Direct:
-    """The receiver's offer: write the rest of tensor ``seq`` (``nbytes`` in all) into its result at ``addr``."""
+    """The receiver's offer: write the rest of tensor ``seq`` (``nbytes`` in all) into ``regions`` ((address, length)
+    pairs filled in order); no regions: no offer."""
 
     seq: int
-    addr: int
     nbytes: int
+    regions: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -206,17 +211,25 @@ def decode_dchunk(payload: bytes) -> DirectChunk:
     return DirectChunk(*_DCHUNK.unpack(payload))
 
 
-def encode_direct(seq: int, addr: int, nbytes: int) -> bytes:
-    return encode(Kind.DIRECT, _DIRECT.pack(seq, addr, nbytes))
+def encode_direct(seq: int, nbytes: int, regions: tuple[tuple[int, int], ...]) -> bytes:
+    if len(regions) > MAX_REGIONS:
+        raise ValueError(f"a DIRECT offer carries at most {MAX_REGIONS} regions, got {len(regions)}")
+    return encode(Kind.DIRECT, _DIRECT.pack(seq, nbytes, len(regions)) + b"".join(_REGION.pack(a, n) for a, n in regions))
 
 
 def decode_direct(payload: bytes) -> Direct:
-    if len(payload) != _DIRECT.size:
-        raise ProtocolError(f"DIRECT payload has {len(payload)} bytes, expected {_DIRECT.size}")
-    direct = Direct(*_DIRECT.unpack(payload))
-    if direct.addr == 0 or direct.nbytes == 0:
-        raise ProtocolError(f"DIRECT offers an empty region: {direct}")
-    return direct
+    if len(payload) < _DIRECT.size:
+        raise ProtocolError(f"DIRECT payload has {len(payload)} bytes, fewer than the fixed {_DIRECT.size}")
+    seq, nbytes, count = _DIRECT.unpack_from(payload)
+    if len(payload) != _DIRECT.size + _REGION.size * count:
+        raise ProtocolError(f"DIRECT payload has {len(payload)} bytes, but {count} regions need "
+                            f"{_DIRECT.size + _REGION.size * count}")
+    regions = tuple(_REGION.unpack_from(payload, _DIRECT.size + _REGION.size * i) for i in range(count))
+    if any(addr == 0 or n == 0 for addr, n in regions):
+        raise ProtocolError("DIRECT offers an empty region")
+    if regions and sum(n for _, n in regions) != nbytes:
+        raise ProtocolError(f"DIRECT regions hold {sum(n for _, n in regions)} bytes for a tensor of {nbytes}")
+    return Direct(seq, nbytes, regions)
 
 
 def _dtype_code(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

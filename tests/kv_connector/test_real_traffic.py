@@ -153,7 +153,8 @@ def test_request_sent_straight_to_the_consumer_is_a_quick_miss(pair, mode, refer
     answer = consumer.complete(tokens, 1)
     elapsed = time.monotonic() - start
     assert answer == reference.complete(tokens, 1)
-    assert elapsed < 0.5, f"a request nobody prefilled took {elapsed:.2f} s"
+    misses = [line for line in consumer.log_text().splitlines() if "holds no KV" in line]
+    assert elapsed < 0.5, f"a request nobody prefilled took {elapsed:.2f} s; the consumer logged: {misses[-1:]}"
     change = settled_stats(consumer, before, 1)
     assert change.get("load_misses") == 1 and not change.get("loaded_bytes")
 

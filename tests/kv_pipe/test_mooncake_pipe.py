@@ -16,6 +16,7 @@ import torch
 
 from kv_pipe import PeerDisconnected, PipeClosed, PipeTimeout, ProtocolError, TransferError, wire
 from kv_pipe.mooncake_pipe import DIRECT_MIN
+from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
@@ -89,6 +90,42 @@ def test_direct_receive_offer_is_ignored_by_a_staged_sender():
     back, _ = echoed(cfg, items, stats)
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
     assert stats["direct_bytes"] == 0 and stats["ring_bytes"] == 29 * MiB, stats
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["direct", "ring"])
+def test_scatter_target_fills_its_regions_in_order(registered):
+    """A tensor received into regions scattered over memory (as KV cache blocks are): written there directly by the
+    sender when the memory is registered with the pipe, else copied out of the ring into them; the result is a meta
+    tensor. A tensor that does not fill whole leading regions comes back as a tensor of its own."""
+    cfg = make_config()
+    sent = torch.randint(0, 255, (24 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    small = torch.arange(8 * 1024, dtype=torch.int32)  # 32 KiB, inline: the first 32 regions' worth of 1 KiB
+    odd = torch.randn(1000)
+    peer = Peer(peers.echo, cfg, 0, 3)
+    arena = torch.zeros(32 * MiB, dtype=torch.uint8)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(4))[:24].tolist()
+    with open_pipe(cfg, 1) as pipe:
+        if registered:
+            pipe.register_receive_region(arena)
+        pipe.send_tensor(sent.view(24, MiB))
+        got = pipe.recv_tensor(out=Scatter.of([(arena.data_ptr() + s * MiB, MiB) for s in slots], [arena]))
+        assert got.device.type == "meta" and got.shape == (24, MiB) and got.dtype == torch.uint8
+        assert all(torch.equal(arena[s * MiB:(s + 1) * MiB], sent[i * MiB:(i + 1) * MiB]) for i, s in enumerate(slots))
+        kib = [(arena.data_ptr() + (2 * i + 1) * 1024, 1024) for i in range(40)]  # every other KiB
+        pipe.send_tensor(small)
+        got = pipe.recv_tensor(out=Scatter.of(kib, [arena]))
+        assert got.device.type == "meta" and got.shape == small.shape
+        assert all(torch.equal(arena[(2 * i + 1) * 1024:(2 * i + 2) * 1024], small.view(torch.uint8)[i * 1024:(i + 1) * 1024])
+                   for i in range(32))
+        pipe.send_tensor(odd)  # 4000 bytes: not a whole number of 1 KiB regions
+        assert same(pipe.recv_tensor(out=Scatter.of(kib, [arena])), odd)
+        pipe.send_tensor(None)
+        stats = dict(pipe.stats)
+    assert peer.result() == 3
+    if registered:
+        assert stats["direct_bytes"] >= 20 * MiB, stats
+    else:
+        assert stats["direct_bytes"] == 0 and stats["ring_bytes"] == 24 * MiB, stats
 
 
 @PATHS
@@ -344,7 +381,8 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
     (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_dchunk(4, 100), r"DCHUNK \[4, "),
     (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_dchunk(0, DIRECT_MIN + 1),
      "DCHUNK"),
-    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_direct(0, 1, 1), "unexpected DIRECT"),
+    (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN) + wire.encode_direct(0, 1, ((1, 1),)),
+     "unexpected DIRECT"),
     (lambda w: wire.encode_chunk(Chunk(0, 8, 8)), "expected a TENSOR or NONE frame"),
     (lambda w: wire.encode(Kind.WELCOME, b"{}"), "unexpected WELCOME frame"),
     (lambda w: wire.HEADER.pack(wire.MAGIC, wire.VERSION, Kind.TENSOR, 0, 0xFFFFFFFF), "exceeds its limit"),

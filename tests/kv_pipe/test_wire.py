@@ -39,7 +39,7 @@ def test_unsupported_dtype_is_a_type_error():
     (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 6, 1, 24), "flags must be 0"),
     (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 6, 0, 1 << 30), "exceeds its limit"),
     (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 1, 0, 1 << 20), "exceeds its limit"),
-    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 10, 0, 25), "exceeds its limit"),
+    (struct.pack("!4sBBHI", b"MKVP", wire.VERSION, 10, 0, wire._DIRECT.size + 16 * wire.MAX_REGIONS + 1), "exceeds its limit"),
     (b"MKVP", "truncated frame header"),
 ])
 def test_bad_headers(raw, message):
@@ -64,11 +64,17 @@ def test_bad_tensor_headers(payload, message):
         wire.decode_tensor(payload, max_nbytes=1 << 30)
 
 
-def test_direct_frames_round_trip_and_refuse_empty_offers():
-    assert wire.decode_direct(wire.encode_direct(3, 0x7F00, 1 << 24)[wire.HEADER.size:]) == wire.Direct(3, 0x7F00, 1 << 24)
+def test_direct_frames_round_trip_and_refuse_bad_offers():
+    regions = ((0x7F00, 1 << 23), (0x9F00, 1 << 23))
+    assert wire.decode_direct(wire.encode_direct(3, 1 << 24, regions)[wire.HEADER.size:]) == wire.Direct(3, 1 << 24, regions)
+    assert wire.decode_direct(wire.encode_direct(4, 1 << 24, ())[wire.HEADER.size:]) == wire.Direct(4, 1 << 24, ())  # declined
     assert wire.decode_dchunk(wire.encode_dchunk(8, 4)[wire.HEADER.size:]) == wire.DirectChunk(8, 4)
     with pytest.raises(ProtocolError, match="empty region"):
-        wire.decode_direct(wire.encode_direct(0, 0, 16)[wire.HEADER.size:])
+        wire.decode_direct(wire.encode_direct(0, 16, ((0, 16),))[wire.HEADER.size:])
+    with pytest.raises(ProtocolError, match="regions hold 16 bytes for a tensor of 32"):
+        wire.decode_direct(wire.encode_direct(0, 32, ((0x10, 16),))[wire.HEADER.size:])
+    with pytest.raises(ProtocolError, match="but 2 regions need"):
+        wire.decode_direct(wire.encode_direct(0, 32, ((0x10, 16), (0x20, 16)))[wire.HEADER.size:-1])
     with pytest.raises(ProtocolError, match="DCHUNK payload has 3 bytes"):
         wire.decode_dchunk(b"abc")
 
