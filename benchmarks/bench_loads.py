@@ -5,12 +5,12 @@ token in bfloat16) with our connector in pull mode. For each number of requests 
 
 1. N fresh prompts of 1024-3072 tokens (uniform) are prefilled on the producer, which keeps their KV;
 2. the N decode requests (``max_tokens`` 1) go to the consumer at once; it claims N loads, which run
-   ``load_concurrency`` at a time (each: request to the producer, transfer, copy into the KV cache blocks);
+   ``load_concurrency`` at a time (each: request to the producer, transfer straight into the KV cache blocks);
 3. "in vLLM": the KV bytes the consumer fetched (its ``vllm:mooncake_kv_fetched_bytes`` counter) over the wall time
    from sending the requests until its ``loaded`` counter reached N (polled every 10 ms).
 
 "bare pipe": the same N tensors (the same byte sizes) sent back to back through a ``MooncakePipe`` from one process
-to another, each received into a reused buffer as the connector does; bytes over the time from the receiver's "go" to
+to another, each received into a reused buffer (one copy per byte, as the connector's write into its blocks); bytes over the time from the receiver's "go" to
 the last tensor received. Both sides with the worker's GIL switch interval (0.1 ms), one sender, the same pipe
 settings (chunk size, writes in flight) as the vLLM pair's mooncake.json. Like-for-like, the sender runs on core 0
 and the receiver on core 1, as the vLLM instances' workers (and every thread they start) are pinned; the same
@@ -261,7 +261,7 @@ def main() -> int:
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, dtype: str) -> str:
     lines = [common.header("Concurrent loads inside vLLM vs the bare pipe (bench_loads.py)", dtype), "",
              "In vLLM: KV bytes the consumer fetched / wall time from sending N decode requests at once until its N "
-             "loads ended (each: request, transfer, copy into the KV cache). Bare pipe: the same N tensors through a "
+             "loads ended (each: request, transfer into the KV cache blocks). Bare pipe: the same N tensors through a "
              "MooncakePipe between two processes, received into a reused buffer. kv32k model, prompts of 1024-3072 "
              "tokens (32-96 MiB of KV each), nothing cached on the consumer.", "",
              "| load_concurrency | in flight | rounds | MiB per round | median load ms (fetch + copy) | in vLLM GB/s "
