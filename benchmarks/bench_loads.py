@@ -9,12 +9,12 @@ token in bfloat16) with our connector in pull mode. For each number of requests 
 3. "in vLLM": the KV bytes the consumer fetched (its ``vllm:mooncake_kv_fetched_bytes`` counter) over the wall time
    from sending the requests until its ``loaded`` counter reached N (polled every 10 ms).
 
-"bare pipe": the same N tensors (the same byte sizes) sent back to back through a ``MooncakePipe`` from one process
-to another, each received into a reused buffer (one copy per byte, as the connector's write into its blocks); bytes over the time from the receiver's "go" to
-the last tensor received. Both sides with the worker's GIL switch interval (0.1 ms), one sender, the same pipe
-settings (chunk size, writes in flight) as the vLLM pair's mooncake.json. Like-for-like, the sender runs on core 0
-and the receiver on core 1, as the vLLM instances' workers (and every thread they start) are pinned; the same
-transfer with both processes free to use both cores is shown too.
+"bare pipe": the same N tensors (the same byte sizes) sent back to back through a ``MooncakePipe`` from one process to
+another, each received into a reused buffer (one copy per byte, as the connector's write into its blocks); bytes over
+the time from the receiver's "go" to the last tensor received. Both sides with the worker's GIL switch interval (0.1
+ms), one sender, the same pipe settings (chunk size, writes in flight) as the vLLM pair's mooncake.json. Like-for-
+like, the sender runs on core 0 and the receiver on core 1, as the vLLM instances' workers (and every thread they
+start) are pinned; the same transfer with both processes free to use both cores is shown too.
 
 Each load_concurrency setting starts with a warm-up round (not counted) in which the consumer's receive buffers grow
 to the largest entry, as they do once in a long-running instance.

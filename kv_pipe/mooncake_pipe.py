@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -376,35 +377,21 @@ class MooncakePipe(KVPipeBase):
         out = result.reshape(-1).view(torch.uint8)
         direct = (header.nbytes >= DIRECT_MIN and self._direct_recv
                   and self._engine.register_region(out.data_ptr(), header.nbytes))
-        pos = 0
+
+        def place(pos: int, data: torch.Tensor) -> None:
+            end = pos + data.numel()
+            copy_bytes(out[pos:end], data)
+            if not direct and end < header.nbytes:
+                # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh
+                # result's page faults would otherwise double the cost of that copy).
+                prefault(out[end:end + data.numel()])
+
         try:
             if direct:
                 inbound.offer_direct(header.nbytes, ((out.data_ptr(), header.nbytes),))
             elif header.nbytes >= DIRECT_MIN and self._offers:
                 inbound.offer_direct(header.nbytes, ())  # the sender need not wait for an offer
-            while pos < header.nbytes:
-                kind, piece = inbound.next_frame(timeout)
-                missing = header.nbytes - pos
-                if kind == Kind.CHUNK:
-                    self._check_chunk(inbound, piece, missing)
-                    copy_bytes(out[pos:pos + piece.length], self._ring[piece.offset:piece.offset + piece.length])
-                    inbound.ack(piece.end)
-                    self.stats["ring_bytes"] += piece.length
-                elif kind == Kind.DCHUNK:
-                    if not direct:
-                        raise ProtocolError("DCHUNK for a tensor that was not offered for direct writes")
-                    if piece.pos != pos or not 0 < piece.length <= missing:
-                        raise ProtocolError(f"DCHUNK [{piece.pos}, +{piece.length}) where bytes [{pos}, "
-                                            f"{header.nbytes}) of the tensor are missing")
-                    self.stats["direct_bytes"] += piece.length
-                    self.stats["direct_writes"] += 1
-                else:
-                    raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
-                pos += piece.length
-                if kind == Kind.CHUNK and not direct and pos < header.nbytes:
-                    # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh
-                    # result's page faults would otherwise double the cost of that copy).
-                    prefault(out[pos:pos + piece.length])
+            self._collect(inbound, header.nbytes, timeout, direct, place)
             return result
         except BaseException:
             if direct:
@@ -425,27 +412,8 @@ class MooncakePipe(KVPipeBase):
                   and within(regions, [r for r, _ in self._regions]))
         if header.nbytes >= DIRECT_MIN and self._offers:
             inbound.offer_direct(header.nbytes, regions if direct else ())
-        pos = 0
         try:
-            while pos < header.nbytes:
-                kind, piece = inbound.next_frame(timeout)
-                missing = header.nbytes - pos
-                if kind == Kind.CHUNK:
-                    self._check_chunk(inbound, piece, missing)
-                    target.copy_in(pos, self._ring[piece.offset:piece.offset + piece.length])
-                    inbound.ack(piece.end)
-                    self.stats["ring_bytes"] += piece.length
-                elif kind == Kind.DCHUNK:
-                    if not direct:
-                        raise ProtocolError("DCHUNK for a tensor that was not offered for direct writes")
-                    if piece.pos != pos or not 0 < piece.length <= missing:
-                        raise ProtocolError(f"DCHUNK [{piece.pos}, +{piece.length}) where bytes [{pos}, "
-                                            f"{header.nbytes}) of the tensor are missing")
-                    self.stats["direct_bytes"] += piece.length
-                    self.stats["direct_writes"] += 1
-                else:
-                    raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
-                pos += piece.length
+            self._collect(inbound, header.nbytes, timeout, direct, target.copy_in)
             return torch.empty(header.shape, dtype=header.dtype, device="meta")
         except BaseException:
             if direct and not self._closed.is_set():
@@ -453,6 +421,31 @@ class MooncakePipe(KVPipeBase):
                 # its own timeout, so do not hand them back before that.
                 self._closed.wait(self.config.timeout + 5.0)
             raise
+
+    def _collect(self, inbound: Inbound, nbytes: int, timeout: float, direct: bool,
+                 place: Callable[[int, torch.Tensor], None]) -> None:
+        """Read a tensor's CHUNK frames (``place`` copies each out of the ring to its position, then it is ACKed) or,
+        if ``direct`` was offered, DCHUNK frames (the sender wrote those bytes in place itself) until ``nbytes``."""
+        pos = 0
+        while pos < nbytes:
+            kind, piece = inbound.next_frame(timeout)
+            missing = nbytes - pos
+            if kind == Kind.CHUNK:
+                self._check_chunk(inbound, piece, missing)
+                place(pos, self._ring[piece.offset:piece.offset + piece.length])
+                inbound.ack(piece.end)
+                self.stats["ring_bytes"] += piece.length
+            elif kind == Kind.DCHUNK:
+                if not direct:
+                    raise ProtocolError("DCHUNK for a tensor that was not offered for direct writes")
+                if piece.pos != pos or not 0 < piece.length <= missing:
+                    raise ProtocolError(f"DCHUNK [{piece.pos}, +{piece.length}) where bytes [{pos}, {nbytes}) of the "
+                                        "tensor are missing")
+                self.stats["direct_bytes"] += piece.length
+                self.stats["direct_writes"] += 1
+            else:
+                raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
+            pos += piece.length
 
     def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int) -> None:
         if not 0 < chunk.length <= missing:
