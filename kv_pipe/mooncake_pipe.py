@@ -41,73 +41,88 @@ import torch
 from kv_pipe import wire
 from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
-from kv_pipe.errors import ConfigError, PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.endpoint import DEFAULT_CHANNEL, HANDSHAKE_TIMEOUT, PipeEndpoint
+from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
-from kv_pipe.scatter import Region, Scatter, split, within
-from kv_pipe.transfer_engine import MooncakeEngine
+from kv_pipe.scatter import Scatter, split, within
 from kv_pipe.wire import Chunk, DirectChunk, Kind, TensorHeader
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 10.0
 DIRECT_MIN = 8 << 20  # tensors at least this large are received zero-copy (TCP): one round trip to set it up
 FIRST_CHUNK = 1 << 20  # while that offer is on its way, only this much is written to the ring
 OFFER_WAIT = 0.02  # then, if the receiver said it makes offers, wait this long for it before filling the ring
-_HELLO = {"kv_rank": int, "local_rank": int, "session": str}
 _WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int, "direct_recv": bool}
 
 
 class MooncakePipe(KVPipeBase):
-    """One end of a full-duplex tensor pipe.
+    """One end of a full-duplex tensor pipe: a link between two ``PipeEndpoint``s.
 
-    kv_rank 0 is the producer end (listens on ``prefill_url`` port + local_rank), kv_rank 1 the consumer end
-    (``decode_url`` port + local_rank); each end sends to the other. ``config=None`` reads MOONCAKE_CONFIG_PATH.
-    Received tensors are placed on ``device``. Thread-safe: concurrent senders (or receivers) are serialized.
+    ``MooncakePipe(local_rank, kv_rank, config)`` (vLLM v0's signature) makes an endpoint of its own on this side's
+    mooncake.json address and links it to the other side's: kv_rank 0 is the producer end (``prefill_url`` port +
+    local_rank), kv_rank 1 the consumer end (``decode_url`` port + local_rank); only that peer is admitted.
+    ``PipeEndpoint.link(peer, channel)`` makes links to any number of peers (XpYd). ``config=None`` reads
+    MOONCAKE_CONFIG_PATH. Received tensors are placed on ``device``. Thread-safe: concurrent senders (or receivers)
+    are serialized.
     """
 
     def __init__(self, local_rank: int = 0, kv_rank: int = 0, config: MooncakeTransferEngineConfig | None = None,
                  device: str | torch.device = "cpu") -> None:
-        self.config = config if config is not None else MooncakeTransferEngineConfig.load_from_env()
-        self.kv_rank, self.local_rank = kv_rank, local_rank
-        self.device = torch.device(device)
-        self.host, self.port = self.config.pipe_address(kv_rank, local_rank)
-        self.peer_host, self.peer_port = self.config.pipe_address(1 - kv_rank, local_rank)
+        config = config if config is not None else MooncakeTransferEngineConfig.load_from_env()
+        host, port = config.pipe_address(kv_rank, local_rank)
+        peer = join_host_port(*config.pipe_address(1 - kv_rank, local_rank))
+        endpoint = PipeEndpoint(config, host, port, kv_rank=kv_rank, local_rank=local_rank, device=device, peers={peer},
+                                start=False)
+        try:
+            self._init_link(endpoint, peer, DEFAULT_CHANNEL, owns_endpoint=True)
+            endpoint.adopt(self)
+            endpoint.start()  # only now: a peer connecting earlier would have made a link of its own
+        except BaseException:
+            endpoint.close()
+            raise
+
+    @classmethod
+    def linked(cls, endpoint: PipeEndpoint, peer: str, channel: str) -> MooncakePipe:
+        """The link of ``endpoint`` to the peer endpoint at ``peer`` on ``channel`` (use ``PipeEndpoint.link``)."""
+        pipe = cls.__new__(cls)
+        pipe._init_link(endpoint, peer, channel, owns_endpoint=False)
+        return pipe
+
+    def _init_link(self, endpoint: PipeEndpoint, peer: str, channel: str, owns_endpoint: bool) -> None:
+        self.endpoint = endpoint
+        self.config = endpoint.config
+        self.kv_rank, self.local_rank = endpoint.kv_rank, endpoint.local_rank
+        self.device = endpoint.device
+        self.host, self.port = endpoint.host, endpoint.port
+        self.peer_host, self.peer_port = parse_host_port(peer, "peer address")
         self.peer = join_host_port(self.peer_host, self.peer_port)
+        self.channel = channel
+        self._owns_endpoint = owns_endpoint
+        self._engine = endpoint.engine
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._state = threading.Condition()  # guards _inbound / _outbound replacement
+        self._state = threading.Condition()  # guards _inbound / _outbound replacement and the ring
         self._inbound: Inbound | None = None
         self._outbound: Outbound | None = None
+        self._ring: torch.Tensor | None = None  # where the peer writes chunks: registered when it first connects
         self._stage: torch.Tensor | None = None
         self._peer_was_up = False  # a refused connection then means "down", not "still starting"
         self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
-        # Zero-copy receive registers each large result: bookkeeping over TCP with P2PHANDSHAKE (~0.1 ms), but two
-        # writes to the metadata service per tensor with etcd/http (measured 1.4 ms), and memory pinning with RDMA.
-        # Results on a GPU are copied out of the ring.
-        self._offers = self.config.zero_copy_recv and self.config.protocol == "tcp" and self.device.type == "cpu"
-        self._direct_recv = self._offers and self.config.metadata.backend == "p2p"  # per-tensor registration
-        self._regions: list[tuple[Region, torch.Tensor]] = []  # registered once for direct writes (scatter targets)
+        self._transfers = 0  # tensors being sent or received right now
+        self.last_used = time.monotonic()
         # received through the ring / written into results directly, and in how many direct writes
         self.stats = {"ring_bytes": 0, "direct_bytes": 0, "direct_writes": 0}
-        try:
-            self._listener = socket.create_server((self.host, self.port), backlog=8)
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {join_host_port(self.host, self.port)} for the pipe's side channel "
-                              f"({e.strerror}); another process holds the port - pick other ports in mooncake.json") from None
-        self._listener.settimeout(0.2)
-        try:
-            self._engine = MooncakeEngine(self.config, self.host, self.port)
-            pin = self.device.type == "cuda"  # CUDA results are copied out of pinned host memory
-            self._ring = self._engine.allocate(self.config.staging_buffer_size, pin=pin)
-        except BaseException:
-            self._listener.close()
-            raise
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kv-pipe-accept-{self.port}", daemon=True)
-        self._acceptor.start()
-        logger.info("MooncakePipe kv_rank=%d local_rank=%d listening on %s, peer %s, engine session %s",
-                    kv_rank, local_rank, join_host_port(self.host, self.port), self.peer, self._engine.session)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def busy(self) -> bool:
+        """A tensor is being sent or received on this link."""
+        return self._transfers > 0
 
     # ------------------------------------------------------------------ sending
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
@@ -122,6 +137,7 @@ class MooncakePipe(KVPipeBase):
         with self._send_lock:
             self._check_open()
             out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
+            self._transfers += 1
             try:
                 if tensor is None:
                     out.send(wire.encode(Kind.NONE))
@@ -130,6 +146,9 @@ class MooncakePipe(KVPipeBase):
             except PipeError as e:
                 out.fail(e)  # a half-sent tensor leaves the stream unusable: the next send reconnects
                 raise
+            finally:
+                self._transfers -= 1
+                self.last_used = time.monotonic()
 
     def _staging(self) -> torch.Tensor:
         """The registered area chunks are copied into before they are written (RDMA, device tensors, or
@@ -243,7 +262,7 @@ class MooncakePipe(KVPipeBase):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PipeTimeout(f"could not reach the peer pipe at {self.peer} within {timeout:.1f} s ({last_error}); "
-                                  f"is the kv_rank {1 - self.kv_rank} side running with the same mooncake.json?")
+                                  f"is the kv_rank {1 - self.kv_rank} side running, listening on that address?")
             try:
                 sock = socket.create_connection((self.peer_host, self.peer_port), timeout=min(remaining, 5.0),
                                                 source_address=(self.host, 0))
@@ -275,7 +294,8 @@ class MooncakePipe(KVPipeBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(handshake_timeout)
         sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": self.kv_rank, "local_rank": self.local_rank,
-                                                   "session": self._engine.session}))
+                                                   "session": self._engine.session, "address": self.endpoint.address,
+                                                   "channel": self.channel}))
         kind, payload = wire.recv_frame(sock)
         if kind == Kind.ERROR:
             sock.close()
@@ -295,21 +315,14 @@ class MooncakePipe(KVPipeBase):
         with self._state:
             self._outbound = out
         self._peer_was_up = True
-        logger.info("pipe %s -> %s connected (peer engine %s, ring %d bytes, chunk %d bytes)",
-                    join_host_port(self.host, self.port), self.peer, out.session, ring_size, chunk_size)
+        logger.info("pipe %s -> %s (%s) connected (peer engine %s, ring %d bytes, chunk %d bytes)",
+                    self.endpoint.address, self.peer, self.channel, out.session, ring_size, chunk_size)
         return out
 
     # ---------------------------------------------------------------- receiving
     def register_receive_region(self, region: torch.Tensor) -> None:
-        """Keep this contiguous host tensor registered with the engine for the pipe's lifetime, so that scatter targets
-        inside it are written directly by the sender (e.g. a KV cache). Peers' writes can land in it only where this
-        pipe offered them (see ``recv_tensor``)."""
-        if region.device.type != "cpu" or not region.is_contiguous():
-            raise ValueError("a receive region must be a contiguous host tensor")
-        nbytes = region.numel() * region.element_size()
-        if not self._engine.register_region(region.data_ptr(), nbytes):
-            raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
-        self._regions.append(((region.data_ptr(), nbytes), region))
+        """See ``PipeEndpoint.register_receive_region`` (the region serves every link of this pipe's endpoint)."""
+        self.endpoint.register_receive_region(region)
 
     def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | Scatter | None = None) -> torch.Tensor | None:
         """See ``KVPipeBase.recv_tensor``. ``out``: an optional contiguous buffer on the pipe's device to receive into
@@ -353,6 +366,7 @@ class MooncakePipe(KVPipeBase):
                     return result
                 if kind != Kind.TENSOR:
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
+                self._transfers += 1
                 if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
                     return self._receive_scatter(inbound, item, timeout, out)
                 return self._receive(inbound, item, timeout, self._result(item, out if isinstance(out, torch.Tensor) else None))
@@ -360,6 +374,10 @@ class MooncakePipe(KVPipeBase):
                 inbound.fail(e)  # a half-received tensor leaves the stream unusable
                 inbound.reported = True
                 raise
+            finally:
+                if kind == Kind.TENSOR:
+                    self._transfers -= 1
+                self.last_used = time.monotonic()
 
     def _result(self, header: TensorHeader, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None and 0 < header.nbytes <= out.numel() * out.element_size():
@@ -375,7 +393,7 @@ class MooncakePipe(KVPipeBase):
         if header.nbytes == 0:
             return result
         out = result.reshape(-1).view(torch.uint8)
-        direct = (header.nbytes >= DIRECT_MIN and self._direct_recv
+        direct = (header.nbytes >= DIRECT_MIN and self.endpoint.direct_recv
                   and self._engine.register_region(out.data_ptr(), header.nbytes))
 
         def place(pos: int, data: torch.Tensor) -> None:
@@ -389,7 +407,7 @@ class MooncakePipe(KVPipeBase):
         try:
             if direct:
                 inbound.offer_direct(header.nbytes, ((out.data_ptr(), header.nbytes),))
-            elif header.nbytes >= DIRECT_MIN and self._offers:
+            elif header.nbytes >= DIRECT_MIN and self.endpoint.offers:
                 inbound.offer_direct(header.nbytes, ())  # the sender need not wait for an offer
             self._collect(inbound, header.nbytes, timeout, direct, place)
             return result
@@ -408,9 +426,9 @@ class MooncakePipe(KVPipeBase):
         direct writes if they lie in registered memory, else copied out of the ring into them."""
         regions = target.prefix(header.nbytes)
         assert regions is not None
-        direct = (header.nbytes >= DIRECT_MIN and self._offers and len(regions) <= wire.MAX_REGIONS
-                  and within(regions, [r for r, _ in self._regions]))
-        if header.nbytes >= DIRECT_MIN and self._offers:
+        direct = (header.nbytes >= DIRECT_MIN and self.endpoint.offers and len(regions) <= wire.MAX_REGIONS
+                  and within(regions, [r for r, _ in self.endpoint.regions]))
+        if header.nbytes >= DIRECT_MIN and self.endpoint.offers:
             inbound.offer_direct(header.nbytes, regions if direct else ())
         try:
             self._collect(inbound, header.nbytes, timeout, direct, target.copy_in)
@@ -426,13 +444,15 @@ class MooncakePipe(KVPipeBase):
                  place: Callable[[int, torch.Tensor], None]) -> None:
         """Read a tensor's CHUNK frames (``place`` copies each out of the ring to its position, then it is ACKed) or,
         if ``direct`` was offered, DCHUNK frames (the sender wrote those bytes in place itself) until ``nbytes``."""
+        ring = self._ring
+        assert ring is not None  # registered before the peer could connect
         pos = 0
         while pos < nbytes:
             kind, piece = inbound.next_frame(timeout)
             missing = nbytes - pos
             if kind == Kind.CHUNK:
-                self._check_chunk(inbound, piece, missing)
-                place(pos, self._ring[piece.offset:piece.offset + piece.length])
+                self._check_chunk(inbound, piece, missing, ring.numel())
+                place(pos, ring[piece.offset:piece.offset + piece.length])
                 inbound.ack(piece.end)
                 self.stats["ring_bytes"] += piece.length
             elif kind == Kind.DCHUNK:
@@ -447,11 +467,11 @@ class MooncakePipe(KVPipeBase):
                 raise ProtocolError(f"expected a CHUNK frame ({missing} bytes of the tensor missing), got {kind.name}")
             pos += piece.length
 
-    def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int) -> None:
+    def _check_chunk(self, inbound: Inbound, chunk: Chunk, missing: int, ring_size: int) -> None:
         if not 0 < chunk.length <= missing:
             raise ProtocolError(f"chunk of {chunk.length} bytes where {missing} bytes of the tensor are missing")
-        if chunk.offset + chunk.length > self._ring.numel():
-            raise ProtocolError(f"chunk [{chunk.offset}, +{chunk.length}) lies outside the {self._ring.numel()}-byte ring")
+        if chunk.offset + chunk.length > ring_size:
+            raise ProtocolError(f"chunk [{chunk.offset}, +{chunk.length}) lies outside the {ring_size}-byte ring")
         if chunk.end < inbound.consumed + chunk.length:
             raise ProtocolError(f"chunk ends at ring position {chunk.end}, before the consumed position {inbound.consumed}")
 
@@ -469,52 +489,27 @@ class MooncakePipe(KVPipeBase):
                 self._state.wait(min(remaining, 0.25))
 
     # ---------------------------------------------------------------- accepting
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed.is_set():
-                    return
-                time.sleep(0.05)
-                continue
-            who = join_host_port(str(addr[0]), addr[1])
-            try:
-                self._handshake_in(sock, who)
-            except (OSError, PipeError) as e:
-                logger.warning("rejected a side-channel connection from %s: %s", who, e)
-                try:
-                    sock.settimeout(1.0)
-                    sock.sendall(wire.encode(Kind.ERROR, str(e).encode()[:4000]))
-                except OSError:
-                    pass
-                sock.close()
-
-    def _handshake_in(self, sock: socket.socket, who: str) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))
-        kind, payload = wire.recv_frame(sock)
-        if kind != Kind.HELLO:
-            raise ProtocolError(f"expected HELLO, got {kind.name}")
-        hello = wire.decode_json(payload, _HELLO)
-        if hello["kv_rank"] != 1 - self.kv_rank or hello["local_rank"] != self.local_rank:
-            raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
-                                f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
+    def attach_inbound(self, sock: socket.socket, who: str, session: str) -> None:
+        """The peer connected to send to us (its HELLO was checked by the endpoint): welcome it, telling it where our
+        ring is (registered on its first connection), and make it this link's inbound connection."""
         with self._state:
+            self._check_open()
             if self._inbound is not None and self._inbound.probe_alive():
-                raise PipeError(f"this pipe end already has a live peer ({self._inbound.peer})")
+                raise PipeError(f"the link to {self.peer} ({self.channel}) already has a live connection from it")
+            if self._ring is None:
+                self._ring = self._engine.allocate(self.config.staging_buffer_size, pin=self.device.type == "cuda")
+            sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
                 "max_chunk": self.config.chunk_size, "inline_max": self.config.inline_max,
-                "direct_recv": self._offers}))
+                "direct_recv": self.endpoint.offers}))
             sock.settimeout(self.config.timeout)
-            inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
-                              inline_max=self.config.inline_max)
-            self._inbound = inbound
+            self._inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
+                                    inline_max=self.config.inline_max)
             self._state.notify_all()
-        logger.info("pipe %s <- %s connected (peer engine %s)", join_host_port(self.host, self.port), who, hello["session"])
+        self.last_used = time.monotonic()
+        logger.info("pipe %s <- %s (%s) connected from %s (peer engine %s)", self.endpoint.address, self.peer,
+                    self.channel, who, session)
 
     # ------------------------------------------------------------------ closing
     def _check_open(self) -> None:
@@ -522,6 +517,7 @@ class MooncakePipe(KVPipeBase):
             raise PipeClosed("the pipe is closed")
 
     def close(self) -> None:
+        """Close this link (and the endpoint, if the pipe made its own). Idempotent."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -530,10 +526,15 @@ class MooncakePipe(KVPipeBase):
             self._state.notify_all()
         for conn in conns:
             conn.close()
-        self._listener.close()
-        self._acceptor.join(timeout=2.0)
-        self._engine.close()
-        logger.info("MooncakePipe kv_rank=%d local_rank=%d closed", self.kv_rank, self.local_rank)
+        self.endpoint.forget(self)
+        if self._owns_endpoint:
+            self.endpoint.close()
+        else:
+            with self._send_lock, self._recv_lock:  # nothing reads or writes them any more
+                for buf in (self._ring, self._stage):
+                    if buf is not None:
+                        self._engine.release(buf)
+        logger.info("pipe %s <-> %s (%s) closed", self.endpoint.address, self.peer, self.channel)
 
     def __enter__(self) -> MooncakePipe:
         return self

@@ -32,6 +32,7 @@ import json
 import math
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -169,8 +170,8 @@ def decode_json(payload: bytes, schema: dict[str, type | tuple[type, ...]]) -> d
     """Parse a handshake object and check that it has exactly the keys of ``schema`` with those types."""
     try:
         obj = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"handshake is not valid UTF-8 JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also a huge integer literal
+        raise ProtocolError(f"handshake is not valid UTF-8 JSON: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"handshake must be a JSON object, got {type(obj).__name__}")
     if set(obj) != set(schema):
@@ -293,16 +294,23 @@ def decode_tensor_inline(payload: bytes | bytearray, max_inline: int) -> TensorH
     return TensorHeader(dtype, tuple(shape), nbytes, memoryview(payload)[start:])
 
 
-def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | None = None) -> bytes:
+def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | None = None,
+               deadline: float | None = None) -> bytes:
     """Read exactly n bytes; EOF before that raises ConnectionError.
 
     On a socket timeout: re-raise ``socket.timeout`` unless ``keep_waiting()`` says to go on waiting (a reader
     thread idling between frames, or inside a frame from a slow peer, must not lose the bytes it already has).
+    ``deadline`` (a ``time.monotonic()`` value): ``TimeoutError`` once it passes, however the bytes trickle in.
     """
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived before the deadline")
+            sock.settimeout(remaining)
         try:
             k = sock.recv_into(view[got:])
         except TimeoutError:
@@ -315,7 +323,8 @@ def recv_exact(sock: socket.socket, n: int, keep_waiting: Callable[[], bool] | N
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, keep_waiting: Callable[[], bool] | None = None) -> tuple[Kind, bytes]:
+def recv_frame(sock: socket.socket, keep_waiting: Callable[[], bool] | None = None,
+               deadline: float | None = None) -> tuple[Kind, bytes]:
     """Read and validate one frame; raises ProtocolError, ConnectionError or TimeoutError (see ``recv_exact``)."""
-    kind, length = decode_header(recv_exact(sock, HEADER.size, keep_waiting))
-    return kind, recv_exact(sock, length, keep_waiting) if length else b""
+    kind, length = decode_header(recv_exact(sock, HEADER.size, keep_waiting, deadline))
+    return kind, recv_exact(sock, length, keep_waiting, deadline) if length else b""

@@ -245,3 +245,73 @@ def send_then_hang(cfg: dict[str, Any], kv_rank: int, nbytes: int, seconds: floa
         pipe.send_tensor(None)
         pipe.send_tensor(torch.ones(nbytes, dtype=torch.uint8))
         time.sleep(seconds)
+
+
+def open_endpoint(cfg: dict[str, Any], kv_rank: int, address: str, **kwargs: Any):
+    """A ``PipeEndpoint`` listening on ``address`` (``host:port``) with the settings of ``cfg``."""
+    from kv_pipe.config import parse_host_port
+    from kv_pipe.endpoint import PipeEndpoint
+
+    host, port = parse_host_port(address, "address")
+    return PipeEndpoint(MooncakeTransferEngineConfig(**cfg), host, port, kv_rank=kv_rank, **kwargs)
+
+
+def endpoint_client(cfg: dict[str, Any], address: str, servers: list[str], tag: float, rounds: int) -> list[float]:
+    """A consumer endpoint at ``address`` linked to every producer endpoint in ``servers``: for each round, sends a
+    tensor of ``tag`` to each and collects each answer (the server adds 1); returns every value received."""
+    import torch
+
+    got: list[float] = []
+    endpoint = open_endpoint(cfg, 1, address)
+    try:
+        for _ in range(rounds):
+            for server in servers:
+                endpoint.link(server).send_tensor(torch.full((1000,), tag))
+            for server in servers:
+                t = endpoint.link(server).recv_tensor()
+                assert t is not None and bool((t == t[0]).all())
+                got.append(float(t[0]))
+        for server in servers:
+            endpoint.link(server).send_tensor(None)
+    finally:
+        endpoint.close()
+    return got
+
+
+def endpoint_server(cfg: dict[str, Any], address: str, clients: int) -> int:
+    """A producer endpoint at ``address``: every link a consumer makes is served (tensor + 1 sent back) until that
+    consumer sends None (a consumer that reconnects is served on, on the same link); returns how many tensors it
+    answered once ``clients`` links got their None."""
+    import threading
+
+    answered = 0
+    done = threading.Semaphore(0)
+    lock = threading.Lock()
+
+    def serve(pipe: Any) -> None:
+        from kv_pipe import PeerDisconnected, PipeClosed
+
+        nonlocal answered
+        while True:
+            try:
+                t = pipe.recv_tensor()
+            except PeerDisconnected:  # e.g. the consumer closed an idle link: it comes back on this link
+                continue
+            except PipeClosed:
+                return
+            if t is None:
+                done.release()
+                return
+            pipe.send_tensor(t + 1)
+            with lock:
+                answered += 1
+
+    endpoint = open_endpoint(cfg, 0, address)
+    endpoint.on_link(lambda pipe: threading.Thread(target=serve, args=(pipe,), daemon=True).start())
+    try:
+        for _ in range(clients):
+            if not done.acquire(timeout=120):
+                raise TimeoutError("not every consumer finished")
+    finally:
+        endpoint.close()
+    return answered

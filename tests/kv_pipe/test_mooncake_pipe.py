@@ -227,7 +227,7 @@ def test_frozen_peer_times_out_both_ways():
 def test_no_peer_gives_a_clear_timeout(cfg):
     with open_pipe(cfg, 1) as pipe:
         start = time.monotonic()
-        with pytest.raises(PipeTimeout, match="could not reach the peer pipe.*same mooncake.json"):
+        with pytest.raises(PipeTimeout, match="could not reach the peer pipe.*listening on that address"):
             pipe.send_tensor(torch.ones(3), timeout=1.0)
         with pytest.raises(PipeTimeout, match="no peer connected"):
             pipe.recv_tensor(timeout=1.0)
@@ -333,8 +333,14 @@ def _raw_connect(pipe) -> socket.socket:
     return socket.create_connection(("127.0.0.1", pipe.port), timeout=5.0)
 
 
+def _hello(pipe, **fields) -> bytes:
+    """A valid HELLO from the pipe's configured peer, with ``fields`` changed."""
+    hello = {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "session": "fake:1", "address": pipe.peer, "channel": "kv"}
+    return wire.encode_json(Kind.HELLO, {**hello, **fields})
+
+
 def _handshake(sock: socket.socket, pipe) -> dict:
-    sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "session": "fake:1"}))
+    sock.sendall(_hello(pipe))
     kind, payload = wire.recv_frame(sock)
     assert kind == Kind.WELCOME
     return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int,
@@ -440,8 +446,8 @@ def test_a_second_live_peer_is_refused(cfg):
         pipe.send_tensor(torch.ones(2))
         assert same(pipe.recv_tensor(), torch.ones(2))
         with _raw_connect(pipe) as sock:
-            sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": 0, "local_rank": 0, "session": "intruder:1"}))
+            sock.sendall(_hello(pipe, session="intruder:1"))
             kind, payload = wire.recv_frame(sock)
-        assert kind == Kind.ERROR and b"already has a live peer" in payload
+        assert kind == Kind.ERROR and b"already has a live connection" in payload
         pipe.send_tensor(None)
     assert peer.result() == 1

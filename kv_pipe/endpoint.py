@@ -1,0 +1,287 @@
+"""PipeEndpoint: one process's (one TP rank's) place in the network - a Transfer Engine, a side-channel listener on the
+instance's own address, and links to any number of peer endpoints.
+
+A link is a ``MooncakePipe`` to one peer endpoint on one *channel* (e.g. ``"kv"`` for the lookup buffer, ``"push"``
+for pushed KV: protocols that must not interleave get a channel each). ``link(peer, channel)`` returns the link,
+making it on first use; a peer that connects first makes it on this side, and ``on_link`` hears of it (a producer
+serves each consumer that shows up). Each direction of a link is its own TCP connection, opened by the sender to the
+receiver's listener; the peer names the endpoint it listens on in its HELLO, so both directions meet in one link.
+
+The handshake (``wire`` HELLO / WELCOME, validated field by field) runs in a thread per connection with a short
+deadline: a connection that sends nothing, or garbage, delays nobody else and is closed with a logged reason. A link
+nobody used for ``link_idle`` seconds is closed, its memory released; either side makes it again when needed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_pipe import wire
+from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.errors import ConfigError, PipeError, ProtocolError
+from kv_pipe.scatter import Region
+from kv_pipe.transfer_engine import MooncakeEngine
+from kv_pipe.wire import Kind
+
+if TYPE_CHECKING:
+    from kv_pipe.mooncake_pipe import MooncakePipe
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+MAX_HANDSHAKES = 64  # connections being handshaken at once; more are closed at once (a flood must not pile up threads)
+BACKLOG = 128
+DEFAULT_CHANNEL = "kv"
+_CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+HELLO = {"kv_rank": int, "local_rank": int, "session": str, "address": str, "channel": str}
+
+
+def check_channel(channel: str) -> str:
+    if not isinstance(channel, str) or not _CHANNEL.match(channel):
+        raise ValueError(f"channel must be 1-32 characters [a-z0-9_-] starting with a letter, got {channel!r}")
+    return channel
+
+
+class PipeEndpoint:
+    """See the module docstring. ``kv_rank`` 0 (producer) or 1 (consumer): links join a producer and a consumer with
+    the same ``local_rank`` (TP rank). ``peers``: the only peer endpoints (``host:port``) admitted, None for any.
+    ``link_idle``: seconds after which an unused link is closed (None: never). ``start=False``: accept nothing until
+    ``start()``."""
+
+    def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int, *, kv_rank: int, local_rank: int = 0,
+                 device: str | torch.device = "cpu", peers: set[str] | None = None,
+                 link_idle: float | None = None, start: bool = True) -> None:
+        if kv_rank not in (0, 1):
+            raise ConfigError(f"kv_rank must be 0 (producer) or 1 (consumer), got {kv_rank!r}")
+        self.config = config
+        self.host, self.port = host, port
+        self.address = join_host_port(host, port)
+        self.kv_rank, self.local_rank = kv_rank, local_rank
+        self.device = torch.device(device)
+        self.peers = None if peers is None else {self._normalize(p) for p in peers}
+        self.link_idle = link_idle
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        self._links: dict[tuple[str, str], MooncakePipe] = {}
+        self._on_link: Callable[[MooncakePipe], None] | None = None
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
+        # into fresh results (registered per tensor), elsewhere only into regions registered once.
+        self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
+        self.direct_recv = self.offers and config.metadata.backend == "p2p"
+        self.regions: list[tuple[Region, torch.Tensor]] = []
+        try:
+            self._listener = socket.create_server((host, port), backlog=BACKLOG)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {self.address} for the pipe's side channel ({e.strerror}); another "
+                              "process holds the port - pick other ports in mooncake.json") from None
+        self._listener.settimeout(0.2)
+        try:
+            self.engine = MooncakeEngine(config, host, port)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._threads = [threading.Thread(target=self._accept_loop, name=f"kv-pipe-accept-{port}", daemon=True)]
+        if link_idle is not None:
+            self._threads.append(threading.Thread(target=self._reap_loop, name=f"kv-pipe-reaper-{port}", daemon=True))
+        if start:
+            self.start()
+        logger.info("pipe endpoint kv_rank=%d local_rank=%d listening on %s, engine session %s", kv_rank, local_rank,
+                    self.address, self.engine.session)
+
+    def start(self) -> None:
+        """Start accepting peers (``start=False`` defers it, e.g. until a link made outside was adopted)."""
+        for t in self._threads:
+            if not t.is_alive() and t.ident is None:
+                t.start()
+
+    # ------------------------------------------------------------------ links
+    def link(self, peer: str, channel: str = DEFAULT_CHANNEL) -> MooncakePipe:
+        """The link to the endpoint listening at ``peer`` (``host:port``) on ``channel``, made if there is none (its
+        connections open on first use)."""
+        peer = self._normalize(peer)
+        check_channel(channel)
+        if self.peers is not None and peer not in self.peers:
+            raise ConfigError(f"{peer} is not a peer of the pipe endpoint {self.address} (admitted: "
+                              f"{', '.join(sorted(self.peers))})")
+        if peer == self.address:
+            raise ConfigError(f"{peer} is this endpoint's own address: a pipe links two endpoints")
+        with self._lock:
+            if self.closed.is_set():
+                raise PipeError("the pipe endpoint is closed")
+            return self._link_locked(peer, channel)[0]
+
+    def _link_locked(self, peer: str, channel: str) -> tuple[MooncakePipe, bool]:
+        """(the link, whether it was made now); under the lock."""
+        from kv_pipe.mooncake_pipe import MooncakePipe  # noqa: PLC0415 - the pipe module builds on this one
+
+        pipe = self._links.get((peer, channel))
+        if pipe is not None and not pipe.closed:
+            return pipe, False
+        pipe = MooncakePipe.linked(self, peer, channel)
+        self._links[(peer, channel)] = pipe
+        return pipe, True
+
+    def adopt(self, pipe: MooncakePipe) -> None:
+        """Take a link made outside ``link`` (a ``MooncakePipe`` built with vLLM v0's signature makes its endpoint)."""
+        with self._lock:
+            self._links[(pipe.peer, pipe.channel)] = pipe
+
+    def on_link(self, callback: Callable[[MooncakePipe], None] | None) -> None:
+        """Call ``callback(pipe)`` for each link a peer makes (its first connection to this endpoint on a channel),
+        in the handshake thread, before the peer's first frame is read."""
+        self._on_link = callback
+
+    def links(self) -> list[MooncakePipe]:
+        with self._lock:
+            return [p for p in self._links.values() if not p.closed]
+
+    def forget(self, pipe: MooncakePipe) -> None:
+        """A link closed: drop it (the next ``link`` makes a new one)."""
+        with self._lock:
+            if self._links.get((pipe.peer, pipe.channel)) is pipe:
+                del self._links[(pipe.peer, pipe.channel)]
+
+    def register_receive_region(self, region: torch.Tensor) -> None:
+        """Keep this contiguous host tensor registered with the engine for the endpoint's lifetime, so that scatter
+        targets inside it are written directly by senders (e.g. a KV cache). A peer's writes land in it only where a
+        link of this endpoint offered them (see ``MooncakePipe.recv_tensor``)."""
+        if region.device.type != "cpu" or not region.is_contiguous():
+            raise ValueError("a receive region must be a contiguous host tensor")
+        nbytes = region.numel() * region.element_size()
+        if not self.engine.register_region(region.data_ptr(), nbytes):
+            raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
+        self.regions.append(((region.data_ptr(), nbytes), region))
+
+    @staticmethod
+    def _normalize(address: str) -> str:
+        return join_host_port(*parse_host_port(address, "peer address"))
+
+    # ---------------------------------------------------------------- accepting
+    def _accept_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.closed.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            who = join_host_port(str(addr[0]), addr[1])
+            if not self._handshakes.acquire(blocking=False):
+                logger.warning("closed a side-channel connection from %s: %d handshakes already under way", who,
+                               MAX_HANDSHAKES)
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._handshake, args=(sock, str(addr[0]), who), daemon=True,
+                                 name=f"kv-pipe-hello-{self.port}").start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep accepting
+                self._handshakes.release()
+                sock.close()
+
+    def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
+        """One incoming connection, start to end of its handshake; any failure closes this connection only."""
+        try:
+            hello = self._read_hello(sock, source)
+            peer = self._normalize(hello["address"])
+            with self._lock:
+                if self.closed.is_set():
+                    raise PipeError("the endpoint is closing")
+                pipe, new = self._link_locked(peer, hello["channel"])
+            if new and self._on_link is not None:
+                self._on_link(pipe)
+            pipe.attach_inbound(sock, who, hello["session"])
+        except Exception as e:  # noqa: BLE001 - whatever a stranger sends, this connection ends and we go on
+            logger.warning("rejected a side-channel connection from %s: %s", who, e)
+            try:
+                sock.settimeout(1.0)
+                sock.sendall(wire.encode(Kind.ERROR, str(e).encode()[:4000]))
+            except OSError:
+                pass
+            sock.close()
+        finally:
+            self._handshakes.release()
+
+    def _read_hello(self, sock: socket.socket, source: str) -> dict[str, object]:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT, self.config.timeout)
+        kind, payload = wire.recv_frame(sock, deadline=deadline)
+        if kind != Kind.HELLO:
+            raise ProtocolError(f"expected HELLO, got {kind.name}")
+        hello = wire.decode_json(payload, HELLO)
+        if hello["kv_rank"] != 1 - self.kv_rank or hello["local_rank"] != self.local_rank:
+            raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
+                                f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
+        try:
+            check_channel(hello["channel"])
+            host, _ = parse_host_port(hello["address"], "address")
+        except (ValueError, ConfigError) as e:
+            raise ProtocolError(f"HELLO: {e}") from None
+        address = self._normalize(hello["address"])
+        if self.peers is not None and address not in self.peers:
+            raise ProtocolError(f"{address} is not a configured peer of this pipe (expected "
+                                f"{' or '.join(sorted(self.peers))})")
+        if not _same_host(host, source):
+            raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
+        return hello
+
+    # ------------------------------------------------------------------ closing
+    def _reap_loop(self) -> None:
+        assert self.link_idle is not None
+        while not self.closed.wait(min(self.link_idle / 4, 5.0)):
+            cutoff = time.monotonic() - self.link_idle
+            for pipe in self.links():
+                if pipe.last_used < cutoff and not pipe.busy:
+                    logger.info("closing the idle link %s -> %s (%s; unused for %.0f s)", self.address, pipe.peer,
+                                pipe.channel, time.monotonic() - pipe.last_used)
+                    pipe.close()
+
+    def close(self) -> None:
+        """Close every link, the listener and the engine. Idempotent."""
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for pipe in links:
+            pipe.close()
+        self._listener.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
+        self.engine.close()
+        logger.info("pipe endpoint %s closed", self.address)
+
+
+    def __enter__(self) -> PipeEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _same_host(claimed: str, source: str) -> bool:
+    """Whether ``source`` (the connection's address) is one of the addresses ``claimed`` (an IP or a hostname)
+    resolves to. A peer always connects from the host it listens on (it binds its source address to it)."""
+    try:
+        return ipaddress.ip_address(claimed) == ipaddress.ip_address(source)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(claimed, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(info[4][0]) == ipaddress.ip_address(source) for info in infos)

@@ -1,0 +1,129 @@
+"""PipeEndpoint: links to any number of peers (XpYd), channels, idle links, and the handshake's checks - with real
+processes, each with its own Transfer Engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from kv_pipe import ConfigError, PipeClosed, wire
+from kv_pipe.wire import Kind
+from tests.kv_pipe import peers
+from tests.kv_pipe.peers import Peer, make_config, open_endpoint
+from tests.servers import free_port
+
+
+def _address() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def cfg():
+    return make_config()
+
+
+def test_producers_and_consumers_in_any_combination(cfg):
+    """2 producer endpoints x 3 consumer endpoints, each consumer linked to both producers, all at once: every
+    answer comes back on the link that asked, nothing lost."""
+    servers = [_address(), _address()]
+    clients = [_address() for _ in range(3)]
+    rounds = 5
+    producers = [Peer(peers.endpoint_server, cfg, s, len(clients)) for s in servers]
+    time.sleep(0.5)
+    consumers = [Peer(peers.endpoint_client, cfg, c, servers, float(10 * (i + 1)), rounds)
+                 for i, c in enumerate(clients)]
+    for i, consumer in enumerate(consumers):
+        assert consumer.result() == [10.0 * (i + 1) + 1] * (rounds * len(servers))
+    assert [p.result() for p in producers] == [rounds * len(clients)] * len(servers)
+
+
+def test_channels_are_separate_fifos(cfg):
+    server = _address()
+    producer = Peer(peers.endpoint_server, cfg, server, 2)  # each channel is a link of its own: two "consumers"
+    with open_endpoint(cfg, 1, _address()) as endpoint:
+        kv, push = endpoint.link(server, "kv"), endpoint.link(server, "push")
+        assert kv is not push and endpoint.link(server, "kv") is kv
+        kv.send_tensor(torch.tensor([1.0]))
+        push.send_tensor(torch.tensor([100.0]))
+        assert float(push.recv_tensor()[0]) == 101.0
+        assert float(kv.recv_tensor()[0]) == 2.0
+        kv.send_tensor(None)
+        push.send_tensor(None)
+    assert producer.result() == 2
+
+
+def test_an_idle_link_is_closed_and_made_again_on_next_use(cfg):
+    server = _address()
+    producer = Peer(peers.endpoint_server, cfg, server, 1)
+    with open_endpoint(cfg, 1, _address(), link_idle=1.0) as endpoint:
+        first = endpoint.link(server)
+        first.send_tensor(torch.tensor([1.0]))
+        assert float(first.recv_tensor()[0]) == 2.0
+        deadline = time.monotonic() + 10
+        while not first.closed and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert first.closed, "the idle link was not closed"
+        with pytest.raises(PipeClosed):
+            first.send_tensor(torch.tensor([0.0]))
+        again = endpoint.link(server)
+        assert again is not first
+        again.send_tensor(torch.tensor([5.0]))
+        assert float(again.recv_tensor()[0]) == 6.0
+        again.send_tensor(None)
+    assert producer.result() == 2  # both on the producer's one link: the consumer came back to it
+
+
+def test_links_only_to_admitted_peers_and_never_to_itself(cfg):
+    allowed = _address()
+    with open_endpoint(cfg, 1, _address(), peers={allowed}) as endpoint:
+        with pytest.raises(ConfigError, match="not a peer"):
+            endpoint.link(_address())
+    with open_endpoint(cfg, 1, allowed) as endpoint, pytest.raises(ConfigError, match="own address"):
+        endpoint.link(allowed)
+
+
+def _hello(endpoint, **fields) -> bytes:
+    hello = {"kv_rank": 0, "local_rank": 0, "session": "x:1", "address": "127.0.0.1:1", "channel": "kv", **fields}
+    return wire.encode_json(Kind.HELLO, hello)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"address": "127.0.0.2:4000"}, b"connects from 127.0.0.1"),
+    ({"address": "no port"}, b"HELLO"),
+    ({"channel": "../etc"}, b"channel must be"),
+    ({"local_rank": 3}, b"local_rank 3"),
+])
+def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
+    with open_endpoint(cfg, 1, _address()) as endpoint:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+            sock.sendall(_hello(endpoint, **fields))
+            kind, payload = wire.recv_frame(sock)
+        assert kind == Kind.ERROR and message in payload, payload
+        assert endpoint.links() == []
+
+
+def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
+    """Handshakes run side by side: ten connections that send nothing do not delay a real peer's."""
+    server = _address()
+    with open_endpoint(cfg, 0, server) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        silent = [socket.create_connection((endpoint.host, endpoint.port)) for _ in range(10)]
+        try:
+            start = time.monotonic()
+            client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
+            link = None
+            while link is None and time.monotonic() - start < 30:
+                link = next(iter(endpoint.links()), None)
+                time.sleep(0.01)
+            assert link is not None
+            assert float(link.recv_tensor(timeout=20)[0]) == 1.0
+            assert time.monotonic() - start < 8.0  # the hello timeout is 10 s: nobody waited for the silent ones
+            link.send_tensor(torch.tensor([2.0]))
+            assert link.recv_tensor(timeout=20) is None
+            assert client.result() == [2.0]
+        finally:
+            for s in silent:
+                s.close()
