@@ -213,7 +213,7 @@ class SimpleBuffer(KVLookupBufferBase):
     counted in ``stats`` (``expired``, ``evicted``) and logged once per entry.
     """
 
-    def __init__(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase, buffer_size_thresh: float,
+    def __init__(self, signal_pipe: KVPipeBase | None, data_pipe: KVPipeBase | None, buffer_size_thresh: float,
                  timeout: float | None = None, role: Literal["producer", "consumer"] | None = None, *,
                  max_age: float | None = None, evict: bool = False) -> None:
         if buffer_size_thresh <= 0:
@@ -222,6 +222,8 @@ class SimpleBuffer(KVLookupBufferBase):
             raise ValueError(f"max_age must be > 0 seconds or None, got {max_age}")
         if role not in (None, "producer", "consumer"):
             raise ValueError(f"role must be 'producer', 'consumer' or None, got {role!r}")
+        if (signal_pipe is None or data_pipe is None) and role != "producer":
+            raise ValueError("only a producer may start without pipes (it serves the links given to serve_link)")
         self.signal_pipe = signal_pipe
         self.data_pipe = data_pipe
         self.buffer_size_threshold = buffer_size_thresh
@@ -236,7 +238,8 @@ class SimpleBuffer(KVLookupBufferBase):
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._consumer_closes = 0  # bumped when the consumer says goodbye: wakes blocked inserts
-        self._thread: threading.Thread | None = None  # producer: serving requests; consumer: receiving answers
+        self._thread: threading.Thread | None = None  # producer: serving the constructor's pipes; consumer: receiving
+        self._links: list[tuple[KVPipeBase, KVPipeBase, threading.Thread]] = []  # producer: every link served
         self._seq = 0  # the consumer's request counter
         self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
         self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "expired": 0, "evicted": 0,
@@ -329,17 +332,36 @@ class SimpleBuffer(KVLookupBufferBase):
         self._cv.notify_all()
 
     def start_serving(self) -> None:
-        """Start answering the consumer's requests (idempotent; insert calls it)."""
+        """Start answering the consumer's requests on the constructor's pipes (idempotent; insert calls it)."""
         self._take_role("producer")
+        if self.signal_pipe is None or self.data_pipe is None:
+            return
         with self._cv:
             if self._thread is None and not self._closed.is_set():
-                self._thread = threading.Thread(target=self._serve, name="kv-buffer-server", daemon=True)
-                self._thread.start()
+                self._thread = self._serve_thread(self.signal_pipe, self.data_pipe)
 
-    def _serve(self) -> None:
+    def serve_link(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase | None = None) -> None:
+        """Producer (an extension for XpYd): also answer the consumer at the other end of these pipes (``data_pipe``
+        defaults to ``signal_pipe``). Every consumer takes from the same entries; each gets its answers on its own
+        link. Serving a link ends when its pipe is closed."""
+        self._take_role("producer")
+        with self._cv:
+            if self._closed.is_set():
+                raise BufferClosed("serve_link on a closed buffer")
+            data = data_pipe if data_pipe is not None else signal_pipe
+            self._links = [link for link in self._links if link[2].is_alive()]
+            self._links.append((signal_pipe, data, self._serve_thread(signal_pipe, data)))
+
+    def _serve_thread(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> threading.Thread:
+        thread = threading.Thread(target=self._serve, args=(signal_pipe, data_pipe), name="kv-buffer-server",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _serve(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> None:
         while not self._closed.is_set():
             try:
-                frame = self.signal_pipe.recv_tensor(timeout=_POLL)
+                frame = signal_pipe.recv_tensor(timeout=_POLL)
             except PipeTimeout:
                 with self._cv:
                     self._expire()
@@ -351,25 +373,35 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._closed.wait(_POLL)  # its next connection is accepted by the pipe meanwhile
                 continue
             except (PipeError, ValueError) as e:
-                self.stats["malformed"] += 1
+                self._count("malformed")
                 logger.error("ignored a malformed or broken request from the consumer: %s", e)
                 continue
+            except Exception:  # a bug must not end the serving: every later request would go unanswered
+                logger.exception("receiving a request failed; serving goes on")
+                self._closed.wait(_POLL)
+                continue
             try:
-                self._handle(frame)
+                self._handle(frame, data_pipe)
             except PipeClosed:
                 return
             except (PipeError, ValueError) as e:
                 logger.warning("could not answer the consumer: %s", e)
+            except Exception:
+                logger.exception("answering a request failed; serving goes on")
 
-    def _handle(self, frame: torch.Tensor | None) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cv:
+            self.stats[name] += n
+
+    def _handle(self, frame: torch.Tensor | None, data_pipe: KVPipeBase) -> None:
         try:
             request = _read_request(frame)
         except _BadRequest as e:
-            self.stats["malformed"] += 1
+            self._count("malformed")
             logger.error("malformed drop_select request (%s): %s", e,
                          "skipped" if e.seq is None else f"answering MISS to request {e.seq}")
             if e.seq is not None:
-                self.data_pipe.send_tensor(_message(MISS, e.seq))
+                data_pipe.send_tensor(_message(MISS, e.seq))
             return
         if request.op == OP_CLOSE:
             logger.info("the consumer closed the buffer")
@@ -377,9 +409,9 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._consumer_closes += 1
                 self._cv.notify_all()
             return
-        self._answer(request)
+        self._answer(request, data_pipe)
 
-    def _answer(self, request: _Request) -> None:
+    def _answer(self, request: _Request, data_pipe: KVPipeBase) -> None:
         query = request.query
         hashes = None if query is None else prefix_hashes(query)  # outside the lock, away from the inserting thread
         with self._cv:
@@ -387,23 +419,23 @@ class SimpleBuffer(KVLookupBufferBase):
             ident = self._index.find(query, hashes)
             entry = None if ident is None else self._index.remove(ident)
         if entry is None:
-            self.stats["misses"] += 1
-            self.data_pipe.send_tensor(_message(MISS, request.seq))
+            self._count("misses")
+            data_pipe.send_tensor(_message(MISS, request.seq))
             return
         tokens, roi, key, value, hidden = entry.tensors
         answer = [tokens, roi, _rows(key, request.rows), value, hidden]
         try:
-            self.data_pipe.send_tensor(_message(HIT, request.seq))
+            data_pipe.send_tensor(_message(HIT, request.seq))
             for t in answer:
-                self.data_pipe.send_tensor(t)
+                data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
                 self._index.add(_masked_tokens(tokens, roi).tolist(), entry)
             raise
-        self.stats["hits"] += 1
-        self.stats["hit_bytes"] += _nbytes(answer)
-        self.stats["hit_key_bytes"] += _nbytes(answer[2:3])
         with self._cv:
+            self.stats["hits"] += 1
+            self.stats["hit_bytes"] += _nbytes(answer)
+            self.stats["hit_key_bytes"] += _nbytes(answer[2:3])
             self._release(entry)
 
     # ---------------------------------------------------------------- consumer
@@ -529,12 +561,22 @@ class SimpleBuffer(KVLookupBufferBase):
             self._cv.notify_all()
             thread = self._thread
         self._fail_pending(BufferClosed("the buffer was closed"))
+        links = list(self._links)
+        if self.role == "producer" and self.data_pipe is not None and self.signal_pipe is not None:
+            links.append((self.signal_pipe, self.data_pipe, thread))
+        for _, _, t in links:
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=5.0)
         try:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5.0)
-            if self.role == "producer":
-                self.data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
-            elif self.role == "consumer":
+            if self.role == "consumer":
+                assert self.signal_pipe is not None
                 self.signal_pipe.send_tensor(_request(OP_CLOSE, -1), timeout=1.0)
         except PipeError as e:
-            logger.info("could not tell the other side that the buffer closed: %s", e)
+            logger.info("could not tell the producer that the buffer closed: %s", e)
+        for _, data_pipe, _ in links:  # producer: tell each consumer
+            try:
+                data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
+            except PipeError as e:
+                logger.info("could not tell a consumer that the buffer closed: %s", e)

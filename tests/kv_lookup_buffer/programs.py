@@ -201,3 +201,53 @@ def insert_then_overwrite(cfg: dict[str, Any], done: Any) -> None:
         buf.insert(torch.tensor([3, 4]), None, b_key, None, None, copy=False)
         done.wait(120)
         buf.close()
+
+
+# ----------------------------------------------------------------------------- XpYd: one producer, many consumers
+def produce_for_links(cfg: dict[str, Any], address: str, entry_set: str, done: Any, ready: Any) -> dict[str, Any]:
+    """A producer buffer without pipes of its own: each consumer that links to the endpoint at ``address`` is served
+    (``serve_link``). Inserts the entries, sets ``ready``, waits for ``done``, reports what is left."""
+    from tests.kv_pipe.peers import open_endpoint
+
+    with open_endpoint(cfg, 0, address) as endpoint:
+        buf = SimpleBuffer(None, None, 1 << 30, role="producer")
+        endpoint.on_link(buf.serve_link)
+        for entry in ENTRY_SETS[entry_set]():
+            buf.insert(*entry)
+        ready.set()
+        done.wait(120)
+        left = {"entries": len(buf), "stats": dict(buf.stats), "links": len(endpoint.links())}
+        buf.close()
+    return left
+
+
+def consume_from(cfg: dict[str, Any], address: str, producers: list[str], entry_set: str,
+                 wanted: list[tuple[int, int]]) -> dict[str, int]:
+    """A consumer endpoint at ``address`` with a buffer per producer link; takes entry ``i`` from producer ``p`` for
+    each (p, i) in ``wanted`` from two threads at once; counts exact hits, misses and wrong answers."""
+    import threading
+
+    from tests.kv_pipe.peers import open_endpoint, same
+
+    entries = ENTRY_SETS[entry_set]()
+    counts = {"hits": 0, "misses": 0, "wrong": 0}
+    lock = threading.Lock()
+    with open_endpoint(cfg, 1, address) as endpoint:
+        bufs = [SimpleBuffer(endpoint.link(p), endpoint.link(p), 1 << 30, role="consumer") for p in producers]
+
+        def take(items: list[tuple[int, int]]) -> None:
+            for p, i in items:
+                got = bufs[p].drop_select(entries[i][0], entries[i][1])
+                kind = ("misses" if got[2] is None else
+                        "hits" if all(same(a, b) for a, b in zip(got, entries[i], strict=True)) else "wrong")
+                with lock:
+                    counts[kind] += 1
+
+        threads = [threading.Thread(target=take, args=(wanted[k::2],)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for buf in bufs:
+            buf.close()
+    return counts

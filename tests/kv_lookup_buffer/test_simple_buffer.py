@@ -314,3 +314,25 @@ def test_a_request_that_times_out_does_not_disturb_later_ones(cfg):
         producer.result()
     assert same(got[2], entries[1][2])
     assert buf.stats["late_hits_dropped"] == 1
+
+
+def test_producers_serve_many_consumers_each_on_its_own_link(cfg):
+    """XpYd at the buffer layer: 2 producer processes, 3 consumer processes each linked to both, two threads each.
+    Every entry is taken once, by the consumer that asked, bit-exact; an entry two consumers ask for goes to one of
+    them (the other misses); nothing is lost or mixed up between links."""
+    servers = [f"127.0.0.1:{peers.free_port()}" for _ in range(2)]
+    done, ready = ctx.Event(), [ctx.Event(), ctx.Event()]
+    producers = [Peer(programs.produce_for_links, cfg, s, "stress", done, r) for s, r in zip(servers, ready, strict=True)]
+    assert all(r.wait(60) for r in ready)
+    # consumer c takes entries c, c+3, ... (< 60) from producer 0 and the same from producer 1; all three also ask
+    # producer 1 for entry 199
+    wanted = [[(p, i) for i in range(c, 60, 3) for p in (0, 1)] + [(1, 199)] for c in range(3)]
+    consumers = [Peer(programs.consume_from, cfg, f"127.0.0.1:{peers.free_port()}", servers, "stress", w)
+                 for w in wanted]
+    counts = [c.result() for c in consumers]
+    done.set()
+    left = [p.result() for p in producers]
+    assert sum(c["wrong"] for c in counts) == 0
+    assert sum(c["hits"] for c in counts) == 120 + 1 and sum(c["misses"] for c in counts) == 2
+    assert [x["stats"]["hits"] for x in left] == [60, 61]
+    assert [x["entries"] for x in left] == [140, 139]
