@@ -10,12 +10,13 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 1. The body is parsed (invalid JSON or not an object -> 400). A request id is taken from ``X-Request-Id`` or
    generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
 2. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
-   false and no ``stream_options`` goes to the prefill instance with the fewest outstanding requests (round robin
-   on ties) and is awaited. The prefill instance computes the KV cache, which its KV connector ships to the
-   decode side. An error status (4xx/5xx) is relayed to the client as is and ends the request.
-3. Decode: the original request goes to a decode instance chosen the same way. If the prefill answer carried
-   ``kv_transfer_params`` (vLLM's built-in connectors), they are added to the decode request. A streaming
-   answer (SSE) is relayed chunk by chunk as it arrives; any other answer is relayed as is (status and body).
+   false, no ``stream_options`` and ``kv_transfer_params: {"do_remote_decode": true}`` (vLLM's disaggregation
+   protocol: keep the KV for a remote decode) goes to the prefill instance with the fewest outstanding requests
+   (round robin on ties) and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the
+   request.
+3. Decode: the original request goes to a decode instance chosen the same way, with the prefill answer's
+   ``kv_transfer_params`` (which say where the KV waits: any producer can serve any consumer) merged into its own.
+   A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer is relayed as is.
 
 An instance that cannot be reached or times out is skipped for ``--cooldown`` seconds (unless every instance of
 its role is cooling down); a request that could not even connect is retried on another instance of the same
@@ -213,24 +214,37 @@ class RelayedError(Exception):
         return Response(self.body, status=self.status, content_type=self.content_type)
 
 
+def client_kv_params(payload: dict[str, Any]) -> dict[str, Any]:
+    params = payload.get("kv_transfer_params")
+    return dict(params) if isinstance(params, dict) else {}
+
+
 def prefill_payload(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The prefill copy: one token, not streamed; everything else unchanged."""
+    """The prefill copy: one token, not streamed, and asking the instance to keep the KV for a remote decode
+    (vLLM's disaggregation protocol); everything else unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
         copy["max_completion_tokens"] = 1
     copy["stream"] = False
     copy.pop("stream_options", None)
+    copy["kv_transfer_params"] = {**client_kv_params(payload), "do_remote_decode": True, "do_remote_prefill": False}
     return copy
 
 
-def kv_transfer_params(body: bytes) -> Any | None:
-    """``kv_transfer_params`` of a prefill answer (vLLM's built-in connectors), None if absent or not JSON."""
+def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The original request plus the prefill answer's kv_transfer_params (where the KV waits)."""
+    return {**payload, "kv_transfer_params": {**client_kv_params(payload), **kv_params}}
+
+
+def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
+    """``kv_transfer_params`` of a prefill answer, None if absent, not an object, or the body is not JSON."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    return data.get("kv_transfer_params") if isinstance(data, dict) else None
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    return params if isinstance(params, dict) else None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -388,7 +402,7 @@ class Proxy:
                 response.close()
             balancer.release(upstream)
 
-    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Any | None:
+    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
         """Run the prefill copy to completion; return the answer's kv_transfer_params (None if absent)."""
         body = json.dumps(prefill_payload(payload, chat=path == CHAT_COMPLETIONS)).encode()
         upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout)
@@ -398,10 +412,10 @@ class Proxy:
             raise RelayedError(response.status, data, response.headers.get("Content-Type"))
         return kv_transfer_params(data)
 
-    async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: Any | None,
+    async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
                              headers: dict[str, str]) -> Response:
         """Send the original request (plus kv_transfer_params) to a decode instance and relay its answer."""
-        body = raw if kv_params is None else json.dumps({**payload, "kv_transfer_params": kv_params}).encode()
+        body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         streaming = payload.get("stream") is True
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer

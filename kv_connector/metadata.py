@@ -29,6 +29,7 @@ class LoadRequest:
     first_block: int
     block_ids: list[int]
     num_tokens: int  # tokens claimed, for the stats
+    producers: list[str] | None = None  # the producer's pipe per TP rank (from the params); None: mooncake.json's
     corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
 
 
@@ -43,6 +44,7 @@ class PushStep:
     end: int
     prompt_len: int
     token_ids: list[int] | None = None
+    push_to: list[str] | None = None  # the consumer's pipe per TP rank (from the params); None: mooncake.json's
 
 
 @dataclass

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_pipe import ConfigError
-from kv_pipe.config import TRANSFER_MODES
+
+TRANSFER_MODES = ("pull", "push")
 
 GiB = 1 << 30
 
@@ -24,8 +25,9 @@ class ConnectorOptions:
     - ``load_concurrency``: consumer: loads in flight at once (the fetch of one overlaps the copy of another).
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
     - ``transfer_mode``: "pull" (the consumer fetches a request's KV once the prefill is done) or "push" (the producer
-      streams each layer's KV to the consumer while the prefill runs); default: mooncake.json's ``transfer_mode``,
-      else "pull". Both instances must use the same mode.
+      streams each layer's KV to the consumer while the prefill runs). Both instances must use the same mode.
+    - ``link_idle``: seconds after which a link to a peer instance that carried nothing is closed (made again on
+      next use).
     - ``push_staging_size``: consumer, push mode: bytes of pushed KV it may hold; when full, the producer serves
       further requests by pull.
     - ``push_ttl``: consumer, push mode: seconds a pushed entry waits for its decode request before it is dropped.
@@ -42,7 +44,8 @@ class ConnectorOptions:
     load_timeout: float = 10.0
     load_concurrency: int = 4
     mooncake_config_path: str | None = None
-    transfer_mode: str | None = None
+    transfer_mode: str = "pull"
+    link_idle: float = 300.0
     push_staging_size: int = GiB
     push_ttl: float = 30.0
     push_wait: float = 5.0
@@ -66,11 +69,11 @@ class ConnectorOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 what = "a positive number of bytes" if name != "load_concurrency" else "a positive integer"
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected {what}, got {value!r}")
-        for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait"):
+        for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait", "link_idle"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0 (and < 1e6), got {value!r}")
-        if opts.transfer_mode is not None and opts.transfer_mode not in TRANSFER_MODES:
+        if opts.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
                               f"{opts.transfer_mode!r}")
         interval = opts.gil_switch_interval

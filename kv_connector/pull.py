@@ -5,7 +5,8 @@ Save (producer, inside the forward pass): gather the prompt's blocks of every la
 insert it keyed by the prompt's tokens. The buffer evicts the oldest unclaimed entries when full and expires those
 nobody takes within ``entry_ttl``, so a save never waits for a consumer.
 
-Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens, asking only for rows [first_block,
+Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens from the producer that prefilled it (its
+params name it; else the one in mooncake.json), asking only for rows [first_block,
 first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire,
 straight into the request's blocks of the KV cache (a ``Scatter`` target: the pipe offers the blocks to the
 producer's writes, or copies each chunk there from its ring). The entry's tokens come back with it: a block is used
@@ -21,10 +22,11 @@ from vllm.logger import init_logger
 
 from kv_connector import block_copy
 from kv_connector.kv_layout import KVCacheLayout
+from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, SaveRequest
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
-from kv_lookup_buffer import BufferClosed, SimpleBuffer
+from kv_lookup_buffer import BufferClosed
 from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
@@ -39,17 +41,23 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class PullTransfer(KVTransfer):
-    def __init__(self, layout: KVCacheLayout, buffer: SimpleBuffer, stats: StatsRecorder, block_size: int,
-                 corrupt_ok: bool = False, concurrency: int = 1) -> None:
-        self.layout, self.buffer, self.stats = layout, buffer, stats
+    """``rank``: this worker's TP rank (a request's params name the producer's pipe per rank); ``default_producer``:
+    where requests without params load from."""
+
+    def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int, rank: int,
+                 default_producer: str, corrupt_ok: bool = False, concurrency: int = 1) -> None:
+        self.layout, self.links, self.stats = layout, links, stats
         self.block_size = block_size
+        self.rank, self.default_producer = rank, default_producer
         self.corrupt_ok = corrupt_ok
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
-        self._buffer_stats = dict(buffer.stats)
+        self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
+        self._buffer_stats = dict(self.buffer.stats) if self.buffer is not None else {}
 
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
+        assert self.buffer is not None, "only a producer saves"
         start = time.perf_counter()
         nbytes = self.layout.kv_bytes(len(save.block_ids))
         scratch = self.scratch.get(nbytes)
@@ -82,9 +90,10 @@ class PullTransfer(KVTransfer):
         # Host cache: receive into the blocks themselves. Else into a pooled buffer, copied into the blocks after.
         buf = None if self.layout.on_host else self.receive.get(self.layout.kv_bytes(n))
         target = self.layout.scatter(req.block_ids) if buf is None else buf
+        buffer = self.links.pull_buffer(self.producer(req))
         # If drop_select raises, writes may still land in buf for a while: it is then not put back for reuse.
-        tokens, _, kv, descriptor, _ = self.buffer.drop_select(query, None, key_rows=rows, key_out=target,
-                                                               timeout=max(deadline - time.monotonic(), 0.001))
+        tokens, _, kv, descriptor, _ = buffer.drop_select(query, None, key_rows=rows, key_out=target,
+                                                          timeout=max(deadline - time.monotonic(), 0.001))
         fetched = time.perf_counter()
         try:
             if kv is None:
@@ -113,6 +122,10 @@ class PullTransfer(KVTransfer):
         return LoadResult(usable, self.layout.kv_bytes(usable), nbytes, "pulled",
                           f"fetch {(fetched - start) * 1e3:.1f} ms, {where}")
 
+    def producer(self, req: LoadRequest) -> str:
+        """The pipe of the producer that holds ``req``'s KV, for this rank."""
+        return req.producers[self.rank] if req.producers else self.default_producer
+
     def _usable_rows(self, req: LoadRequest, query: torch.Tensor, tokens: torch.Tensor, received: int) -> int:
         """How many of the received rows hold this prompt's KV: all of them when the entry's tokens agree with the
         prompt up to the end of the claim, else only the blocks lying wholly inside the common prefix."""
@@ -123,10 +136,12 @@ class PullTransfer(KVTransfer):
 
     # ---------------------------------------------------------------- stats, closing
     def collect_stats(self) -> None:
+        if self.buffer is None:
+            return
         now = dict(self.buffer.stats)
         for ours, theirs in (("expired", "expired"), ("evicted", "evicted"), ("served_bytes", "hit_key_bytes")):
             self.stats.count(ours, now[theirs] - self._buffer_stats[theirs])
         self._buffer_stats = now
 
     def close(self) -> None:
-        self.buffer.close()
+        """The buffers belong to the links (closed with them)."""

@@ -8,6 +8,10 @@ prompt; the load still writes exactly the blocks the consumer lacks.
 
 A load waits for a push only if it has begun (the consumer has its BEGIN): a request nobody pushes is a miss in
 milliseconds, never a ``push_wait``.
+
+XpYd: the producer pushes each request to the consumer its params name (``mooncake_push_to``, chosen by the proxy
+before the prefill), else to the consumer in mooncake.json; the consumer takes it from the push link of the producer
+its decode params name (else the configured one).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from vllm.logger import init_logger
 
 from kv_connector import block_copy
 from kv_connector.kv_layout import KVCacheLayout
+from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
 from kv_connector.stats import StatsRecorder
@@ -32,20 +37,26 @@ logger = init_logger(f"vllm.{__name__}")
 class _PushState:
     key: bytes
     num_blocks: int
+    push: PushBuffer  # the link to the consumer it goes to
     next_block: int = 0  # blocks before this one are queued
 
 
 class PushTransfer(KVTransfer):
-    def __init__(self, layout: KVCacheLayout, push: PushBuffer, pull: PullTransfer, stats: StatsRecorder,
-                 block_size: int, push_wait: float, corrupt_ok: bool = False) -> None:
-        self.layout, self.push, self.pull, self.stats = layout, push, pull, stats
+    """``default_peer``: producer: the consumer a request without params is pushed to; consumer: the producer a
+    request without params was pushed from."""
+
+    def __init__(self, layout: KVCacheLayout, links: PeerLinks, pull: PullTransfer, stats: StatsRecorder,
+                 block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False) -> None:
+        self.layout, self.links, self.pull, self.stats = layout, links, pull, stats
         self.block_size = block_size
+        self.rank, self.default_peer = rank, default_peer
         self.push_wait = push_wait
         self.corrupt_ok = corrupt_ok
         self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
-        self.step_pushes: list[tuple[bytes, int, list[int]]] = []  # producer: (key, first block, block ids) this step
+        self.targets: dict[str, PushBuffer] = {}  # producer: the link each request in flight goes to
+        self.step_pushes: list[tuple[_PushState, int, list[int]]] = []  # producer: (entry, first block, ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
-        self._push_stats = dict(push.stats)
+        self._pushed_bytes = self._expired = 0
 
     # ---------------------------------------------------------------- producer
     def begin_step(self, meta: MooncakeConnectorMetadata) -> None:
@@ -60,17 +71,20 @@ class PushTransfer(KVTransfer):
                 key = entry_key(step.token_ids)
                 nblocks = -(-step.prompt_len // self.block_size)
                 nbytes = self.layout.kv_bytes(nblocks)
-                if self.push.begin(key, nbytes, len(self.layout.layers), nblocks):
-                    self.pushing[step.req_id] = _PushState(key, nblocks)
+                push = self.links.push_buffer(step.push_to[self.rank] if step.push_to else self.default_peer)
+                assert push is not None
+                self.targets[step.req_id] = push
+                if push.begin(key, nbytes, len(self.layout.layers), nblocks):
+                    self.pushing[step.req_id] = _PushState(key, nblocks, push)
                 else:
-                    logger.info("MooncakeConnector: no push room on the consumer for request %s (%.1f MiB): pull",
-                                step.req_id, nbytes / 2**20)
+                    logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
+                                "not answered on this link yet: pull", step.req_id, nbytes / 2**20)
             state = self.pushing.get(step.req_id)
             if state is None:
                 continue
             upto = state.num_blocks if step.end >= step.prompt_len else step.end // self.block_size
             if upto > state.next_block:
-                self.step_pushes.append((state.key, state.next_block, step.block_ids[state.next_block:upto]))
+                self.step_pushes.append((state, state.next_block, step.block_ids[state.next_block:upto]))
                 state.next_block = upto
 
     def save_layer(self, layer: int, meta: MooncakeConnectorMetadata) -> None:
@@ -78,28 +92,32 @@ class PushTransfer(KVTransfer):
         if not meta.pushes:
             return
         self.begin_step(meta)
-        for key, first, ids in self.step_pushes:
+        for state, first, ids in self.step_pushes:
             piece = block_copy.gather([self.layout.layers[layer]], self.layout.block_dim, ids)  # [n, 1, *block]
-            self.push.push(key, layer, first, piece, len(ids))
+            state.push.push(state.key, layer, first, piece, len(ids))
 
     def finish_prompt(self, save: SaveRequest) -> None:
         """Commit the push, or save the prompt for pull (and tell the consumer not to wait for a push)."""
         state = self.pushing.pop(save.req_id, None)
+        target = self.targets.pop(save.req_id, None)
         if state is not None and state.next_block < state.num_blocks:
             logger.warning("MooncakeConnector: request %s completed with %d of %d blocks pushed: serving it by pull",
                            save.req_id, state.next_block, state.num_blocks)
-        elif state is not None and not self.push.failed(state.key):
-            self.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor())
+        elif state is not None and not state.push.failed(state.key):
+            state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor())
             self.stats.count("pushed")
             return
         self.pull.finish_prompt(save)  # before the notice: the consumer's drop_select must find it
-        self.push.notify_pull(state.key if state else entry_key(save.token_ids))
+        if target is not None:  # a consumer that was told a push begins must stop waiting for it
+            target.notify_pull(state.key if state else entry_key(save.token_ids))
 
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
-        entry = self.push.take(entry_key(req.token_ids), min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
-        if entry is None:  # never announced, refused, aborted or sent by pull: ask the producer
+        push = self.links.push_buffer(self.pull.producer(req))
+        entry = None if push is None else push.take(entry_key(req.token_ids),
+                                                    min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
+        if entry is None:  # never linked, announced, refused, aborted or sent by pull: ask the producer
             return self.pull.load(req, deadline)
         waited = time.perf_counter() - start
         written = self._write(req, entry)
@@ -136,11 +154,11 @@ class PushTransfer(KVTransfer):
     # ---------------------------------------------------------------- stats, closing
     def collect_stats(self) -> None:
         self.pull.collect_stats()
-        now = dict(self.push.stats)
-        self.stats.count("pushed_bytes", now["pushed_bytes"] - self._push_stats["pushed_bytes"])
-        self.stats.count("push_expired", now["expired"] - self._push_stats["expired"])
-        self._push_stats = now
+        pushed, expired = self.links.push_totals()
+        self.stats.count("pushed_bytes", pushed - self._pushed_bytes)
+        self.stats.count("push_expired", expired - self._expired)
+        self._pushed_bytes, self._expired = pushed, expired
 
     def close(self) -> None:
-        self.push.close()
+        """The push buffers belong to the links (closed with them)."""
         self.pull.close()

@@ -28,7 +28,7 @@ from kv_connector.scheduler import ConnectorScheduler
 from kv_connector.stats import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.worker import ConnectorWorker
 from kv_pipe import ConfigError, MooncakeTransferEngineConfig
-from kv_pipe.config import CONFIG_ENV
+from kv_pipe.config import CONFIG_ENV, join_host_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,11 +62,14 @@ class SimpleConnector(KVConnectorBase_V1):
         is_producer = transfer.kv_role == "kv_producer"
         options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
         mooncake = _load_mooncake_config(options)  # fail at start-up, not on the first request
-        push_mode = (options.transfer_mode or mooncake.transfer_mode) == "push"
+        push_mode = options.transfer_mode == "push"
         block_size = vllm_config.cache_config.block_size
         self._bad_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode)
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            kv_rank = 0 if is_producer else 1
+            pipes = [join_host_port(*mooncake.pipe_address(kv_rank, rank)) for rank in range(tp_size)]
+            self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "")
             if not is_producer and transfer.kv_load_failure_policy != "recompute":
                 # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
                 logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
@@ -86,8 +89,8 @@ class SimpleConnector(KVConnectorBase_V1):
         return self._scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.forget(request.request_id)
-        return False, None  # a save completes within its step (wait_for_save): blocks can be freed at once
+        # a save completes within its step (wait_for_save): blocks can be freed at once
+        return False, self._scheduler.finished(request)
 
     # ------------------------------------------------------------------ worker side (Worker process)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

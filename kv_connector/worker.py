@@ -1,4 +1,4 @@
-"""The connector's worker side (vLLM's Worker process): owns the KV cache tensors, the pipe, the buffer and the
+"""The connector's worker side (vLLM's Worker process): owns the KV cache tensors, the peer links (``links``) and the
 transfer (pull or push); saves inside the forward pass, loads in pool threads."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from kv_connector.kv_layout import KVCacheLayout, model_fingerprint
+from kv_connector.links import PeerLinks
 from kv_connector.loads import Loads
 from kv_connector.metadata import MooncakeConnectorMetadata
 from kv_connector.options import ConnectorOptions
@@ -20,14 +21,15 @@ from kv_connector.stats import MooncakeConnectorStats, StatsRecorder
 from kv_connector.transfer import KVTransfer
 from kv_lookup_buffer import SimpleBuffer
 from kv_lookup_buffer.push_buffer import PushBuffer
-from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
+from kv_pipe import MooncakeTransferEngineConfig
+from kv_pipe.config import join_host_port
+from kv_pipe.endpoint import PipeEndpoint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
-PUSH_RANK_OFFSET = 50  # the push pipe of TP rank r uses the side-channel port of rank r + 50 (see docs/deployment.md)
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
 
 
@@ -42,7 +44,7 @@ class ConnectorWorker:
         self.layout: KVCacheLayout | None = None
         self.transfer: KVTransfer | None = None
         self.loads: Loads | None = None
-        self.pipes: list[MooncakePipe] = []
+        self.links: PeerLinks | None = None
         self.layout_checked = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -61,30 +63,37 @@ class ConnectorWorker:
         rank = get_tensor_model_parallel_rank()
         opts, producer = self.options, self.is_producer
         role = "producer" if producer else "consumer"
-        pipe = MooncakePipe(local_rank=rank, kv_rank=0 if producer else 1, config=self.mooncake)
-        self.pipes.append(pipe)
+        kv_rank = 0 if producer else 1
+        host, port = self.mooncake.pipe_address(kv_rank, rank)
+        # the peer a request without params goes to: the consumer (push) / producer (pull) named in mooncake.json
+        default_peer = join_host_port(*self.mooncake.pipe_address(1 - kv_rank, rank))
+        endpoint = PipeEndpoint(self.mooncake, host, port, kv_rank=kv_rank, local_rank=rank, link_idle=opts.link_idle,
+                                start=False)
         if not producer and layout.on_host:
             for layer in layout.layers:  # loads are received straight into the blocks they fill
-                pipe.register_receive_region(layer)
-        buffer = SimpleBuffer(pipe, pipe, opts.buffer_size, role=role, max_age=opts.entry_ttl, evict=True)
-        if producer:
-            buffer.start_serving()
-        pull = PullTransfer(layout, buffer, self.stats, self.block_size, opts.allow_test_corruption,
-                            opts.load_concurrency)
-        self.transfer = pull
-        where = f"pipe {pipe.host}:{pipe.port}"
+                endpoint.register_receive_region(layer)
+        buffer = SimpleBuffer(None, None, opts.buffer_size, role="producer", max_age=opts.entry_ttl,
+                              evict=True) if producer else None
+        make_push = None
         if self.push_mode:
-            push_pipe = MooncakePipe(local_rank=rank + PUSH_RANK_OFFSET, kv_rank=0 if producer else 1, config=self.mooncake)
-            self.pipes.append(push_pipe)
-            push = PushBuffer(push_pipe, role, capacity=opts.push_staging_size, ttl=opts.push_ttl)
-            self.transfer = PushTransfer(layout, push, pull, self.stats, self.block_size, opts.push_wait,
-                                         opts.allow_test_corruption)
-            where += f", push mode on {push_pipe.host}:{push_pipe.port}"
+            make_push = lambda pipe, side: PushBuffer(pipe, side, capacity=opts.push_staging_size,  # noqa: E731
+                                                      ttl=opts.push_ttl)
+        self.links = PeerLinks(endpoint, buffer, opts.buffer_size, make_push)
+        endpoint.start()
+        pull = PullTransfer(layout, self.links, self.stats, self.block_size, rank, default_peer,
+                            opts.allow_test_corruption, opts.load_concurrency)
+        self.transfer = pull
+        if self.push_mode:
+            self.transfer = PushTransfer(layout, self.links, pull, self.stats, self.block_size, rank, default_peer,
+                                         opts.push_wait, opts.allow_test_corruption)
+            if producer:  # link to the configured consumer now: its first credit is there before the first request
+                self.links.push_buffer(default_peer)
         if not producer:
             self.loads = Loads(self._load, opts.load_concurrency, opts.load_timeout, self.stats)
         first = layout.layers[0]
-        logger.info("MooncakeConnector %s (TP rank %d): %d layers of %s %s, blocks along dim %d, %s", role, rank,
-                    len(layout.layers), list(first.shape), first.dtype, layout.block_dim, where)
+        logger.info("MooncakeConnector %s (TP rank %d, %s mode): %d layers of %s %s, blocks along dim %d, pipe %s, "
+                    "default peer %s", role, rank, "push" if self.push_mode else "pull", len(layout.layers),
+                    list(first.shape), first.dtype, layout.block_dim, endpoint.address, default_peer)
 
     def _load(self, req, deadline):  # noqa: ANN001, ANN202 - Loads' callback
         assert self.transfer is not None
@@ -133,5 +142,5 @@ class ConnectorWorker:
             self.loads.close()
         if self.transfer is not None:
             self.transfer.close()
-        for pipe in self.pipes:
-            pipe.close()
+        if self.links is not None:
+            self.links.close()

@@ -114,6 +114,7 @@ class PushBuffer:
         self._credit_free = 0
         self._credit_epoch = -1
         self._failed: set[bytes] = set()
+        self._hello_retries = 0
         # BEGIN, PULL, ABORT and HELLO go before queued DATA and COMMIT: a consumer must learn at once that a push
         # has begun (or will not come), not after the pieces of other entries queued before it
         self._control: deque[_Outgoing] = deque()
@@ -199,6 +200,8 @@ class PushBuffer:
                 continue  # the rest of an entry that failed (its PULL notice still goes)
             try:
                 self.pipe.send_tensor(header)
+                if is_hello:
+                    self._hello_retries = 0
                 if int(header[2]) in (DATA, COMMIT):
                     self.pipe.send_tensor(payload)
                     if payload is not None and int(header[2]) == DATA:
@@ -208,9 +211,12 @@ class PushBuffer:
             except PipeClosed:
                 return
             except PipeError as e:
-                if is_hello:
-                    logger.info("push channel: the consumer is not reachable yet (%s); retrying", e)
-                    threading.Timer(1.0, self._enqueue, ((header, None, True, NO_KEY), True)).start()
+                if is_hello:  # retried with a growing pause (a configured consumer may not run, e.g. in XpYd)
+                    self._hello_retries += 1
+                    log = logger.info if self._hello_retries == 1 else logger.debug
+                    log("push channel: the consumer is not reachable (%s); retrying, less and less often", e)
+                    pause = min(30.0, 2.0 ** min(self._hello_retries - 1, 5))
+                    threading.Timer(pause, self._enqueue, ((header, None, True, NO_KEY), True)).start()
                     continue
                 with self._cv:
                     if key not in self._failed:

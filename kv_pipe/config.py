@@ -28,7 +28,6 @@ PROTOCOLS = ("tcp", "rdma")
 METADATA_BACKENDS = ("etcd", "http", "redis")
 DECODE_PORT_OFFSET = 100  # Mooncake's guide: same URL for both roles -> decode listens 100 ports higher
 MiB = 1 << 20
-TRANSFER_MODES = ("pull", "push")  # read by the connector (layer 3); kept here so one mooncake.json names it
 MAX_INLINE = 1 << 20  # the wire protocol's cap on a tensor carried inside its frame
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -168,7 +167,6 @@ class MooncakeTransferEngineConfig:
     zero_copy_recv: bool = True
     max_tensor_size: int = 64 << 30
     timeout: float = 30.0
-    transfer_mode: str = "pull"
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -182,10 +180,6 @@ class MooncakeTransferEngineConfig:
                         self.prefill_url, d_port, DECODE_PORT_OFFSET)
             object.__setattr__(self, "decode_url", join_host_port(d_host, d_port))
         self.metadata  # noqa: B018 - validates metadata_server/metadata_backend
-        if self.transfer_mode not in TRANSFER_MODES:
-            raise ConfigError(f"transfer_mode: {self.transfer_mode!r} is not one of {', '.join(TRANSFER_MODES)} "
-                              "(pull: the consumer fetches the KV after the prefill; push: the producer streams it "
-                              "during the prefill)")
         if not isinstance(self.protocol, str) or self.protocol.lower() not in PROTOCOLS:
             raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)} "
                               "(the engine would silently fall back to TCP); set \"protocol\": \"tcp\" or \"rdma\"")
@@ -231,6 +225,10 @@ class MooncakeTransferEngineConfig:
     def from_dict(cls, data: Any, source: str = "config") -> MooncakeTransferEngineConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        if "transfer_mode" in data:
+            raise ConfigError(f"{source}: transfer_mode is a setting of the connector now: move it to "
+                              "kv_connector_extra_config.transfer_mode in --kv-transfer-config (same values, "
+                              "\"pull\" or \"push\") and remove it from mooncake.json")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

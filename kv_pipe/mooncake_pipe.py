@@ -136,8 +136,12 @@ class MooncakePipe(KVPipeBase):
                 raise ValueError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {wire.MAX_NDIM}")
         with self._send_lock:
             self._check_open()
-            out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
-            self._transfers += 1
+            self._transfers += 1  # connecting counts: a link is never closed as idle while it is being opened
+            try:
+                out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
+            except BaseException:
+                self._transfers -= 1
+                raise
             try:
                 if tensor is None:
                     out.send(wire.encode(Kind.NONE))

@@ -48,6 +48,7 @@ class MooncakeEngine:
         self._engine = engine_cls()
         self._lock = threading.Lock()
         self._registered: dict[int, torch.Tensor] = {}
+        self.protocol = config.protocol
         metadata = config.metadata
         local_name = join_host_port(host, port)
         rc = self._engine.initialize(local_name, metadata.conn, config.protocol, config.device_name)
@@ -65,12 +66,14 @@ class MooncakeEngine:
     def allocate(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """A host byte buffer registered with the engine (pinned when CUDA copies will use it).
 
-        Its pages are mapped now (huge pages where the kernel allows): a staging area is reused for every transfer,
-        and faulting its pages in during the first passes made the copies in and out of it several times slower
-        (measured: ~1.5 GB/s memmoves into fresh staging memory)."""
+        Its pages are mapped now: a staging area is reused for every transfer, and faulting its pages in during the
+        first passes made the copies in and out of it several times slower (measured: ~1.5 GB/s memmoves into fresh
+        staging memory). Huge pages only for RDMA (fewer pages to pin): asking for them makes the kernel compact
+        memory first, which made each new link ~10x slower to set up over TCP."""
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         if not pin:
-            advise_huge_pages(buf)
+            if self.protocol == "rdma":
+                advise_huge_pages(buf)
             prefault(buf)
         rc = self._engine.register_memory(buf.data_ptr(), nbytes)
         if rc != 0:

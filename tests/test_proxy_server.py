@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}  # what the proxy adds to every prefill
 COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
@@ -120,7 +121,7 @@ def test_completion_prefill_then_decode() -> None:
         assert env.journal == [("P0", "start"), ("P0", "end"), ("D0", "start"), ("D0", "end")]
         (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
         assert prefill.path == decode.path == "/v1/completions"
-        assert prefill.body == {**COMPLETION, "max_tokens": 1, "stream": False}
+        assert prefill.body == {**COMPLETION, "max_tokens": 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
         assert decode.body == COMPLETION
         assert_idle(env)
 
@@ -141,7 +142,8 @@ def test_streaming_chunks_pass_through_before_the_upstream_finishes() -> None:
             release.set()
             rest = await read_sse(response)
         assert [json.loads(d)["choices"][0]["text"] for d in rest[:-1]] == [" world", "!"] and rest[-1] == "[DONE]"
-        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False}
+        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False,
+                                                   "kv_transfer_params": REMOTE_DECODE}
         assert env.decode[0].received[0].body == request
         assert_idle(env)
 
@@ -154,7 +156,8 @@ def test_chat_completion() -> None:
         assert status == 200 and body.endswith("data: [DONE]\n\n")
         (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
         assert prefill.path == decode.path == "/v1/chat/completions"
-        assert prefill.body == {**CHAT, "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
+        assert prefill.body == {**CHAT, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+                                "kv_transfer_params": REMOTE_DECODE}
         assert decode.body == {**CHAT, "stream": True}
 
     run(test)
@@ -168,6 +171,22 @@ def test_kv_transfer_params_forwarded_to_decode() -> None:
         status, _, _ = await env.post("/v1/completions", COMPLETION)
         assert status == 200
         assert env.decode[0].received[0].body == {**COMPLETION, "kv_transfer_params": params}
+
+    run(test)
+
+
+def test_the_clients_kv_transfer_params_are_kept_on_both_requests() -> None:
+    """The prefill asks for a remote decode on top of the client's params; the decode gets the client's params with
+    the producer's answer merged in (the producer's win)."""
+    params = {"do_remote_prefill": True, "remote_engine_id": "e1"}
+    client = {"custom": 7, "remote_engine_id": "stale"}
+
+    async def test(env: Environment) -> None:
+        env.prefill[0].kv_params = params
+        status, _, _ = await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client})
+        assert status == 200
+        assert env.prefill[0].received[0].body["kv_transfer_params"] == {**client, **REMOTE_DECODE}
+        assert env.decode[0].received[0].body["kv_transfer_params"] == {**client, **params}
 
     run(test)
 

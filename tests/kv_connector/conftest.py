@@ -47,16 +47,17 @@ def tiny_model() -> Path:
 
 
 def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
-               confine: bool = False, **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
-    """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model``, paired through one
-    mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core (see
-    ``VllmServer``)."""
+               confine: bool = False, mode: str = "pull", **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+    """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model`` in transfer ``mode``,
+    paired through one mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core
+    (see ``VllmServer``)."""
     config = mooncake_json(work / "mooncake.json", **mooncake_extra)
     producer = VllmServer(f"{name}-producer", model, free_port(), 0, work,
-                          connector_config("kv_producer", **(producer_extra or {})), config, SERVE_ARGS, confine=confine)
-    consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", allow_test_corruption=True, **(consumer_extra or {})), config,
+                          connector_config("kv_producer", transfer_mode=mode, **(producer_extra or {})), config,
                           SERVE_ARGS, confine=confine)
+    consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
+                          connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
+                                           **(consumer_extra or {})), config, SERVE_ARGS, confine=confine)
     start_vllm(producer, consumer)
     return producer, consumer
 
@@ -82,8 +83,8 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="session")
 def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Like ``pd_pair``, in push mode (selected in mooncake.json), with chunked prefill (batch budget 512 tokens)."""
-    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", transfer_mode="push")
+    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens)."""
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push")
     yield producer, consumer
     producer.stop()
     consumer.stop()

@@ -152,11 +152,15 @@ def test_installed_engine_has_no_redis_plugin():
     ("chunk_size", 1.5, "expected a positive int"),
     ("max_chunks_in_flight", True, "expected a positive int"),
     ("zero_copy_send", "yes", "expected true or false"),
-    ("transfer_mode", "both", "is not one of pull, push"),
 ])
 def test_bad_numbers(field, value, message):
     with pytest.raises(ConfigError, match=f"{field}.*{message}"):
         MooncakeTransferEngineConfig(**{field: value})
+
+
+def test_transfer_mode_in_mooncake_json_says_where_it_moved():
+    with pytest.raises(ConfigError, match="transfer_mode is a setting of the connector now.*kv_connector_extra_config"):
+        MooncakeTransferEngineConfig.from_dict({"transfer_mode": "push"})
 
 
 def test_chunk_must_fit_twice_in_staging():

@@ -1,0 +1,126 @@
+"""The worker's peer links, in one place: one ``PipeEndpoint`` per worker (TP rank) on this instance's own address,
+and the buffers that talk over its links.
+
+- ``kv`` channel (pull): a producer serves every consumer that links to it from one ``SimpleBuffer``; a consumer
+  holds a consumer-side ``SimpleBuffer`` per producer it loads from, made on first use and made again once the link
+  was closed (idle for ``link_idle`` seconds, or its producer gone).
+- ``push`` channel: a producer holds a ``PushBuffer`` per consumer it pushes to (made on first use); a consumer gets
+  one per producer that pushes to it (made when that producer links).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from kv_lookup_buffer import SimpleBuffer
+from kv_lookup_buffer.push_buffer import PushBuffer
+from kv_pipe import MooncakePipe
+from kv_pipe.endpoint import PipeEndpoint
+
+logger = init_logger(f"vllm.{__name__}")
+
+KV, PUSH = "kv", "push"
+
+
+@dataclass
+class _Linked:
+    pipe: MooncakePipe
+    buffer: SimpleBuffer | PushBuffer
+
+
+class PeerLinks:
+    """See the module docstring. ``producer_buffer``: the producer's one buffer (None on a consumer);
+    ``make_push``: builds a PushBuffer for a link in a role (None: no push mode)."""
+
+    def __init__(self, endpoint: PipeEndpoint, producer_buffer: SimpleBuffer | None, buffer_size: int,
+                 make_push: Callable[[MooncakePipe, str], PushBuffer] | None = None) -> None:
+        self.endpoint = endpoint
+        self.producer_buffer = producer_buffer
+        self.buffer_size = buffer_size
+        self.make_push = make_push
+        self._lock = threading.Lock()
+        self._pull: dict[str, _Linked] = {}  # consumer: producer address -> its buffer
+        self._push: dict[str, _Linked] = {}  # peer address -> PushBuffer (producer: consumers; consumer: producers)
+        self._retired = [0, 0]  # pushed bytes and expired entries of push buffers replaced since
+        endpoint.on_link(self._on_link)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.producer_buffer is not None
+
+    def _on_link(self, pipe: MooncakePipe) -> None:
+        """A peer made a link to us (in the endpoint's handshake thread)."""
+        if pipe.channel == KV and self.producer_buffer is not None:
+            self.producer_buffer.serve_link(pipe)
+        elif pipe.channel == PUSH and not self.is_producer and self.make_push is not None:
+            with self._lock:
+                old = self._push.get(pipe.peer)
+                if old is not None:
+                    self._retire(old)
+                self._push[pipe.peer] = _Linked(pipe, self.make_push(pipe, "consumer"))
+            if old is not None:
+                old.buffer.close()
+        # any other link (e.g. a producer's answers arriving on a consumer's kv link) is used by whoever made it
+
+    def pull_buffer(self, producer: str) -> SimpleBuffer:
+        """Consumer: the buffer that loads from the producer endpoint at ``producer``."""
+        with self._lock:
+            linked = self._pull.get(producer)
+            if linked is not None and not linked.pipe.closed:
+                return linked.buffer  # type: ignore[return-value]
+            pipe = self.endpoint.link(producer, KV)
+            buffer = SimpleBuffer(pipe, pipe, self.buffer_size, role="consumer")
+            self._pull[producer] = _Linked(pipe, buffer)
+        if linked is not None:
+            linked.buffer.close()
+        return buffer
+
+    def push_buffer(self, peer: str) -> PushBuffer | None:
+        """Producer: the PushBuffer that pushes to the consumer at ``peer`` (made now if needed). Consumer: the one
+        the producer at ``peer`` pushes into, if it linked."""
+        if self.make_push is None:
+            return None
+        with self._lock:
+            linked = self._push.get(peer)
+            if linked is not None and not linked.pipe.closed:
+                return linked.buffer  # type: ignore[return-value]
+            if not self.is_producer:
+                return None
+            if linked is not None:
+                self._retire(linked)
+            pipe = self.endpoint.link(peer, PUSH)
+            buffer = self.make_push(pipe, "producer")
+            self._push[peer] = _Linked(pipe, buffer)
+        if linked is not None:
+            linked.buffer.close()
+        return buffer
+
+    def push_totals(self) -> tuple[int, int]:
+        """Bytes pushed and staged entries expired, over every push buffer so far (the replaced ones too)."""
+        with self._lock:
+            buffers = [i.buffer for i in self._push.values()]
+            pushed, expired = self._retired
+        for b in buffers:
+            pushed += b.stats["pushed_bytes"]
+            expired += b.stats["expired"]
+        return pushed, expired
+
+    def _retire(self, linked: _Linked) -> None:
+        """A push buffer is replaced (under the lock): keep its counts."""
+        self._retired[0] += linked.buffer.stats["pushed_bytes"]
+        self._retired[1] += linked.buffer.stats["expired"]
+
+    def close(self) -> None:
+        with self._lock:
+            items = list(self._pull.values()) + list(self._push.values())
+            self._pull.clear()
+            self._push.clear()
+        for item in items:
+            item.buffer.close()
+        if self.producer_buffer is not None:
+            self.producer_buffer.close()
+        self.endpoint.close()
