@@ -209,9 +209,10 @@ def produce_for_links(cfg: dict[str, Any], address: str, entry_set: str, done: A
     (``serve_link``). Inserts the entries, sets ``ready``, waits for ``done``, reports what is left."""
     from tests.kv_pipe.peers import open_endpoint
 
-    with open_endpoint(cfg, 0, address) as endpoint:
+    with open_endpoint(cfg, 0, address, start=False) as endpoint:
         buf = SimpleBuffer(None, None, 1 << 30, role="producer")
         endpoint.on_link(buf.serve_link)
+        endpoint.start()
         for entry in ENTRY_SETS[entry_set]():
             buf.insert(*entry)
         ready.set()

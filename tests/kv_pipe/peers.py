@@ -306,8 +306,9 @@ def endpoint_server(cfg: dict[str, Any], address: str, clients: int) -> int:
             with lock:
                 answered += 1
 
-    endpoint = open_endpoint(cfg, 0, address)
+    endpoint = open_endpoint(cfg, 0, address, start=False)
     endpoint.on_link(lambda pipe: threading.Thread(target=serve, args=(pipe,), daemon=True).start())
+    endpoint.start()  # only now: a consumer linking earlier would not be served
     try:
         for _ in range(clients):
             if not done.acquire(timeout=120):

@@ -108,8 +108,9 @@ def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
 def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
     """Handshakes run side by side: ten connections that send nothing do not delay a real peer's."""
     server = _address()
-    with open_endpoint(cfg, 0, server) as endpoint:
+    with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
+        endpoint.start()
         silent = [socket.create_connection((endpoint.host, endpoint.port)) for _ in range(10)]
         try:
             start = time.monotonic()
