@@ -58,10 +58,7 @@ class PeerLinks:
             self.producer_buffer.serve_link(pipe)
         elif pipe.channel == PUSH and not self.is_producer and self.make_push is not None:
             with self._lock:
-                old = self._push.get(pipe.peer)
-                if old is not None:
-                    self._retire(old)
-                self._push[pipe.peer] = _Linked(pipe, self.make_push(pipe, "consumer"))
+                _, old = self._new_push(pipe, "consumer")
             if old is not None:
                 old.buffer.close()
         # any other link (e.g. a producer's answers arriving on a consumer's kv link) is used by whoever made it
@@ -90,13 +87,9 @@ class PeerLinks:
                 return linked.buffer  # type: ignore[return-value]
             if not self.is_producer:
                 return None
-            if linked is not None:
-                self._retire(linked)
-            pipe = self.endpoint.link(peer, PUSH)
-            buffer = self.make_push(pipe, "producer")
-            self._push[peer] = _Linked(pipe, buffer)
-        if linked is not None:
-            linked.buffer.close()
+            buffer, old = self._new_push(self.endpoint.link(peer, PUSH), "producer")
+        if old is not None:
+            old.buffer.close()
         return buffer
 
     def push_totals(self) -> tuple[int, int]:
@@ -109,10 +102,17 @@ class PeerLinks:
             expired += b.stats["expired"]
         return pushed, expired
 
-    def _retire(self, linked: _Linked) -> None:
-        """A push buffer is replaced (under the lock): keep its counts."""
-        self._retired[0] += linked.buffer.stats["pushed_bytes"]
-        self._retired[1] += linked.buffer.stats["expired"]
+    def _new_push(self, pipe: MooncakePipe, role: str) -> tuple[PushBuffer, _Linked | None]:
+        """A PushBuffer for ``pipe`` in place of the peer's old one (under the lock), whose counts are kept; the
+        caller closes the old one (returned) outside the lock."""
+        assert self.make_push is not None
+        old = self._push.get(pipe.peer)
+        if old is not None:
+            self._retired[0] += old.buffer.stats["pushed_bytes"]
+            self._retired[1] += old.buffer.stats["expired"]
+        buffer = self.make_push(pipe, role)
+        self._push[pipe.peer] = _Linked(pipe, buffer)
+        return buffer, old
 
     def close(self) -> None:
         with self._lock:

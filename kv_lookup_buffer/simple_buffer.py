@@ -560,21 +560,22 @@ class SimpleBuffer(KVLookupBufferBase):
         with self._cv:
             self._cv.notify_all()
             thread = self._thread
+            links = list(self._links)  # serve_link adds no more once closed
         self._fail_pending(BufferClosed("the buffer was closed"))
-        links = list(self._links)
-        if self.role == "producer" and self.data_pipe is not None and self.signal_pipe is not None:
-            links.append((self.signal_pipe, self.data_pipe, thread))
-        for _, _, t in links:
+        for t in (thread, *(t for _, _, t in links)):
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=5.0)
-        try:
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=5.0)
-            if self.role == "consumer":
-                assert self.signal_pipe is not None
+        if self.role == "consumer":
+            assert self.signal_pipe is not None
+            try:
                 self.signal_pipe.send_tensor(_request(OP_CLOSE, -1), timeout=1.0)
-        except PipeError as e:
-            logger.info("could not tell the producer that the buffer closed: %s", e)
+            except PipeError as e:
+                logger.info("could not tell the producer that the buffer closed: %s", e)
+            return
+        if self.role != "producer":
+            return  # never used: nobody to tell
+        if self.signal_pipe is not None and self.data_pipe is not None:
+            links.append((self.signal_pipe, self.data_pipe, thread))
         for _, data_pipe, _ in links:  # producer: tell each consumer
             try:
                 data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -138,7 +138,8 @@ class PipeEndpoint:
 
     def on_link(self, callback: Callable[[MooncakePipe], None] | None) -> None:
         """Call ``callback(pipe)`` for each link a peer makes (its first connection to this endpoint on a channel),
-        in the handshake thread, before the peer's first frame is read."""
+        in the handshake thread, before the peer's first frame is read. Set it before peers can connect (make the
+        endpoint with ``start=False``, then ``start()``): a link made before is not reported."""
         self._on_link = callback
 
     def links(self) -> list[MooncakePipe]:
@@ -194,8 +195,7 @@ class PipeEndpoint:
     def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
         """One incoming connection, start to end of its handshake; any failure closes this connection only."""
         try:
-            hello = self._read_hello(sock, source)
-            peer = self._normalize(hello["address"])
+            hello, peer = self._read_hello(sock, source)
             with self._lock:
                 if self.closed.is_set():
                     raise PipeError("the endpoint is closing")
@@ -214,7 +214,8 @@ class PipeEndpoint:
         finally:
             self._handshakes.release()
 
-    def _read_hello(self, sock: socket.socket, source: str) -> dict[str, object]:
+    def _read_hello(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str]:
+        """The peer's checked HELLO and the endpoint address it names (normalized)."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT, self.config.timeout)
         kind, payload = wire.recv_frame(sock, deadline=deadline)
@@ -226,16 +227,16 @@ class PipeEndpoint:
                                 f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
         try:
             check_channel(hello["channel"])
-            host, _ = parse_host_port(hello["address"], "address")
+            host, port = parse_host_port(hello["address"], "address")
         except (ValueError, ConfigError) as e:
             raise ProtocolError(f"HELLO: {e}") from None
-        address = self._normalize(hello["address"])
+        address = join_host_port(host, port)
         if self.peers is not None and address not in self.peers:
             raise ProtocolError(f"{address} is not a configured peer of this pipe (expected "
                                 f"{' or '.join(sorted(self.peers))})")
         if not _same_host(host, source):
             raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
-        return hello
+        return hello, address
 
     # ------------------------------------------------------------------ closing
     def _reap_loop(self) -> None:
@@ -264,7 +265,6 @@ class PipeEndpoint:
                 t.join(timeout=2.0)
         self.engine.close()
         logger.info("pipe endpoint %s closed", self.address)
-
 
     def __enter__(self) -> PipeEndpoint:
         return self

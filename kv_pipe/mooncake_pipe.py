@@ -110,7 +110,7 @@ class MooncakePipe(KVPipeBase):
         self._stage: torch.Tensor | None = None
         self._peer_was_up = False  # a refused connection then means "down", not "still starting"
         self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
-        self._transfers = 0  # tensors being sent or received right now
+        self._receiving = False  # a tensor's bytes are being received (set under the receive lock)
         self.last_used = time.monotonic()
         # received through the ring / written into results directly, and in how many direct writes
         self.stats = {"ring_bytes": 0, "direct_bytes": 0, "direct_writes": 0}
@@ -121,8 +121,8 @@ class MooncakePipe(KVPipeBase):
 
     @property
     def busy(self) -> bool:
-        """A tensor is being sent or received on this link."""
-        return self._transfers > 0
+        """A tensor is being sent (or the link opened for it) or received on this link."""
+        return self._send_lock.locked() or self._receiving
 
     # ------------------------------------------------------------------ sending
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
@@ -136,12 +136,7 @@ class MooncakePipe(KVPipeBase):
                 raise ValueError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {wire.MAX_NDIM}")
         with self._send_lock:
             self._check_open()
-            self._transfers += 1  # connecting counts: a link is never closed as idle while it is being opened
-            try:
-                out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
-            except BaseException:
-                self._transfers -= 1
-                raise
+            out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
             try:
                 if tensor is None:
                     out.send(wire.encode(Kind.NONE))
@@ -151,7 +146,6 @@ class MooncakePipe(KVPipeBase):
                 out.fail(e)  # a half-sent tensor leaves the stream unusable: the next send reconnects
                 raise
             finally:
-                self._transfers -= 1
                 self.last_used = time.monotonic()
 
     def _staging(self) -> torch.Tensor:
@@ -370,7 +364,7 @@ class MooncakePipe(KVPipeBase):
                     return result
                 if kind != Kind.TENSOR:
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
-                self._transfers += 1
+                self._receiving = True
                 if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
                     return self._receive_scatter(inbound, item, timeout, out)
                 return self._receive(inbound, item, timeout, self._result(item, out if isinstance(out, torch.Tensor) else None))
@@ -379,8 +373,7 @@ class MooncakePipe(KVPipeBase):
                 inbound.reported = True
                 raise
             finally:
-                if kind == Kind.TENSOR:
-                    self._transfers -= 1
+                self._receiving = False
                 self.last_used = time.monotonic()
 
     def _result(self, header: TensorHeader, out: torch.Tensor | None) -> torch.Tensor:
