@@ -87,6 +87,9 @@ class PipeEndpoint:
         self._listener.settimeout(0.2)
         try:
             self.engine = MooncakeEngine(config, host, port)
+            # The ring of the next link a peer opens, made in advance: fresh registered memory takes tens of ms to
+            # fault in (far more on a busy core), which a link's first request would otherwise wait for.
+            self._spare: torch.Tensor | None = self._allocate_ring()
         except BaseException:
             self._listener.close()
             raise
@@ -162,6 +165,34 @@ class PipeEndpoint:
         if not self.engine.register_region(region.data_ptr(), nbytes):
             raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
         self.regions.append(((region.data_ptr(), nbytes), region))
+
+    def take_ring(self) -> torch.Tensor:
+        """A registered, prefaulted staging ring for the inbound direction of a link: the spare one, made again in
+        the background for the next link (an endpoint open to any peer; one with a fixed peer links once)."""
+        with self._lock:
+            ring, self._spare = self._spare, None
+        if ring is None:
+            ring = self._allocate_ring()
+        if self.peers is None:
+            threading.Thread(target=self._refill_spare, name=f"kv-pipe-ring-{self.port}", daemon=True).start()
+        return ring
+
+    def _allocate_ring(self) -> torch.Tensor:
+        return self.engine.allocate(self.config.staging_buffer_size, pin=self.device.type == "cuda")
+
+    def _refill_spare(self) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            ring: torch.Tensor | None = self._allocate_ring()
+        except Exception as e:  # noqa: BLE001 - e.g. the endpoint closed meanwhile: the next link allocates its own
+            logger.debug("no spare ring made: %s", e)
+            return
+        with self._lock:
+            if self._spare is None and not self.closed.is_set():
+                self._spare, ring = ring, None
+        if ring is not None:
+            self.engine.release(ring)
 
     @staticmethod
     def _normalize(address: str) -> str:

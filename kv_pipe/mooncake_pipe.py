@@ -106,7 +106,7 @@ class MooncakePipe(KVPipeBase):
         self._state = threading.Condition()  # guards _inbound / _outbound replacement and the ring
         self._inbound: Inbound | None = None
         self._outbound: Outbound | None = None
-        self._ring: torch.Tensor | None = None  # where the peer writes chunks: registered when it first connects
+        self._ring: torch.Tensor | None = None  # where the peer writes chunks: taken when it first connects
         self._stage: torch.Tensor | None = None
         self._peer_was_up = False  # a refused connection then means "down", not "still starting"
         self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
@@ -494,7 +494,7 @@ class MooncakePipe(KVPipeBase):
             if self._inbound is not None and self._inbound.probe_alive():
                 raise PipeError(f"the link to {self.peer} ({self.channel}) already has a live connection from it")
             if self._ring is None:
-                self._ring = self._engine.allocate(self.config.staging_buffer_size, pin=self.device.type == "cuda")
+                self._ring = self.endpoint.take_ring()
             sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),
