@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from vllm.logger import init_logger
 
 from kv_lookup_buffer import SimpleBuffer
@@ -75,6 +76,17 @@ class PeerLinks:
         if linked is not None:
             linked.buffer.close()
         return buffer
+
+    def warm_up(self, producer: str, timeout: float) -> None:
+        """Consumer: open the link to ``producer`` now, in the background, both directions (a request no entry can
+        match: token ids are never negative), so that the first load does not wait for it to be set up."""
+        def run() -> None:
+            try:
+                self.pull_buffer(producer).drop_select(torch.tensor([-1]), None, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - e.g. no producer there (XpYd): the first load links on its own
+                logger.debug("MooncakeConnector: no link to %s made in advance: %s", producer, e)
+
+        threading.Thread(target=run, name="mooncake-kv-warm-up", daemon=True).start()
 
     def push_buffer(self, peer: str) -> PushBuffer | None:
         """Producer: the PushBuffer that pushes to the consumer at ``peer`` (made now if needed). Consumer: the one

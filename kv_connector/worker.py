@@ -90,6 +90,7 @@ class ConnectorWorker:
                 self.links.push_buffer(default_peer)
         if not producer:
             self.loads = Loads(self._load, opts.load_concurrency, opts.load_timeout, self.stats)
+            self.links.warm_up(default_peer, opts.load_timeout)  # the producer named in mooncake.json
         first = layout.layers[0]
         logger.info("MooncakeConnector %s (TP rank %d, %s mode): %d layers of %s %s, blocks along dim %d, pipe %s, "
                     "default peer %s", role, rank, "push" if self.push_mode else "pull", len(layout.layers),
