@@ -9,14 +9,24 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 
 1. The body is parsed (invalid JSON or not an object -> 400). A request id is taken from ``X-Request-Id`` or
    generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
-2. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
-   false, no ``stream_options`` and ``kv_transfer_params: {"do_remote_decode": true}`` (vLLM's disaggregation
-   protocol: keep the KV for a remote decode) goes to the prefill instance with the fewest outstanding requests
-   (round robin on ties) and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the
-   request.
-3. Decode: the original request goes to a decode instance chosen the same way, with the prefill answer's
-   ``kv_transfer_params`` (which say where the KV waits: any producer can serve any consumer) merged into its own.
-   A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer is relayed as is.
+2. The decode instance is chosen first (fewest outstanding requests, round robin on ties) and counted as busy
+   from then on: in push mode the producer must know where the KV goes before it prefills.
+3. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
+   false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
+   same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.
+4. Decode: the original request, with the protocol's ``kv_transfer_params`` merged into its own, goes to the chosen
+   decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is.
+
+Protocols (``--protocol``):
+
+- ``params`` (default; this project's MooncakeConnector, and any connector that answers vLLM's disaggregation
+  protocol the same way, e.g. NixlConnector): the prefill asks ``{"do_remote_decode": true}``; its answer's
+  ``kv_transfer_params`` (where the KV waits: any producer can serve any consumer) go on the decode request. A decode
+  instance running our connector in push mode says so on its ``/metrics`` (``vllm:mooncake_kv_endpoint_info``, read
+  once per ``DISCOVERY_TTL``): its pipe addresses then go on the prefill as ``mooncake_push_to``.
+- ``bootstrap`` (vLLM's built-in MooncakeConnector): both requests carry one ``transfer_id``; the decode request
+  also names the prefill instance's bootstrap server (``--bootstrap``, one per ``--prefill`` in the same order;
+  default ``http://<prefill host>:8998``) and its engine id, read from that server's ``/query``.
 
 An instance that cannot be reached or times out is skipped for ``--cooldown`` seconds (unless every instance of
 its role is cooling down); a request that could not even connect is retried on another instance of the same
@@ -40,7 +50,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -48,6 +58,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from prometheus_client.parser import text_string_to_metric_families
 from quart import Quart, Response, g, request
 
 log = logging.getLogger("proxy_server")
@@ -59,6 +70,11 @@ DECODE = "decode"
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 SSE_CONTENT_TYPE = "text/event-stream"
+PROTOCOLS = ("params", "bootstrap")
+ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # our connector's instance info on /metrics
+PUSH_TO = "mooncake_push_to"  # prefill params, push mode: the consumer's pipe address per TP rank
+DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
+DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
 
 
 class ConfigError(ValueError):
@@ -97,6 +113,8 @@ class ProxyConfig:
     health_timeout: float = 2.0  # seconds for each upstream's /health probe
     max_connections: int = 1024  # the shared client pool, all upstreams together
     max_body_bytes: int = 64 * 1024 * 1024
+    protocol: str = "params"  # see the module docstring
+    bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
 
     def __post_init__(self) -> None:
         for role in (PREFILL, DECODE):
@@ -115,6 +133,22 @@ class ProxyConfig:
             raise ConfigError("max_connections and max_body_bytes must be positive")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.bootstrap and self.protocol != "bootstrap":
+            raise ConfigError("--bootstrap is used only with --protocol bootstrap (vLLM's built-in MooncakeConnector)")
+        if self.bootstrap and len(self.bootstrap) != len(self.prefill):
+            raise ConfigError(f"give one --bootstrap URL per --prefill URL, in the same order (got {len(self.bootstrap)} "
+                              f"for {len(self.prefill)})")
+        object.__setattr__(self, "bootstrap", tuple(normalize_upstream_url(url) for url in self.bootstrap))
+
+    def bootstrap_url(self, prefill_url: str) -> str:
+        """The bootstrap server of a prefill instance: given in order, else port 8998 on its host."""
+        if self.bootstrap:
+            return self.bootstrap[self.prefill.index(prefill_url)]
+        parts = urlsplit(prefill_url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
 
 
 @dataclass(eq=False)
@@ -127,6 +161,9 @@ class Upstream:
     down_until: float = 0.0  # time.monotonic() before which the instance is skipped
     failures: int = 0
     last_error: str | None = None
+    learned: Any = None  # what the instance said about itself (push address, engine id), see Proxy.learn
+    learned_at: float | None = None
+    learning: asyncio.Future[Any] | None = None
 
     def cooling_down(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.down_until
@@ -162,6 +199,13 @@ class Balancer:
                 self._next = (index + 1) % count
                 return upstream
         raise AssertionError("unreachable: the pool is a subset of the upstreams")
+
+    def reserve(self) -> Upstream:
+        """Pick an instance and count it as busy now (the caller releases it)."""
+        upstream = self.pick()
+        assert upstream is not None, "a balancer has at least one instance"
+        self.acquire(upstream)
+        return upstream
 
     def acquire(self, upstream: Upstream) -> None:
         upstream.outstanding += 1
@@ -219,21 +263,21 @@ def client_kv_params(payload: dict[str, Any]) -> dict[str, Any]:
     return dict(params) if isinstance(params, dict) else {}
 
 
-def prefill_payload(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The prefill copy: one token, not streamed, and asking the instance to keep the KV for a remote decode
-    (vLLM's disaggregation protocol); everything else unchanged."""
+def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill copy: one token, not streamed, with the protocol's kv_transfer_params; everything else
+    unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
         copy["max_completion_tokens"] = 1
     copy["stream"] = False
     copy.pop("stream_options", None)
-    copy["kv_transfer_params"] = {**client_kv_params(payload), "do_remote_decode": True, "do_remote_prefill": False}
+    copy["kv_transfer_params"] = {**client_kv_params(payload), **kv_params}
     return copy
 
 
 def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The original request plus the prefill answer's kv_transfer_params (where the KV waits)."""
+    """The original request plus the protocol's kv_transfer_params (where the KV waits)."""
     return {**payload, "kv_transfer_params": {**client_kv_params(payload), **kv_params}}
 
 
@@ -245,6 +289,26 @@ def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
         return None
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
     return params if isinstance(params, dict) else None
+
+
+def push_address(metrics: str) -> list[str] | None:
+    """A decode instance's pipe addresses if its /metrics text says it runs our connector as a push-mode consumer."""
+    lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            labels = sample.labels
+            if labels.get("kv_role") == "kv_consumer" and labels.get("transfer_mode") == "push" and labels.get("pipes"):
+                return labels["pipes"].split(",")
+    return None
+
+
+def bootstrap_engine_id(answer: Any) -> str:
+    """The engine id in a bootstrap server's ``/query`` answer ({dp_rank: {"engine_id", "worker_addr"}})."""
+    entries = list(answer.values()) if isinstance(answer, dict) else []
+    ids = {e.get("engine_id") for e in entries if isinstance(e, dict)}
+    if len(ids) != 1 or not isinstance(engine_id := ids.pop(), str) or not engine_id:
+        raise ValueError(f"expected one engine id in the bootstrap server's /query answer, got {answer!r:.200}")
+    return engine_id
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -309,6 +373,67 @@ class StreamRelay:
             self.close()
 
 
+class ParamsProtocol:
+    """vLLM's disaggregation protocol as our MooncakeConnector answers it (see the module docstring)."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+
+    def new_transfer(self) -> None:
+        return None
+
+    async def prefill_params(self, transfer: None, decode: Upstream) -> dict[str, Any]:
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        try:
+            push_to = await self.proxy.learn(decode, self._push_address)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+            log.debug("no push address from %s: %r", decode.url, error)  # it fails the decode too if it is down
+            push_to = None
+        if push_to:
+            params[PUSH_TO] = push_to
+        return params
+
+    async def decode_params(self, transfer: None, prefill: Upstream,
+                            answer: dict[str, Any] | None) -> dict[str, Any] | None:
+        return answer
+
+    async def _push_address(self, decode: Upstream) -> list[str] | None:
+        addresses = push_address(await self.proxy.get_text(decode.url + "/metrics"))
+        if addresses:
+            log.info("decode instance %s takes pushed KV at %s", decode.url, addresses)
+        return addresses
+
+
+class BootstrapProtocol:
+    """vLLM's built-in MooncakeConnector: a transfer id on both requests; the decode names the prefill instance's
+    bootstrap server and engine id."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+
+    def new_transfer(self) -> str:
+        return uuid.uuid4().hex
+
+    async def prefill_params(self, transfer: str, decode: Upstream) -> dict[str, Any]:
+        return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+
+    async def decode_params(self, transfer: str, prefill: Upstream,
+                            answer: dict[str, Any] | None) -> dict[str, Any] | None:
+        bootstrap = self.proxy.config.bootstrap_url(prefill.url)
+        try:
+            engine_id = await self.proxy.learn(prefill, self._engine_id)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+            raise ProxyError(502, "upstream_error", f"the bootstrap server {bootstrap} of prefill instance "
+                             f"{prefill.url} did not say its engine id ({error!r}); check --bootstrap",
+                             PREFILL, prefill.url) from None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer,
+                "remote_engine_id": engine_id, "remote_bootstrap_addr": bootstrap}
+
+    async def _engine_id(self, prefill: Upstream) -> str:
+        text = await self.proxy.get_text(self.proxy.config.bootstrap_url(prefill.url) + "/query")
+        return bootstrap_engine_id(json.loads(text))
+
+
 class Proxy:
     """State shared by the handlers: the config, one balancer per role and the client session."""
 
@@ -320,6 +445,8 @@ class Proxy:
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds)  # prefill, non-streaming decode, /v1/models
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
         self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
+        self.protocol: ParamsProtocol | BootstrapProtocol = \
+            BootstrapProtocol(self) if config.protocol == "bootstrap" else ParamsProtocol(self)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -333,7 +460,8 @@ class Proxy:
         # as the server closes it.
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
-        log.info("proxy ready: prefill %s, decode %s", list(self.config.prefill), list(self.config.decode))
+        log.info("proxy ready (protocol %s): prefill %s, decode %s", self.config.protocol, list(self.config.prefill),
+                 list(self.config.decode))
 
     async def stop(self) -> None:
         if self._session is not None:
@@ -345,16 +473,19 @@ class Proxy:
 
     async def send(
         self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
-        timeout: aiohttp.ClientTimeout,
+        timeout: aiohttp.ClientTimeout, reserved: Upstream | None = None,
     ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """Send to the best instance of ``balancer``'s role until one accepts the connection.
+        """Send to ``reserved`` (already acquired), else to the best instance of ``balancer``'s role, until one
+        accepts the connection.
 
         Returns the instance (acquired: the caller releases it) and the response (headers read).
         """
         tried: list[Upstream] = []
-        while (upstream := balancer.pick(exclude=tried)) is not None:
+        while (upstream := reserved or balancer.pick(exclude=tried)) is not None:
             tried.append(upstream)
-            balancer.acquire(upstream)
+            if reserved is None:
+                balancer.acquire(upstream)
+            reserved = None
             try:
                 response = await self.session.request(method, upstream.url + path, data=body, headers=headers,
                                                       timeout=timeout)
@@ -402,24 +533,26 @@ class Proxy:
                 response.close()
             balancer.release(upstream)
 
-    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill copy to completion; return the answer's kv_transfer_params (None if absent)."""
-        body = json.dumps(prefill_payload(payload, chat=path == CHAT_COMPLETIONS)).encode()
+    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str],
+                      kv_params: dict[str, Any]) -> tuple[Upstream, dict[str, Any] | None]:
+        """Run the prefill copy to completion; the instance that ran it and its answer's kv_transfer_params."""
+        body = json.dumps(prefill_payload(payload, path == CHAT_COMPLETIONS, kv_params)).encode()
         upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout)
         data = await self.read_body(self.prefill_balancer, upstream, response)
         log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status >= 400:
             raise RelayedError(response.status, data, response.headers.get("Content-Type"))
-        return kv_transfer_params(data)
+        return upstream, kv_transfer_params(data)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                             headers: dict[str, str]) -> Response:
-        """Send the original request (plus kv_transfer_params) to a decode instance and relay its answer."""
+                             headers: dict[str, str], reserved: Upstream) -> Response:
+        """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
+        cannot be reached) and relay its answer."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         streaming = payload.get("stream") is True
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer
-        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout)
+        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved)
         content_type = response.headers.get("Content-Type", "application/json")
         log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
@@ -434,8 +567,41 @@ class Proxy:
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         payload = parse_json_object(raw)
-        kv_params = await self.prefill(path, payload, headers)
-        return await self.forward_decode(path, raw, payload, kv_params, headers)
+        decode = self.decode_balancer.reserve()
+        try:
+            transfer = self.protocol.new_transfer()
+            prefill_params = await self.protocol.prefill_params(transfer, decode)
+            prefill, answer = await self.prefill(path, payload, headers, prefill_params)
+            decode_params = await self.protocol.decode_params(transfer, prefill, answer)
+        except BaseException:
+            self.decode_balancer.release(decode)
+            raise
+        return await self.forward_decode(path, raw, payload, decode_params, headers, decode)
+
+    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]]) -> Any:
+        """What ``fetch`` says about an instance, asked at most once per DISCOVERY_TTL (concurrent requests share one
+        call; a failed call is not remembered)."""
+        fresh = upstream.learned_at is not None and time.monotonic() - upstream.learned_at < DISCOVERY_TTL
+        if fresh:
+            return upstream.learned
+        if upstream.learning is None:
+            async def run() -> Any:
+                try:
+                    upstream.learned = await fetch(upstream)
+                    upstream.learned_at = time.monotonic()
+                    return upstream.learned
+                finally:
+                    upstream.learning = None
+            upstream.learning = asyncio.ensure_future(run())
+        return await asyncio.shield(upstream.learning)  # a client leaving does not cancel the others' call
+
+    async def get_text(self, url: str) -> str:
+        """The body of a GET; "" if there is no such page (404: nothing to learn there)."""
+        async with self.session.get(url, timeout=self.health_timeout) as response:
+            if response.status == 404:
+                return ""
+            response.raise_for_status()
+            return await response.text()
 
     async def models(self, headers: dict[str, str]) -> Response:
         upstream, response = await self.send(self.decode_balancer, "GET", "/v1/models", None, headers,
@@ -550,13 +716,20 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
     parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="params",
+                        help="how the instances are told where the KV goes: params (this project's "
+                             "MooncakeConnector; default) or bootstrap (vLLM's built-in MooncakeConnector)")
+    parser.add_argument("--bootstrap", action="append", default=[], metavar="URL",
+                        help="--protocol bootstrap: a prefill instance's bootstrap server, one per --prefill in the same "
+                             f"order (default http://<prefill host>:{DEFAULT_BOOTSTRAP_PORT})")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
                            timeout=args.timeout, cooldown=args.cooldown, health_timeout=args.health_timeout,
-                           max_connections=args.max_connections)
+                           max_connections=args.max_connections, protocol=args.protocol,
+                           bootstrap=tuple(args.bootstrap))
     except ConfigError as error:
         parser.error(str(error))
 

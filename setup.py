@@ -16,6 +16,7 @@ setup(
         "numpy",
         "quart>=0.19",
         "aiohttp>=3.9",
+        "prometheus_client>=0.17",
     ],
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kv_pipe import ConfigError
+from kv_pipe import ConfigError, MooncakeTransferEngineConfig
+from kv_pipe.config import CONFIG_ENV, join_host_port
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 TRANSFER_MODES = ("pull", "push")
 
@@ -86,3 +91,20 @@ class ConnectorOptions:
         if not isinstance(opts.allow_test_corruption, bool):
             raise ConfigError("kv_connector_extra_config.allow_test_corruption: expected true or false")
         return opts
+
+
+def load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineConfig:
+    """mooncake.json, from MOONCAKE_CONFIG_PATH or the ``mooncake_config_path`` option."""
+    if os.environ.get(CONFIG_ENV):
+        return MooncakeTransferEngineConfig.load_from_env()
+    if options.mooncake_config_path:
+        return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
+    raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
+                      "kv_connector_extra_config.mooncake_config_path")
+
+
+def pipe_addresses(vllm_config: VllmConfig, mooncake: MooncakeTransferEngineConfig, is_producer: bool) -> list[str]:
+    """This instance's pipe address per TP rank (rank i listens on mooncake.json's port + i)."""
+    kv_rank = 0 if is_producer else 1
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    return [join_host_port(*mooncake.pipe_address(kv_rank, rank)) for rank in range(tp_size)]

@@ -10,7 +10,6 @@ is reported as a failed load, and vLLM recomputes the prompt: the answer is the 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,12 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kv_connector.metadata import MooncakeConnectorMetadata
-from kv_connector.options import ConnectorOptions
+from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
 from kv_connector.scheduler import ConnectorScheduler
 from kv_connector.stats import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.worker import ConnectorWorker
-from kv_pipe import ConfigError, MooncakeTransferEngineConfig
-from kv_pipe.config import CONFIG_ENV, join_host_port
+from kv_pipe import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,15 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
-
-
-def _load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineConfig:
-    if os.environ.get(CONFIG_ENV):
-        return MooncakeTransferEngineConfig.load_from_env()
-    if options.mooncake_config_path:
-        return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
-    raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
-                      "kv_connector_extra_config.mooncake_config_path")
 
 
 class SimpleConnector(KVConnectorBase_V1):
@@ -61,14 +50,12 @@ class SimpleConnector(KVConnectorBase_V1):
                               "\"kv_consumer\" (decode instance)")
         is_producer = transfer.kv_role == "kv_producer"
         options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-        mooncake = _load_mooncake_config(options)  # fail at start-up, not on the first request
+        mooncake = load_mooncake_config(options)  # fail at start-up, not on the first request
         push_mode = options.transfer_mode == "push"
         block_size = vllm_config.cache_config.block_size
         self._bad_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            tp_size = vllm_config.parallel_config.tensor_parallel_size
-            kv_rank = 0 if is_producer else 1
-            pipes = [join_host_port(*mooncake.pipe_address(kv_rank, rank)) for rank in range(tp_size)]
+            pipes = pipe_addresses(vllm_config, mooncake, is_producer)
             self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "")
             if not is_producer and transfer.kv_load_failure_policy != "recompute":
                 # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.

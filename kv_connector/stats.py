@@ -18,9 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.logger import init_logger
+
+from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = init_logger(f"vllm.{__name__}")
 
 COUNTERS = {  # name -> help text
     "saved": "Prompts whose KV the producer saved for a consumer.",
@@ -41,6 +46,7 @@ COUNTERS = {  # name -> help text
     "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
+ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # read by proxy_server.py (push mode: where to push)
 
 
 @dataclass
@@ -117,9 +123,18 @@ class StatsRecorder:
         return stats
 
 
+def endpoint_info(vllm_config: VllmConfig) -> dict[str, str]:
+    """What a proxy needs to know about this instance: role, transfer mode, pipe address per TP rank, engine id."""
+    transfer = vllm_config.kv_transfer_config
+    options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+    pipes = pipe_addresses(vllm_config, load_mooncake_config(options), transfer.kv_role == "kv_producer")
+    return {"kv_role": transfer.kv_role, "transfer_mode": options.transfer_mode, "pipes": ",".join(pipes),
+            "kv_engine_id": transfer.engine_id or ""}
+
+
 class MooncakePromMetrics(KVConnectorPromMetrics):
-    """``vllm:mooncake_kv_<counter>_total``, ``vllm:mooncake_kv_loads_in_flight``, and histograms of the time and
-    size of loads and saves."""
+    """``vllm:mooncake_kv_<counter>_total``, ``vllm:mooncake_kv_loads_in_flight``, histograms of the time and size
+    of loads and saves, and ``vllm:mooncake_kv_endpoint_info`` (1, labelled with ``endpoint_info``)."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -141,6 +156,17 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
             self.histograms[f"{kind}s", 1] = self._per_engine(self._histogram_cls(
                 name=f"vllm:mooncake_kv_{kind}_bytes", documentation=f"KV bytes moved by {what}.", buckets=sizes,
                 labelnames=labelnames))
+
+        try:
+            info = endpoint_info(vllm_config)
+        except Exception as e:  # noqa: BLE001 - the connector itself reports a bad config; metrics go on without
+            logger.warning("MooncakeConnector: no %s on /metrics: %s", ENDPOINT_INFO, e)
+        else:
+            gauge = self._gauge_cls(name=ENDPOINT_INFO, documentation="This instance's MooncakeConnector endpoint: "
+                                    "role, transfer mode, pipe address per TP rank (comma separated), engine id.",
+                                    labelnames=[*labelnames, *info], multiprocess_mode="mostrecent")
+            for values in per_engine_labelvalues.values():
+                gauge.labels(*values, *info.values()).set(1)
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}

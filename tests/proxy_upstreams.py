@@ -49,6 +49,8 @@ class FakeUpstream:
     chunks: list[str] = field(default_factory=lambda: ["Hello", " world", "!"])
     hold_last: asyncio.Event | None = None
     health_status: int = 200
+    metrics_text: str | None = None  # the body of GET /metrics (404 if None)
+    metrics_requests: int = 0
     received: list[Received] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -68,6 +70,7 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, HOST, port, backlog=1024)
@@ -123,6 +126,43 @@ class FakeUpstream:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_requests += 1
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text, content_type="text/plain")
+
+
+@dataclass(eq=False)
+class FakeBootstrap:
+    """vLLM's MooncakeConnector bootstrap server as the proxy sees it: ``GET /query`` answers ``answer``."""
+
+    answer: Any
+    queries: int = 0
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    async def start(self) -> FakeBootstrap:
+        app = web.Application()
+        app.router.add_get("/query", self._query)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, HOST, 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _query(self, request: web.Request) -> web.Response:
+        self.queries += 1
+        return web.json_response(self.answer)
 
 
 def unused_port() -> int:

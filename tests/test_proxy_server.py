@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from proxy_server import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
-from tests.proxy_upstreams import Environment, FakeUpstream, environment, unused_port
+from tests.proxy_upstreams import Environment, FakeBootstrap, FakeUpstream, environment, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,6 +70,15 @@ def test_url_validation() -> None:
         ProxyConfig(prefill=("http://h:1",), decode=())
     with pytest.raises(ConfigError, match="timeout"):
         ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), timeout=0)
+    with pytest.raises(ConfigError, match="protocol must be one of params, bootstrap"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), protocol="nixl")
+    with pytest.raises(ConfigError, match="only with --protocol bootstrap"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), bootstrap=("http://h:8998",))
+    with pytest.raises(ConfigError, match="one --bootstrap URL per --prefill URL"):
+        ProxyConfig(prefill=("http://h:1", "http://g:1"), decode=("http://h:2",), protocol="bootstrap",
+                    bootstrap=("http://h:8998",))
+    config = ProxyConfig(prefill=("http://h:1", "http://[::1]:1"), decode=("http://h:2",), protocol="bootstrap")
+    assert [config.bootstrap_url(u) for u in config.prefill] == ["http://h:8998", "http://[::1]:8998"]
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,6 +198,80 @@ def test_the_clients_kv_transfer_params_are_kept_on_both_requests() -> None:
         assert env.decode[0].received[0].body["kv_transfer_params"] == {**client, **params}
 
     run(test)
+
+
+def endpoint_info(mode: str, pipes: str, role: str = "kv_consumer") -> str:
+    """A vLLM /metrics text with our connector's endpoint info (as kv_connector/stats.py exports it)."""
+    return ("# HELP vllm:num_requests_running Number of requests.\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+            "# HELP vllm:mooncake_kv_endpoint_info This instance's MooncakeConnector endpoint.\n"
+            "# TYPE vllm:mooncake_kv_endpoint_info gauge\n"
+            f'vllm:mooncake_kv_endpoint_info{{engine="0",kv_engine_id="e",kv_role="{role}",model_name="m",'
+            f'pipes="{pipes}",transfer_mode="{mode}"}} 1.0\n')
+
+
+def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
+    """The decode instance is chosen first; one in push mode (its /metrics say so) gets its pipe addresses on the
+    prefill as mooncake_push_to; a pull-mode one and an instance without the info get none. /metrics is read once."""
+
+    async def test(env: Environment) -> None:
+        env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100,10.0.0.5:17101")
+        env.decode[1].metrics_text = endpoint_info("pull", "10.0.0.6:17100")
+        env.decode[2].metrics_text = None
+        for _ in range(6):
+            assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        assert all(r.body["kv_transfer_params"]["do_remote_decode"] is True for r in env.prefill[0].received)
+        sent = [r.body["kv_transfer_params"].get("mooncake_push_to") for r in env.prefill[0].received]
+        assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], None, None] * 2
+        assert [len(d.received) for d in env.decode] == [2, 2, 2]
+        assert [d.metrics_requests for d in env.decode] == [1, 1, 1]
+        # the same at once: requests in flight while /metrics is read share one read
+        env.proxy.proxy.decode_balancer.upstreams[0].learned_at = None
+        statuses = await asyncio.gather(*(env.post("/v1/completions", COMPLETION) for _ in range(9)))
+        assert [s[0] for s in statuses] == [200] * 9 and env.decode[0].metrics_requests == 2
+
+    run(test, 1, 3)
+
+
+def test_push_address_answered_by_a_producer_or_garbage_is_ignored() -> None:
+    async def test(env: Environment) -> None:
+        env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17000", role="kv_producer") + "garbage{ 1\n"
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        assert "mooncake_push_to" not in env.prefill[0].received[0].body["kv_transfer_params"]
+
+    run(test)
+
+
+def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
+    """--protocol bootstrap: one transfer id on both requests; the decode names the prefill instance's bootstrap
+    server and its engine id (read once from /query); the prefill answer's params are not used."""
+
+    async def test(env: Environment) -> None:
+        bootstrap = await FakeBootstrap({"0": {"engine_id": "prefill-engine", "worker_addr": {"0": {"0": "x"}}}}).start()
+        try:
+            env.proxy.proxy.config.__dict__["bootstrap"] = (bootstrap.url,)
+            env.prefill[0].kv_params = {"ignored": True}
+            for _ in range(2):
+                assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+            for prefill, decode in zip(env.prefill[0].received, env.decode[0].received, strict=True):
+                transfer = prefill.body["kv_transfer_params"]["transfer_id"]
+                assert prefill.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                              "transfer_id": transfer}
+                assert decode.body["kv_transfer_params"] == {
+                    "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer,
+                    "remote_engine_id": "prefill-engine", "remote_bootstrap_addr": bootstrap.url}
+            first, second = (r.body["kv_transfer_params"]["transfer_id"] for r in env.prefill[0].received)
+            assert first != second and bootstrap.queries == 1
+        finally:
+            await bootstrap.stop()
+        # a bootstrap server that is gone (the cached engine id expired): 502 naming it, nothing sent to decode
+        env.proxy.proxy.prefill_balancer.upstreams[0].learned_at = None
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 502 and bootstrap.url in body["error"]["message"] and body["error"]["stage"] == "prefill"
+        assert len(env.decode[0].received) == 2
+        assert_idle(env)
+
+    run(test, protocol="bootstrap", bootstrap=(f"http://127.0.0.1:{unused_port()}",))
 
 
 def test_balancing_2p2d_round_robin_and_least_outstanding() -> None:
