@@ -157,7 +157,7 @@ class MooncakeTransferEngineConfig:
     metadata_server: str = P2PHANDSHAKE
     metadata_backend: str | None = None
     protocol: str = "tcp"
-    device_name: str = ""
+    device_name: str | list[str] = ""  # a list: one entry per local (TP) rank, e.g. the NIC nearest each GPU
     staging_buffer_size: int = 64 * MiB
     chunk_size: int = 4 * MiB
     max_chunks_in_flight: int = 8
@@ -187,11 +187,13 @@ class MooncakeTransferEngineConfig:
         for flag in ("huge_pages", "zero_copy_send", "zero_copy_recv"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: expected true or false, got {getattr(self, flag)!r}")
-        if not isinstance(self.device_name, str):
-            raise ConfigError(f"device_name: expected a string such as \"mlx5_0\", got {self.device_name!r}")
-        if self.protocol == "rdma" and not self.device_name.strip():
+        names = self.device_name if isinstance(self.device_name, list) else [self.device_name]
+        if not names or not all(isinstance(n, str) for n in names) or len(names) > 1024:
+            raise ConfigError(f"device_name: expected a string such as \"mlx5_0\" (every rank) or a list of them (one "
+                              f"per TP rank, e.g. [\"mlx5_0\", \"mlx5_1\"]), got {self.device_name!r}")
+        if self.protocol == "rdma" and not all(n.strip() for n in names):
             raise ConfigError("device_name: protocol \"rdma\" needs the RDMA NIC(s) to use, e.g. \"mlx5_0\" or "
-                              "\"mlx5_0,mlx5_1\" (list them with `ibv_devices`)")
+                              "\"mlx5_0,mlx5_1\" (list them with `ibv_devices`), or a list with one per TP rank")
         size_hint = "a number of bytes, e.g. 67108864 for 64 MiB"
         _positive(self.staging_buffer_size, "staging_buffer_size", int, size_hint)
         _positive(self.chunk_size, "chunk_size", int, size_hint)
@@ -209,6 +211,15 @@ class MooncakeTransferEngineConfig:
     @property
     def metadata(self) -> MetadataServer:
         return _check_metadata(self.metadata_server, self.metadata_backend)
+
+    def device_for(self, local_rank: int) -> str:
+        """The RDMA device(s) of one local (TP) rank: ``device_name`` itself, or its entry ``local_rank``."""
+        if not isinstance(self.device_name, list):
+            return self.device_name
+        if not 0 <= local_rank < len(self.device_name):
+            raise ConfigError(f"device_name lists {len(self.device_name)} device(s), one per TP rank, but rank "
+                              f"{local_rank} runs: list one per rank, or give one string for every rank")
+        return self.device_name[local_rank]
 
     def pipe_address(self, kv_rank: int, local_rank: int) -> tuple[str, int]:
         """The side-channel address of one pipe end: kv_rank 0 = producer (prefill_url), 1 = consumer (decode_url)."""

@@ -86,7 +86,7 @@ class PipeEndpoint:
                               "process holds the port - pick other ports in mooncake.json") from None
         self._listener.settimeout(0.2)
         try:
-            self.engine = MooncakeEngine(config, host, port)
+            self.engine = MooncakeEngine(config, host, port, local_rank)
             # The ring of the next link a peer opens, made in advance: fresh registered memory takes tens of ms to
             # fault in (far more on a busy core), which a link's first request would otherwise wait for.
             self._spare: torch.Tensor | None = self._allocate_ring()

@@ -39,7 +39,7 @@ class MooncakeEngine:
     ``host:port`` it was registered under in the metadata service.
     """
 
-    def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int) -> None:
+    def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int, local_rank: int = 0) -> None:
         # Both are read when the engine is created: make the engine's own transfer timeout follow ours (it
         # never goes below 5 s), and make it advertise the configured host rather than the first NIC it finds.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(config.timeout))))
@@ -51,11 +51,12 @@ class MooncakeEngine:
         self.protocol = config.protocol
         metadata = config.metadata
         local_name = join_host_port(host, port)
-        rc = self._engine.initialize(local_name, metadata.conn, config.protocol, config.device_name)
+        device = config.device_for(local_rank)
+        rc = self._engine.initialize(local_name, metadata.conn, config.protocol, device)
         if rc != 0:
             raise ConfigError(
                 f"Mooncake Transfer Engine failed to initialize (local {local_name}, metadata {metadata.conn}, protocol "
-                f"{config.protocol}, device {config.device_name!r}): check that the metadata server is running and reachable, "
+                f"{config.protocol}, device {device!r}): check that the metadata server is running and reachable, "
                 "and that the RDMA device exists; the engine's log above says more")
         if metadata.backend == "p2p":
             self.session = join_host_port(host, self._engine.get_rpc_port())

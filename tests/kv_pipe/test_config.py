@@ -100,6 +100,17 @@ def test_rdma_needs_device_name():
     assert MooncakeTransferEngineConfig(protocol="RDMA", device_name="mlx5_0").protocol == "rdma"
 
 
+def test_device_name_per_tp_rank():
+    config = MooncakeTransferEngineConfig(protocol="rdma", device_name=["mlx5_0", "mlx5_1"])
+    assert [config.device_for(r) for r in (0, 1)] == ["mlx5_0", "mlx5_1"]
+    with pytest.raises(ConfigError, match="lists 2 device.*rank 2 runs"):
+        config.device_for(2)
+    assert MooncakeTransferEngineConfig(protocol="rdma", device_name="mlx5_0,mlx5_1").device_for(5) == "mlx5_0,mlx5_1"
+    for bad in ([], ["mlx5_0", 3], ["mlx5_0", " "]):
+        with pytest.raises(ConfigError, match="device_name"):
+            MooncakeTransferEngineConfig(protocol="rdma", device_name=bad)
+
+
 @pytest.mark.parametrize("server, backend, conn", [
     ("P2PHANDSHAKE", "p2p", "P2PHANDSHAKE"),
     ("etcd://127.0.0.1:2379", "etcd", "etcd://127.0.0.1:2379"),
