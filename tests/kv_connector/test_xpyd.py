@@ -28,7 +28,7 @@ from proxy_server import push_address
 from tests import servers
 from tests.kv_connector.conftest import SERVE_ARGS, connector_config, diff, kv_stats, mooncake_json, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, spawn, start_vllm, stop, wait_ready
+from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, kill, spawn, start_vllm, stop, wait_ready
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"
@@ -95,6 +95,8 @@ def run_through(proxy: OpenAIClient, producers: list[VllmServer], consumers: lis
     """Eight requests at once (a shared system prompt, each its own question) through ``proxy``: equal text, and each
     load served in full by the producer that prefilled the request (pull: fetched from it; push: pushed by it)."""
     prompts = [SYSTEM + prompt(seed, 150 + 40 * (seed % 5)) for seed in seeds]
+    for producer in producers:  # an idle producer reports what it served before with its next engine step
+        producer.complete([1, 2, 3], 1)
     before = [kv_stats(s) for s in producers + consumers]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda t: proxy.complete(t, MAX_TOKENS), prompts))
@@ -184,3 +186,29 @@ def test_push_any_producer_to_any_consumer(fleet, proxy_for, reference):
     proxy = proxy_for(producers, consumers)
     open_push_links(producers, consumers)
     run_through(proxy, producers, consumers, reference, range(7500, 7508), mode=PUSH)
+
+
+@pytest.mark.parametrize("fleet", [PULL], indirect=True)
+def test_a_producer_killed_and_restarted(fleet, proxy_for, reference):
+    """2P2D: producer 1 is killed: the proxy sends every prefill to producer 0 and every load is still served. Once
+    producer 1 is back (same address), the consumers link to it again: its requests load from it, nothing lost."""
+    producers, consumers = fleet
+    proxy = proxy_for(producers, consumers)
+    kill(producers[1].proc)
+    prompts = [SYSTEM + prompt(seed, 200) for seed in range(7600, 7604)]
+    before = [kv_stats(c) for c in consumers]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda t: proxy.complete(t, MAX_TOKENS), prompts))
+    assert answers == [reference.complete(t, MAX_TOKENS) for t in prompts]
+    deadline = time.monotonic() + 15
+    while True:  # stats reach /metrics with the step after the load
+        changes = [diff(kv_stats(c), b) for c, b in zip(consumers, before, strict=True)]
+        ended = sum(c.get(k, 0) for c in changes for k in ("loaded", "load_misses", "load_failures"))
+        if ended >= len(prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sum(c.get("loaded", 0) for c in changes) == len(prompts) and not any(
+        c.get("load_failures") or c.get("load_misses") for c in changes), changes
+    producers[1].restart()
+    time.sleep(5)  # the proxy's cooldown of the instance that failed
+    run_through(proxy, producers, consumers, reference, range(7700, 7708))
