@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 OP_DROP_SELECT, OP_CLOSE = 1, 2
 ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
 HIT, MISS, CLOSED = 0, 1, 2
+ANSWER_MAGIC = 0x4D4B5641  # "MKVA": starts every answer, so that leftovers of an answer that broke off are told apart
 ALL_ROWS = -1
 REQUEST_HEAD = 5  # op, seq, kind, row_start, row_stop
 DEFAULT_TIMEOUT = 30.0
@@ -127,7 +128,7 @@ def _as_mask(roi: torch.Tensor) -> torch.Tensor:
 
 
 def _message(code: int, seq: int) -> torch.Tensor:
-    return torch.tensor([code, seq], dtype=torch.int64)
+    return torch.tensor([ANSWER_MAGIC, code, seq], dtype=torch.int64)
 
 
 class _BadRequest(ValueError):
@@ -174,10 +175,11 @@ def _read_request(t: torch.Tensor | None) -> _Request:
 
 
 def _read_message(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int]:
-    if t is None or t.dtype != torch.int64 or t.shape != (2,) or int(t[0]) not in allowed:
+    if t is None or t.dtype != torch.int64 or t.shape != (3,) or int(t[0]) != ANSWER_MAGIC or int(t[1]) not in allowed:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-        raise ValueError(f"malformed {what}: expected an int64 tensor [one of {allowed}, seq], got {desc}")
-    return int(t[0]), int(t[1])
+        raise ValueError(f"malformed {what}: expected an int64 tensor [{ANSWER_MAGIC:#x}, one of {allowed}, seq], "
+                         f"got {desc}")
+    return int(t[1]), int(t[2])
 
 
 def _rows(key: torch.Tensor | None, rows: tuple[int, int] | None) -> torch.Tensor | None:
@@ -242,8 +244,8 @@ class SimpleBuffer(KVLookupBufferBase):
         self._links: list[tuple[KVPipeBase, KVPipeBase, threading.Thread]] = []  # producer: every link served
         self._seq = 0  # the consumer's request counter
         self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
-        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "expired": 0, "evicted": 0,
-                      "hit_bytes": 0, "hit_key_bytes": 0}
+        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "stray_frames": 0, "expired": 0,
+                      "evicted": 0, "hit_bytes": 0, "hit_key_bytes": 0}
 
     def __len__(self) -> int:
         with self._cv:
@@ -499,8 +501,13 @@ class SimpleBuffer(KVLookupBufferBase):
         """Consumer: receive every answer and hand it to its request."""
         while not self._closed.is_set():
             try:
-                status, seq = _read_message(self.data_pipe.recv_tensor(timeout=_POLL), (HIT, MISS, CLOSED),
-                                            "drop_select answer")
+                frame = self.data_pipe.recv_tensor(timeout=_POLL)
+                try:
+                    status, seq = _read_message(frame, (HIT, MISS, CLOSED), "drop_select answer")
+                except ValueError as e:  # e.g. the rest of an answer that broke off, resent on a new connection
+                    self.stats["stray_frames"] += 1
+                    logger.warning("skipped a frame that starts no answer: %s", e)
+                    continue
                 if status == CLOSED:
                     self._fail_pending(BufferClosed("the producer closed the buffer"))
                     continue
@@ -511,7 +518,11 @@ class SimpleBuffer(KVLookupBufferBase):
                 if status == MISS:
                     result: list[torch.Tensor | None] = [None] * 5
                 else:
-                    result = self._receive_entry(pending.key_out if pending is not None else None)
+                    try:
+                        result = self._receive_entry(pending.key_out if pending is not None else None)
+                    except Exception as e:  # noqa: BLE001 - whatever broke it, the rest of the entry is still coming
+                        self.data_pipe.abandon_receive(f"answer {seq} broke off: {e}")
+                        raise PipeError(f"the answer to drop_select request {seq} broke off: {e}") from e
                     if pending is None:
                         self.stats["late_hits_dropped"] += 1
                         logger.warning("dropped a late answer to drop_select request %d (its caller gave up)", seq)

@@ -34,6 +34,11 @@ class KVPipeBase(ABC):
         ``ProtocolError`` on a malformed frame, ``PipeClosed`` if ``close()`` is called meanwhile.
         """
 
+    def abandon_receive(self, reason: str) -> None:
+        """The caller gave up in the middle of a message made of several tensors: what is still in flight could not
+        be told apart from the next message. Make the next ``recv_tensor`` start clean. Default: ``close()``."""
+        self.close()
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource and unblock any call blocked in this pipe. Idempotent."""

@@ -508,6 +508,17 @@ class MooncakePipe(KVPipeBase):
         logger.info("pipe %s <- %s (%s) connected from %s (peer engine %s)", self.endpoint.address, self.peer,
                     self.channel, who, session)
 
+    def abandon_receive(self, reason: str) -> None:
+        """Drop the connection the peer sends on (see ``KVPipeBase.abandon_receive``): its next send connects
+        afresh, and ``recv_tensor`` waits for that connection."""
+        with self._state:
+            inbound = self._inbound
+        if inbound is not None:
+            inbound.fail(PeerDisconnected(f"receiving from {self.peer} was abandoned: {reason}"))
+            inbound.reported = True
+        logger.warning("pipe %s <- %s (%s): dropped the connection in the middle of a message (%s)",
+                       self.endpoint.address, self.peer, self.channel, reason)
+
     # ------------------------------------------------------------------ closing
     def _check_open(self) -> None:
         if self._closed.is_set():

@@ -110,6 +110,33 @@ def close_later(cfg: dict[str, Any], delay: float) -> None:
         time.sleep(1.0)  # let the CLOSED answer land before the pipe goes
 
 
+def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -> dict[str, Any]:
+    """A producer that answers the first request with a HIT and the entry's first tensor, then stalls for ``stall``
+    seconds (as if frozen) before sending the rest; then it serves the basic entries from a SimpleBuffer on the same
+    pipe (``ready`` set once they are in). Reports how sending the rest of the stalled answer ended."""
+    from kv_lookup_buffer.simple_buffer import HIT, _message, _read_request  # noqa: PLC0415 - the wire, by hand
+
+    entry = basic_entries()[0]
+    with open_pipe(cfg, 0) as pipe:
+        request = _read_request(pipe.recv_tensor(timeout=60))
+        pipe.send_tensor(_message(HIT, request.seq))
+        pipe.send_tensor(entry[0])
+        time.sleep(stall)
+        try:
+            for t in entry[1:]:
+                pipe.send_tensor(t, timeout=5)
+            rest = "sent"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            rest = f"{type(e).__name__}: {e}"
+        buf = SimpleBuffer(pipe, pipe, 1 << 30)
+        for e in basic_entries():
+            buf.insert(*e)
+        ready.set()
+        done.wait(60)
+        buf.close()
+        return {"rest": rest}
+
+
 # ----------------------------------------------------------------------------- PushBuffer producers
 PUSH_LAYERS, PUSH_BLOCKS, PUSH_BLOCK = 3, 5, (4, 8)  # an entry: 3 layers x 5 blocks of 4x8 float32
 
