@@ -11,6 +11,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ def parse_host_port(value: Any, field: str) -> tuple[str, int]:
             raise ConfigError(f"{field}: {value!r} has no port; {hint}")
         if ":" in host:
             raise ConfigError(f"{field}: {value!r}: put an IPv6 address in brackets, e.g. \"[::1]:13003\"")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ConfigError(f"{field}: port {port_text!r} in {value!r} is not a number from 1 to 65535; {hint}")
     try:
         ipaddress.ip_address(host)
@@ -134,11 +135,30 @@ def _check_metadata(server: Any, backend: Any) -> MetadataServer:
     raise ConfigError(f"metadata_server {server!r}: unknown scheme {scheme!r}; {hint}")
 
 
-def _positive(value: Any, field: str, kind: type, hint: str) -> Any:
+GiB = 1 << 30
+MAX_TIMEOUT = 3600.0  # seconds: longer than any wait of the pipe should ever be
+MAX_STAGING = 16 * GiB
+
+
+def physical_memory() -> int:
+    """Bytes of RAM of this machine (64 GiB if it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 64 * GiB
+
+
+def default_max_tensor_size() -> int:
+    """Half of this machine's RAM, at most 64 GiB: a tensor announced as larger is refused before allocating."""
+    return min(64 * GiB, physical_memory() // 2)
+
+
+def _positive(value: Any, field: str, kind: type, hint: str, upper: float) -> Any:
+    """A finite number > 0 and <= ``upper``, of ``kind`` (int: integers only)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ConfigError(f"{field}: expected a positive {kind.__name__}, got {value!r}; {hint}")
-    if value <= 0:
-        raise ConfigError(f"{field}: must be > 0, got {value!r}; {hint}")
+    if not math.isfinite(value) or not 0 < value <= upper:
+        raise ConfigError(f"{field}: must be > 0 and at most {upper:g}, got {value!r}; {hint}")
     return kind(value)
 
 
@@ -165,7 +185,7 @@ class MooncakeTransferEngineConfig:
     huge_pages: bool = True
     zero_copy_send: bool = True
     zero_copy_recv: bool = True
-    max_tensor_size: int = 64 << 30
+    max_tensor_size: int = dataclasses.field(default_factory=default_max_tensor_size)
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
@@ -195,14 +215,15 @@ class MooncakeTransferEngineConfig:
             raise ConfigError("device_name: protocol \"rdma\" needs the RDMA NIC(s) to use, e.g. \"mlx5_0\" or "
                               "\"mlx5_0,mlx5_1\" (list them with `ibv_devices`), or a list with one per TP rank")
         size_hint = "a number of bytes, e.g. 67108864 for 64 MiB"
-        _positive(self.staging_buffer_size, "staging_buffer_size", int, size_hint)
-        _positive(self.chunk_size, "chunk_size", int, size_hint)
-        _positive(self.max_chunks_in_flight, "max_chunks_in_flight", int, "e.g. 4")
-        _positive(self.max_tensor_size, "max_tensor_size", int, size_hint)
+        _positive(self.staging_buffer_size, "staging_buffer_size", int, size_hint, MAX_STAGING)
+        _positive(self.chunk_size, "chunk_size", int, size_hint, MAX_STAGING // 2)
+        _positive(self.max_chunks_in_flight, "max_chunks_in_flight", int, "e.g. 4", 1024)
+        _positive(self.max_tensor_size, "max_tensor_size", int, f"{size_hint}; at most this machine's RAM",
+                  physical_memory())
         if isinstance(self.inline_max, bool) or not isinstance(self.inline_max, int) or not 0 <= self.inline_max <= MAX_INLINE:
             raise ConfigError(f"inline_max: expected a number of bytes from 0 (never inline) to {MAX_INLINE}, "
                               f"got {self.inline_max!r}")
-        object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30"))
+        object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30", MAX_TIMEOUT))
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "
                               f"({self.staging_buffer_size}) so that a chunk always fits; "

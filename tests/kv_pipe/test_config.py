@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kv_pipe import ConfigError, MooncakeTransferEngineConfig
-from kv_pipe.config import CONFIG_ENV, engine_has_redis_plugin
+from kv_pipe.config import CONFIG_ENV, engine_has_redis_plugin, physical_memory
 
 EXAMPLE = "mooncake.json.example"
 
@@ -62,6 +62,7 @@ def test_unknown_key_lists_known_ones(tmp_path):
     ("127.0.0.1:http", "not a number from 1 to 65535"),
     ("127.0.0.1:0", "not a number from 1 to 65535"),
     ("127.0.0.1:70000", "not a number from 1 to 65535"),
+    ("127.0.0.1:\u0661\u0663\u0660\u0660\u0663", "not a number from 1 to 65535"),  # Arabic-Indic digits
     ("tcp://127.0.0.1:13003", "has a scheme"),
     ("::1:13003", "IPv6 address in brackets"),
     ("bad host!:13003", "neither an IP address nor a hostname"),
@@ -167,6 +168,29 @@ def test_installed_engine_has_no_redis_plugin():
 def test_bad_numbers(field, value, message):
     with pytest.raises(ConfigError, match=f"{field}.*{message}"):
         MooncakeTransferEngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"timeout": NaN}', "timeout"),
+    ('{"timeout": Infinity}', "timeout"),
+    ('{"timeout": 1e308}', "timeout"),
+    ('{"timeout": -Infinity}', "timeout"),
+    ('{"staging_buffer_size": 1125899906842624}', "staging_buffer_size"),  # 2^50
+    ('{"max_tensor_size": 1125899906842624}', "max_tensor_size"),
+    ('{"max_chunks_in_flight": 100000000}', "max_chunks_in_flight"),
+])
+def test_config_edges_are_refused_naming_the_key(text, field, tmp_path):
+    """Finding 6 of the hardening issue: NaN, infinite and absurdly large numbers (JSON allows NaN and Infinity) are
+    refused up front, naming the key, instead of failing later (OverflowError in settimeout, a RuntimeError when
+    registering 2^50 bytes)."""
+    path = tmp_path / "mooncake.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{field}: must be > 0 and at most"):
+        MooncakeTransferEngineConfig.from_file(path)
+
+
+def test_default_max_tensor_size_fits_the_machine():
+    assert MooncakeTransferEngineConfig().max_tensor_size <= physical_memory() // 2
 
 
 def test_transfer_mode_in_mooncake_json_says_where_it_moved():
