@@ -28,6 +28,13 @@ Protocols (``--protocol``):
   also names the prefill instance's bootstrap server (``--bootstrap``, one per ``--prefill`` in the same order;
   default ``http://<prefill host>:8998``) and its engine id, read from that server's ``/query``.
 
+Before anything goes upstream the request is checked as vLLM would check it (``prompt`` or ``messages``,
+``max_tokens``, ``max_completion_tokens``, ``n``, ``model``, ``stream`` read as vLLM reads a boolean, e.g. "true"):
+a request vLLM would refuse gets a 400 here, not after a prefill whose KV would then wait for nobody.
+
+Timeouts: ``--connect-timeout`` (10 s) to reach an instance; ``--timeout`` (300 s) for a whole prefill or
+non-streaming decode, and for the gap between two chunks of a stream (a stream may last as long as it produces).
+
 An instance that cannot be reached or times out is skipped for ``--cooldown`` seconds (unless every instance of
 its role is cooling down); a request that could not even connect is retried on another instance of the same
 role. Unreachable -> 502, timed out (``--timeout``) -> 504, both with a JSON error naming the stage (``prefill``
@@ -109,6 +116,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     timeout: float = 300.0  # seconds: a whole prefill / non-streaming decode; between two chunks of a stream
+    connect_timeout: float = 10.0  # seconds to connect to an upstream (then the next instance is tried)
     cooldown: float = 5.0  # seconds an instance that failed is skipped
     health_timeout: float = 2.0  # seconds for each upstream's /health probe
     max_connections: int = 1024  # the shared client pool, all upstreams together
@@ -124,9 +132,10 @@ class ProxyConfig:
             if len(set(urls)) != len(urls):
                 raise ConfigError(f"duplicate --{role} URL in {list(urls)}")
             object.__setattr__(self, role, urls)
-        for name in ("timeout", "health_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("timeout", "health_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 86400):
+                raise ConfigError(f"{name} must be seconds > 0 (and at most a day), got {value!r}")
         if not self.cooldown >= 0:
             raise ConfigError(f"cooldown must be >= 0, got {self.cooldown!r}")
         if self.max_connections < 1 or self.max_body_bytes < 1:
@@ -316,9 +325,56 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as error:
         raise ProxyError(400, "invalid_request_error", f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ProxyError(400, "invalid_request_error", "request body is nested too deeply") from None
     if not isinstance(payload, dict):
         raise ProxyError(400, "invalid_request_error", "request body must be a JSON object")
     return payload
+
+
+TRUE_WORDS = {"true", "t", "yes", "y", "on", "1"}  # what vLLM's request model (pydantic, lax mode) takes as a bool
+FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
+
+
+def as_bool(value: Any, field: str) -> bool:
+    """``value`` read as vLLM reads a boolean field (true, "true", 1, "on", ...); 400 if it is none of them."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ProxyError(400, "invalid_request_error", f"{field} must be a boolean, got {value!r:.100}")
+
+
+def _positive_int(payload: dict[str, Any], field: str) -> None:
+    value = payload.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ProxyError(400, "invalid_request_error", f"{field} must be an integer >= 1, got {value!r:.100}")
+
+
+def validate(payload: dict[str, Any], chat: bool) -> bool:
+    """Refuse, before anything is sent upstream, a request vLLM would refuse (a refused decode after a prefill
+    leaves the prefill's KV waiting for nobody). Returns whether the answer is streamed."""
+    if chat:
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ProxyError(400, "invalid_request_error", "messages must be a non-empty list of message objects")
+    else:
+        prompt = payload.get("prompt")
+        valid = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            or all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                   for p in prompt)))
+        if not valid:
+            raise ProxyError(400, "invalid_request_error", "prompt must be a string, a list of strings, a list of "
+                             "token ids or a list of lists of token ids")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        _positive_int(payload, name)
+    if payload.get("model") is not None and not isinstance(payload["model"], str):
+        raise ProxyError(400, "invalid_request_error", "model must be a string")
+    return as_bool(payload.get("stream", False), "stream") if payload.get("stream") is not None else False
 
 
 class StreamRelay:
@@ -442,8 +498,9 @@ class Proxy:
         self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown)
         self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown)
         seconds = config.timeout
-        self.whole_timeout = aiohttp.ClientTimeout(total=seconds)  # prefill, non-streaming decode, /v1/models
-        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        connect = config.connect_timeout
+        self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=seconds)
         self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
         self.protocol: ParamsProtocol | BootstrapProtocol = \
             BootstrapProtocol(self) if config.protocol == "bootstrap" else ParamsProtocol(self)
@@ -549,7 +606,7 @@ class Proxy:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
         cannot be reached) and relay its answer."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
-        streaming = payload.get("stream") is True
+        streaming = validate(payload, path == CHAT_COMPLETIONS)
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer
         upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved)
@@ -567,6 +624,7 @@ class Proxy:
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         payload = parse_json_object(raw)
+        validate(payload, path == CHAT_COMPLETIONS)
         decode = self.decode_balancer.reserve()
         try:
             transfer = self.protocol.new_transfer()
@@ -713,6 +771,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds for a prefill or a non-streaming decode, and between two chunks of a stream")
+    parser.add_argument("--connect-timeout", type=float, default=10.0,
+                        help="seconds to connect to an upstream before the next instance is tried (default 10)")
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
     parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
@@ -727,7 +787,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
-                           timeout=args.timeout, cooldown=args.cooldown, health_timeout=args.health_timeout,
+                           timeout=args.timeout, connect_timeout=args.connect_timeout, cooldown=args.cooldown,
+                           health_timeout=args.health_timeout,
                            max_connections=args.max_connections, protocol=args.protocol,
                            bootstrap=tuple(args.bootstrap))
     except ConfigError as error:

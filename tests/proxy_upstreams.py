@@ -48,6 +48,7 @@ class FakeUpstream:
     kv_params: Any = None
     chunks: list[str] = field(default_factory=lambda: ["Hello", " world", "!"])
     hold_last: asyncio.Event | None = None
+    chunk_delay: float = 0.0  # seconds before each streamed chunk
     health_status: int = 200
     metrics_text: str | None = None  # the body of GET /metrics (404 if None)
     metrics_requests: int = 0
@@ -114,6 +115,8 @@ class FakeUpstream:
         for index, text in enumerate(self.chunks):
             if index == len(self.chunks) - 1 and self.hold_last is not None:
                 await self.hold_last.wait()
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
             event = {"served_by": self.name, "choices": [{"index": 0, "text": text}]}
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

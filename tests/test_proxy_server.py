@@ -412,6 +412,73 @@ def test_invalid_json_is_400(body: bytes) -> None:
     run(test)
 
 
+@pytest.mark.parametrize(("path", "change", "field"), [
+    ("/v1/completions", {"max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"prompt": None}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"stream": "maybe"}, "stream"),
+    ("/v1/completions", {"model": 7}, "model"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
+])
+def test_proxy_edges_a_request_vllm_would_refuse_is_refused_before_the_prefill(path: str, change: dict, field: str):
+    """Hardening finding 5: a bad max_tokens used to be prefilled, then refused by the decode side (an orphan entry on
+    the producer each time). Now: 400 naming the field, nothing sent upstream, and a valid request is still served."""
+    base = CHAT if path.endswith("chat/completions") else COMPLETION
+
+    async def test(env: Environment) -> None:
+        status, _, answer = await env.post(path, {**base, **change})
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+        assert field in answer["error"]["message"]
+        assert not env.prefill[0].received and not env.decode[0].received
+        assert (await env.post(path, base))[0] == 200
+        assert_idle(env)
+
+    run(test)
+
+
+@pytest.mark.parametrize("stream", ["true", "True", "1", 1, "yes", "on"])
+def test_proxy_edges_stream_is_read_as_vllm_reads_it(stream: Any) -> None:
+    """Hardening finding 5: ``"stream": "true"`` (vLLM takes it as true) was treated as non-streaming and cut by the
+    total timeout. Now it is relayed as a stream: 4 chunks 0.3 s apart pass a 0.5 s timeout between chunks."""
+
+    async def test(env: Environment) -> None:
+        env.decode[0].chunk_delay = 0.3
+        env.decode[0].chunks = ["a", "b", "c", "d"]
+        async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": stream}) as response:
+            assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+            events = await read_sse(response)
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c", "d"]
+        assert env.prefill[0].received[0].body["stream"] is False
+
+    run(test, timeout=0.5)
+
+
+def test_proxy_edges_deeply_nested_json_is_a_400_json_error() -> None:
+    """Hardening finding 5: 100,000-deep JSON answered 500 with an HTML page."""
+
+    async def test(env: Environment) -> None:
+        status, headers, answer = await env.post("/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+        assert status == 400 and headers["Content-Type"].startswith("application/json")
+        assert "nested too deeply" in answer["error"]["message"]
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+
+    run(test)
+
+
+def test_proxy_edges_timeouts_are_documented_options(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_args(["--prefill", "http://a:1", "--decode", "http://c:3", "--connect-timeout", "2.5"])
+    assert (config.connect_timeout, config.timeout) == (2.5, 300.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://a:1", "--decode", "http://c:3", "--timeout", "nan"])
+    assert "timeout must be seconds > 0" in capsys.readouterr().err
+
+
 def test_failed_instance_skipped_then_retried_after_cooldown() -> None:
     port = unused_port()
     dead = f"http://127.0.0.1:{port}"
