@@ -264,6 +264,8 @@ def _check_shape(code: int, shape: tuple[int, ...], nbytes: int, max_nbytes: int
     if nbytes > max_nbytes:
         raise ProtocolError(f"TENSOR of {nbytes} bytes exceeds {limit}={max_nbytes}; raise {limit} "
                             "in mooncake.json if this is intended")
+    if any(d > max(max_nbytes, 1) for d in shape):  # no dimension of an allowed tensor is longer (even an empty one)
+        raise ProtocolError(f"TENSOR shape {list(shape)[:8]} has a dimension beyond {limit}={max_nbytes}")
     return dtype
 
 
@@ -273,7 +275,7 @@ def decode_tensor(payload: bytes, max_nbytes: int) -> TensorHeader:
     if len(payload) < fixed:
         raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, fewer than the fixed {fixed}")
     code, ndim, nbytes = _TENSOR_HEAD.unpack_from(payload)
-    if len(payload) != fixed + 8 * ndim:
+    if ndim > MAX_NDIM or len(payload) != fixed + 8 * ndim:
         raise ProtocolError(f"TENSOR payload has {len(payload)} bytes, but ndim={ndim} needs {fixed + 8 * ndim}")
     shape = struct.unpack_from(f"!{ndim}Q", payload, fixed)
     dtype = _check_shape(code, shape, nbytes, max_nbytes, "max_tensor_size")

@@ -377,6 +377,25 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
         _assert_still_serves(cfg, pipe)
 
 
+def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
+    """Hardening finding 1: a hello holding a 5,000-digit integer or JSON nested 20,000 deep (40 KB) raised out of the
+    accept loop, which died: the real peer could never connect again. Each is refused now, and the real peer served."""
+    hellos = [b'{"kv_rank": ' + b"9" * 5000 + b"}", b"[" * 20_000 + b"]" * 20_000,
+              b'{"kv_rank": 0, "local_rank": 0, "session": "' + b"x" * 60_000 + b'"}']
+    with open_pipe(cfg, 1) as pipe:
+        for hello in hellos:
+            with _raw_connect(pipe) as sock:
+                try:
+                    sock.sendall(wire.encode(Kind.HELLO, hello))
+                    sock.settimeout(15)
+                    reply = sock.recv(65536)
+                except OSError:
+                    reply = b""
+            assert reply == b"" or wire.decode_header(reply[:wire.HEADER.size])[0] == Kind.ERROR
+        assert caplog.text.count("rejected a side-channel connection") >= len(hellos)
+        _assert_still_serves(cfg, pipe)
+
+
 @pytest.mark.parametrize("frame, message", [
     (lambda w: wire.encode_tensor(torch.uint8, (1 << 40,), 1 << 40), "exceeds max_tensor_size"),
     (lambda w: wire.encode_tensor(torch.uint8, (100,), 100) + wire.encode_chunk(Chunk(w["ring_size"] - 10, 100, 100)),
@@ -399,6 +418,7 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
      "need 40"),
     (lambda w: wire.encode_tensor(torch.float32, (3,), 12)[:20], "disconnected"),
     (lambda w: wire.encode_tensor(torch.uint8, (DIRECT_MIN,), DIRECT_MIN), "disconnected"),  # sender dies after the offer
+    (lambda w: wire.encode_tensor(torch.uint8, (0, (1 << 64) - 1), 0), "has a dimension beyond"),  # finding 4: TypeError
 ])
 def test_malformed_frames_after_handshake(cfg, frame, message):
     with open_pipe(cfg, 1) as pipe:

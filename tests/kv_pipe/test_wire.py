@@ -58,6 +58,8 @@ def _tensor_payload(code: int, dims: list[int], nbytes: int, ndim=None) -> bytes
     (_tensor_payload(1, [4, 4], 16), "needs 64 bytes, header says 16"),
     (_tensor_payload(1, [4], 16, ndim=3), "ndim=3 needs"),
     (_tensor_payload(1, [1 << 40], 1 << 42), "exceeds max_tensor_size"),
+    (_tensor_payload(1, [0, (1 << 64) - 1], 0), "has a dimension beyond max_tensor_size"),  # was a TypeError
+    (_tensor_payload(1, [1 << 62, 1 << 62, 0], 0), "has a dimension beyond"),
 ])
 def test_bad_tensor_headers(payload, message):
     with pytest.raises(ProtocolError, match=message):
