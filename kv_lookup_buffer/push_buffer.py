@@ -127,6 +127,7 @@ class PushBuffer:
         self._producer_epoch = 0
         self._begun = 0
         self._threads: list[threading.Thread] = []
+        self._reported_dead = False
         if role == "producer":
             self._start(self._send_loop, "kv-push-sender")
             self._start(self._credit_loop, "kv-push-credit")
@@ -140,9 +141,21 @@ class PushBuffer:
         self._threads.append(thread)
 
     # ---------------------------------------------------------------- producer
+    @property
+    def healthy(self) -> bool:
+        """Open, and every thread of this end still running (a dead one is logged once; callers fall back to pull)."""
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self._closed.is_set() and not self._reported_dead:
+            self._reported_dead = True
+            logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)", dead)
+        return not dead and not self._closed.is_set()
+
     def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:
         """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
         False means the consumer has no room (or has not been heard from): serve this entry by pull instead."""
+        if not self.healthy:
+            self.stats["no_credit"] += 1
+            return False
         with self._cv:
             if self._credit_epoch != self._epoch or nbytes > self._credit_free - sum(self._sent_begins):
                 self.stats["no_credit"] += 1
@@ -210,8 +223,10 @@ class PushBuffer:
                         self.stats["committed"] += 1
             except PipeClosed:
                 return
-            except PipeError as e:
-                if is_hello:  # retried with a growing pause (a configured consumer may not run, e.g. in XpYd)
+            except Exception as e:  # noqa: BLE001 - a PipeError, or a bug: this entry fails, the sending goes on
+                if not isinstance(e, PipeError):
+                    logger.exception("push channel: sending failed unexpectedly")
+                if is_hello and isinstance(e, PipeError):  # retried, less and less often (XpYd: it may not run)
                     self._hello_retries += 1
                     log = logger.info if self._hello_retries == 1 else logger.debug
                     log("push channel: the consumer is not reachable (%s); retrying, less and less often", e)
@@ -237,6 +252,10 @@ class PushBuffer:
                 self.stats["malformed"] += 1
                 logger.warning("push channel: ignored a bad message from the consumer: %s", e)
                 continue
+            except Exception:  # a bug must not end the credit loop for good
+                self.stats["malformed"] += 1
+                logger.exception("push channel: reading the consumer's credit failed; skipped")
+                continue
             if kind != CREDIT:
                 self.stats["malformed"] += 1
                 logger.warning("push channel: unexpected %s from the consumer", KIND_NAMES[kind])
@@ -261,6 +280,8 @@ class PushBuffer:
         BEGIN arrived) but is not complete yet; its memory leaves the staging budget. None at once if no push of it
         has begun (never announced, refused, aborted, sent by pull), and None if it is not committed in time."""
         deadline = time.monotonic() + timeout
+        if not self.healthy:
+            return None
         with self._cv:
             while True:
                 entry = self._entries.get(key)
@@ -307,6 +328,9 @@ class PushBuffer:
             except (PipeError, ValueError) as e:
                 self.stats["malformed"] += 1
                 logger.error("push channel: ignored a bad message from the producer: %s", e)
+            except Exception:  # a bug must not end the receiving for good: log it, skip this message
+                self.stats["malformed"] += 1
+                logger.exception("push channel: handling a message from the producer failed; skipped")
             self._expire()
 
     def _handle(self, kind: int, key: bytes, fields: list[int]) -> None:

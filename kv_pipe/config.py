@@ -24,6 +24,8 @@ from kv_pipe.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+SECRET_ENV = "MOONCAKE_KV_SECRET"  # the side channel's shared secret; wins over mooncake.json's auth_secret
+MIN_SECRET = 16
 P2PHANDSHAKE = "P2PHANDSHAKE"
 PROTOCOLS = ("tcp", "rdma")
 METADATA_BACKENDS = ("etcd", "http", "redis")
@@ -187,6 +189,7 @@ class MooncakeTransferEngineConfig:
     zero_copy_recv: bool = True
     max_tensor_size: int = dataclasses.field(default_factory=default_max_tensor_size)
     timeout: float = 30.0
+    auth_secret: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -223,11 +226,23 @@ class MooncakeTransferEngineConfig:
         if isinstance(self.inline_max, bool) or not isinstance(self.inline_max, int) or not 0 <= self.inline_max <= MAX_INLINE:
             raise ConfigError(f"inline_max: expected a number of bytes from 0 (never inline) to {MAX_INLINE}, "
                               f"got {self.inline_max!r}")
+        secret = self.auth_secret
+        if not isinstance(secret, str) or (secret and len(secret) < MIN_SECRET):
+            raise ConfigError(f"auth_secret: expected a string of at least {MIN_SECRET} characters (or \"\" for none), "
+                              f"e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`")
         object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30", MAX_TIMEOUT))
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "
                               f"({self.staging_buffer_size}) so that a chunk always fits; "
                               "lower chunk_size or raise staging_buffer_size")
+
+    @property
+    def secret(self) -> bytes:
+        """The side channel's shared secret: MOONCAKE_KV_SECRET if set, else auth_secret (b"": none)."""
+        value = os.environ.get(SECRET_ENV)
+        if value is not None and value and len(value) < MIN_SECRET:
+            raise ConfigError(f"{SECRET_ENV}: expected at least {MIN_SECRET} characters")
+        return (value if value else self.auth_secret).encode()
 
     @property
     def metadata(self) -> MetadataServer:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_pipe import wire
+from kv_pipe import auth, wire
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.scatter import Region
@@ -42,7 +42,8 @@ MAX_HANDSHAKES = 64  # connections being handshaken at once; more are closed at 
 BACKLOG = 128
 DEFAULT_CHANNEL = "kv"
 _CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-HELLO = {"kv_rank": int, "local_rank": int, "session": str, "address": str, "channel": str}
+HELLO = {"kv_rank": int, "local_rank": int, "address": str, "channel": str, "nonce": str}
+AUTH = {"session": str, "proof": str}
 
 
 def check_channel(channel: str) -> str:
@@ -226,14 +227,14 @@ class PipeEndpoint:
     def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
         """One incoming connection, start to end of its handshake; any failure closes this connection only."""
         try:
-            hello, peer = self._read_hello(sock, source)
+            hello, peer, session = self._authenticate(sock, source)
             with self._lock:
                 if self.closed.is_set():
                     raise PipeError("the endpoint is closing")
                 pipe, new = self._link_locked(peer, hello["channel"])
             if new and self._on_link is not None:
                 self._on_link(pipe)
-            pipe.attach_inbound(sock, who, hello["session"])
+            pipe.attach_inbound(sock, who, session)
         except Exception as e:  # noqa: BLE001 - whatever a stranger sends, this connection ends and we go on
             logger.warning("rejected a side-channel connection from %s: %s", who, e)
             try:
@@ -245,8 +246,9 @@ class PipeEndpoint:
         finally:
             self._handshakes.release()
 
-    def _read_hello(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str]:
-        """The peer's checked HELLO and the endpoint address it names (normalized)."""
+    def _authenticate(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str, str]:
+        """The peer's checked HELLO, the endpoint address it names (normalized) and its engine session, once it
+        proved that it knows the secret (see ``kv_pipe.auth``); nothing about memory is sent before."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT, self.config.timeout)
         kind, payload = wire.recv_frame(sock, deadline=deadline)
@@ -261,13 +263,25 @@ class PipeEndpoint:
             host, port = parse_host_port(hello["address"], "address")
         except (ValueError, ConfigError) as e:
             raise ProtocolError(f"HELLO: {e}") from None
+        auth.check_nonce(hello["nonce"], "HELLO")
         address = join_host_port(host, port)
         if self.peers is not None and address not in self.peers:
             raise ProtocolError(f"{address} is not a configured peer of this pipe (expected "
                                 f"{' or '.join(sorted(self.peers))})")
         if not _same_host(host, source):
             raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
-        return hello, address
+        secret, ours = self.config.secret, auth.nonce()
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        sock.sendall(wire.encode_json(Kind.CHALLENGE, {"nonce": ours,
+                                                       "proof": auth.proof(secret, "endpoint", payload, ours)}))
+        kind, answer = wire.recv_frame(sock, deadline=deadline)
+        if kind != Kind.AUTH:
+            raise ProtocolError(f"expected AUTH, got {kind.name}")
+        proved = wire.decode_json(answer, AUTH)
+        auth.verify(secret, "link", proved["proof"], payload, ours, proved["session"], who=f"the peer at {address}")
+        if len(proved["session"]) > 300:
+            raise ProtocolError("AUTH: the session name is too long")
+        return hello, address, proved["session"]
 
     # ------------------------------------------------------------------ closing
     def _reap_loop(self) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv_pipe import wire
+from kv_pipe import auth, wire
 from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
@@ -291,15 +291,21 @@ class MooncakePipe(KVPipeBase):
     def _handshake_out(self, sock: socket.socket, handshake_timeout: float, timeout: float) -> Outbound:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(handshake_timeout)
-        sock.sendall(wire.encode_json(Kind.HELLO, {"kv_rank": self.kv_rank, "local_rank": self.local_rank,
-                                                   "session": self._engine.session, "address": self.endpoint.address,
-                                                   "channel": self.channel}))
-        kind, payload = wire.recv_frame(sock)
-        if kind == Kind.ERROR:
-            sock.close()
-            raise PeerDisconnected(f"peer {self.peer} refused the connection: {payload.decode('utf-8', 'replace')}")
-        if kind != Kind.WELCOME:
-            raise ProtocolError(f"expected WELCOME, got {kind.name}")
+        ours = auth.nonce()
+        hello = wire.encode_json(Kind.HELLO, {"kv_rank": self.kv_rank, "local_rank": self.local_rank,
+                                              "address": self.endpoint.address, "channel": self.channel, "nonce": ours})
+        sock.sendall(hello)
+        hello_payload = hello[wire.HEADER.size:]
+        kind, payload = self._expect(sock, Kind.CHALLENGE)
+        # the peer proves that it knows the secret, then we do; nothing about our memory is sent (kv_pipe/auth.py)
+        challenge = wire.decode_json(payload, {"nonce": str, "proof": str})
+        theirs = auth.check_nonce(challenge["nonce"], "CHALLENGE")
+        secret = self.config.secret
+        auth.verify(secret, "endpoint", challenge["proof"], hello_payload, theirs, who=f"the peer pipe at {self.peer}")
+        session = self._engine.session
+        sock.sendall(wire.encode_json(Kind.AUTH, {"session": session, "proof": auth.proof(
+            secret, "link", hello_payload, theirs, session)}))
+        kind, payload = self._expect(sock, Kind.WELCOME)
         welcome = wire.decode_json(payload, _WELCOME)
         if welcome["ring_size"] <= 0 or welcome["max_chunk"] <= 0 or welcome["ring_addr"] <= 0:
             raise ProtocolError(f"WELCOME announces an unusable ring: {welcome}")
@@ -316,6 +322,15 @@ class MooncakePipe(KVPipeBase):
         logger.info("pipe %s -> %s (%s) connected (peer engine %s, ring %d bytes, chunk %d bytes)",
                     self.endpoint.address, self.peer, self.channel, out.session, ring_size, chunk_size)
         return out
+
+    def _expect(self, sock: socket.socket, expected: Kind) -> tuple[Kind, bytes]:
+        kind, payload = wire.recv_frame(sock)
+        if kind == Kind.ERROR:
+            sock.close()
+            raise PeerDisconnected(f"peer {self.peer} refused the connection: {payload.decode('utf-8', 'replace')}")
+        if kind != expected:
+            raise ProtocolError(f"expected {expected.name}, got {kind.name}")
+        return kind, payload
 
     # ---------------------------------------------------------------- receiving
     def register_receive_region(self, region: torch.Tensor) -> None:

@@ -63,6 +63,8 @@ class Kind(IntEnum):
     TENSOR_INLINE = 9
     DIRECT = 10
     DCHUNK = 11
+    CHALLENGE = 12
+    AUTH = 13
 
 
 _CHUNK = struct.Struct("!QQQ")
@@ -73,7 +75,7 @@ _REGION = struct.Struct("!QQ")
 MAX_REGIONS = 1 << 16
 _DCHUNK = struct.Struct("!QQ")
 _MAX_PAYLOAD = {
-    Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096,
+    Kind.HELLO: MAX_JSON, Kind.WELCOME: MAX_JSON, Kind.ERROR: 4096, Kind.CHALLENGE: 1024, Kind.AUTH: 2048,
     Kind.TENSOR: _TENSOR_HEAD.size + 8 * MAX_NDIM,
     Kind.NONE: 0, Kind.CHUNK: _CHUNK.size, Kind.ACK: _ACK.size, Kind.BYE: 0,
     Kind.TENSOR_INLINE: _TENSOR_HEAD.size + 8 * MAX_NDIM + MAX_INLINE,

@@ -195,3 +195,35 @@ def test_bad_arguments():
         PushBuffer(None, "both")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="capacity and ttl must be > 0"):
         PushBuffer(None, "consumer", capacity=0)  # type: ignore[arg-type]
+
+
+def test_no_thread_dies_silently_a_failing_message_is_skipped(cfg, monkeypatch):
+    """Hardening finding 4: PushBuffer's threads caught only PipeError/ValueError, so any other error (a bug, or
+    input nobody foresaw) ended the receiving for good and nobody noticed. Here handling the first BEGIN raises a
+    TypeError: that message is skipped and counted, the thread lives on, and the next entries arrive exactly."""
+    real = PushBuffer._handle
+    failed: list[int] = []
+
+    def flaky(self, kind, key, fields):  # noqa: ANN001, ANN202
+        if not failed and kind == 2:  # the first BEGIN
+            failed.append(kind)
+            raise TypeError("a bug")
+        return real(self, kind, key, fields)
+
+    monkeypatch.setattr(PushBuffer, "_handle", flaky)
+    done = ctx().Event()
+    producer = Peer(programs.push_entries, cfg, [1, 2, 3], done)
+    with open_pipe(cfg, 1) as pipe:
+        buf = consumer_for(pipe, capacity=1 << 20)
+        try:
+            got = []
+            for seed in (2, 3):
+                tokens, kv = programs.push_entry(seed)
+                entry = take_once_begun(buf, entry_key(tokens))
+                got.append(entry is not None and torch.equal(assemble(entry), kv))
+            assert got == [True, True] and buf.healthy and buf.stats["malformed"] >= 1
+        finally:
+            done.set()
+            producer.result()
+            buf.close()
+    assert not buf.healthy  # closed

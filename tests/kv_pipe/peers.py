@@ -316,3 +316,22 @@ def endpoint_server(cfg: dict[str, Any], address: str, clients: int) -> int:
     finally:
         endpoint.close()
     return answered
+
+
+def raw_handshake(sock: Any, hello: dict[str, Any], secret: bytes = b"", session: str = "fake:1") -> tuple[Any, bytes]:
+    """Speak the side channel's handshake by hand: HELLO (``hello`` plus a nonce), then AUTH under ``secret`` if the
+    endpoint sends its CHALLENGE; returns the last frame (kind, payload): WELCOME, or ERROR."""
+    import json
+
+    from kv_pipe import auth, wire
+    from kv_pipe.wire import Kind
+
+    frame = wire.encode_json(Kind.HELLO, {"nonce": auth.nonce(), **hello})
+    sock.sendall(frame)
+    kind, payload = wire.recv_frame(sock)
+    if kind != Kind.CHALLENGE:
+        return kind, payload
+    theirs = json.loads(payload)["nonce"]
+    proof = auth.proof(secret, "link", frame[wire.HEADER.size:], theirs, session)
+    sock.sendall(wire.encode_json(Kind.AUTH, {"session": session, "proof": proof}))
+    return wire.recv_frame(sock)

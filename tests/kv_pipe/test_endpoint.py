@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kv_pipe import ConfigError, PipeClosed, wire
+from kv_pipe import ConfigError, PipeClosed, auth, wire
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, make_config, open_endpoint
@@ -86,7 +86,7 @@ def test_links_only_to_admitted_peers_and_never_to_itself(cfg):
 
 
 def _hello(endpoint, **fields) -> bytes:
-    hello = {"kv_rank": 0, "local_rank": 0, "session": "x:1", "address": "127.0.0.1:1", "channel": "kv", **fields}
+    hello = {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "channel": "kv", "nonce": auth.nonce(), **fields}
     return wire.encode_json(Kind.HELLO, hello)
 
 

@@ -333,15 +333,13 @@ def _raw_connect(pipe) -> socket.socket:
     return socket.create_connection(("127.0.0.1", pipe.port), timeout=5.0)
 
 
-def _hello(pipe, **fields) -> bytes:
-    """A valid HELLO from the pipe's configured peer, with ``fields`` changed."""
-    hello = {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "session": "fake:1", "address": pipe.peer, "channel": "kv"}
-    return wire.encode_json(Kind.HELLO, {**hello, **fields})
+def _hello_fields(pipe, **fields) -> dict:
+    """A valid HELLO from the pipe's configured peer, with ``fields`` changed (a nonce is added when sent)."""
+    return {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "address": pipe.peer, "channel": "kv", **fields}
 
 
 def _handshake(sock: socket.socket, pipe) -> dict:
-    sock.sendall(_hello(pipe))
-    kind, payload = wire.recv_frame(sock)
+    kind, payload = peers.raw_handshake(sock, _hello_fields(pipe))
     assert kind == Kind.WELCOME
     return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int,
                                       "inline_max": int, "direct_recv": bool})
@@ -466,8 +464,54 @@ def test_a_second_live_peer_is_refused(cfg):
         pipe.send_tensor(torch.ones(2))
         assert same(pipe.recv_tensor(), torch.ones(2))
         with _raw_connect(pipe) as sock:
-            sock.sendall(_hello(pipe, session="intruder:1"))
-            kind, payload = wire.recv_frame(sock)
+            kind, payload = peers.raw_handshake(sock, _hello_fields(pipe), session="intruder:1")
         assert kind == Kind.ERROR and b"already has a live connection" in payload
+        pipe.send_tensor(None)
+    assert peer.result() == 1
+
+
+# ----------------------------------------------------------------------------- hardening finding 2: the secret
+SECRET = "0123456789abcdef-test-secret"
+
+
+def test_only_a_peer_that_knows_the_secret_joins_the_pipe():
+    """Hardening finding 2: a local process sent a valid HELLO as the producer before the real one: its tensor came out
+    of recv_tensor, the real peer was refused, and the WELCOME gave it the engine session and the ring's address.
+    With a secret: an intruder that does not know it (a wrong one, or none) gets a CHALLENGE and then an ERROR, never
+    a WELCOME; the real peer, with the secret, joins afterwards and is served."""
+    cfg = make_config(auth_secret=SECRET)
+    with open_pipe(cfg, 1) as pipe:
+        for wrong in (b"", b"not-the-secret-at-all"):
+            with _raw_connect(pipe) as sock:
+                kind, payload = peers.raw_handshake(sock, _hello_fields(pipe), secret=wrong)
+            assert kind == Kind.ERROR and b"does not prove that it knows this pipe's secret" in payload, payload
+            assert b"ring" not in payload and b"session" not in payload.lower().replace(b"session name", b"")
+        peer = Peer(peers.echo, cfg, 0, 1)
+        pipe.send_tensor(torch.arange(5))
+        assert same(pipe.recv_tensor(timeout=30), torch.arange(5))
+        pipe.send_tensor(None)
+        assert peer.result() == 1
+
+
+def test_a_peer_with_another_secret_is_told_so():
+    """Both sides real: the connecting side checks the listening side's proof first and stops with a clear error."""
+    listening = make_config(auth_secret=SECRET)
+    connecting = {**listening, "auth_secret": "another-secret-of-16-chars"}
+    peer = Peer(peers.echo, listening, 1, 1)
+    with open_pipe(connecting, 0) as pipe, pytest.raises(ProtocolError, match="does not prove that it knows"):
+        pipe.send_tensor(torch.ones(3), timeout=10)
+    peer.kill()
+
+
+def test_the_secret_can_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_KV_SECRET", SECRET)
+    cfg = make_config()  # no auth_secret in the file: the variable is the secret (children inherit it)
+    peer = Peer(peers.echo, cfg, 0, 1)
+    with open_pipe(cfg, 1) as pipe:
+        with _raw_connect(pipe) as sock:
+            kind, _ = peers.raw_handshake(sock, _hello_fields(pipe), secret=b"")
+        assert kind == Kind.ERROR
+        pipe.send_tensor(torch.ones(2))
+        assert same(pipe.recv_tensor(timeout=30), torch.ones(2))
         pipe.send_tensor(None)
     assert peer.result() == 1
