@@ -279,3 +279,16 @@ def consume_from(cfg: dict[str, Any], address: str, producers: list[str], entry_
         for buf in bufs:
             buf.close()
     return counts
+
+
+def request_then_hang(cfg: dict[str, Any], address: str, producer: str, entry_set: str, asked: Any) -> None:
+    """A consumer at ``address`` that asks ``producer`` for the first entry of ``entry_set`` and never reads the
+    answer (it is killed meanwhile)."""
+    from kv_lookup_buffer.simple_buffer import OP_DROP_SELECT, _request  # noqa: PLC0415 - the wire, by hand
+    from tests.kv_pipe.peers import open_endpoint
+
+    with open_endpoint(cfg, 1, address) as endpoint:
+        pipe = endpoint.link(producer, "kv")
+        pipe.send_tensor(_request(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
+        asked.set()
+        time.sleep(120)

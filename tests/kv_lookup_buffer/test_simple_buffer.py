@@ -341,6 +341,33 @@ def test_a_producer_stalled_mid_answer_fails_the_request_and_the_link_recovers()
     print("stray frames skipped:", buf.stats["stray_frames"])
 
 
+def test_a_consumer_killed_mid_answer_leaves_the_entry_and_the_producer_serving(cfg):
+    """Fault: a consumer asks for a 12 MiB entry and is killed while the producer sends it (into the consumer's ring:
+    the answer is gone with it). The producer frees that entry (or keeps it, had the send failed) and keeps serving:
+    another consumer gets that entry exactly or a miss, never wrong bytes, and the other entry exactly; nothing is
+    left in the producer's buffer at the end."""
+    producer_at, hanger_at, consumer_at = (f"127.0.0.1:{peers.free_port()}" for _ in range(3))
+    done, ready, asked = ctx.Event(), ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce_for_links, cfg, producer_at, "large", done, ready)
+    assert ready.wait(60)
+    hanger = Peer(programs.request_then_hang, cfg, hanger_at, producer_at, "large", asked)
+    assert asked.wait(60)
+    time.sleep(1.0)  # the producer is sending the answer, which nobody reads
+    hanger.kill()
+    entries = programs.large_entries()
+    with peers.open_endpoint(cfg, 1, consumer_at) as endpoint:
+        pipe = endpoint.link(producer_at, "kv")
+        buf = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
+        first = buf.drop_select(entries[0][0], None, timeout=30)
+        assert first == [None] * 5 or (same(first[2], entries[0][2]) and same(first[3], entries[0][3]))
+        second = buf.drop_select(entries[1][0], None, timeout=30)
+        assert same(second[2], entries[1][2]) and same(second[3], entries[1][3])
+        buf.close()
+    done.set()
+    left = producer.result()
+    assert left["entries"] == 0, left
+
+
 def test_producers_serve_many_consumers_each_on_its_own_link(cfg):
     """XpYd at the buffer layer: 2 producer processes, 3 consumer processes each linked to both, two threads each.
     Every entry is taken once, by the consumer that asked, bit-exact; an entry two consumers ask for goes to one of
