@@ -82,7 +82,7 @@ def _log_tail(log: Path, lines: int = 20) -> str:
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to its whole process group (servers like vLLM fork workers), then SIGKILL if it does not exit in
     time; always reaps the process."""
-    _signal_group(proc, signal.SIGTERM)
+    signal_group(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=STOP_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -92,11 +92,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 def kill(proc: subprocess.Popen) -> None:
     """SIGKILL the process and everything it started (its process group), and reap it."""
-    _signal_group(proc, signal.SIGKILL)
+    signal_group(proc, signal.SIGKILL)
     proc.wait(timeout=STOP_TIMEOUT)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -4,6 +4,7 @@ restarted. Every answer equals the colocated reference throughout."""
 
 from __future__ import annotations
 
+import signal
 import statistics
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import VllmServer, kill
+from tests.servers import VllmServer, kill, signal_group
 
 BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
 TTL = 4.0
@@ -142,3 +143,35 @@ def test_consumer_killed_and_restarted(fault_pair, reference):
     assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
     moved = settled_stats(consumer, before, 1)
     assert moved.get("loaded") == 1 and moved.get("fetched_bytes") == blocks(499) * ROW_BYTES
+
+
+def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
+    """The consumer's load has asked the producer (frozen, SIGSTOP: the transfer cannot finish) when the producer is
+    killed: the load fails as soon as the connection dies, not after load_timeout (10 s), the prompt is recomputed
+    and the answer is right. The producer is restarted for what follows."""
+    producer, consumer = fault_pair
+    tokens = prompt(2300, 800)
+    producer.complete(tokens, 1)
+    before = kv_stats(consumer)
+    signal_group(producer.proc, signal.SIGSTOP)
+    outcome: dict[str, object] = {}
+
+    def decode() -> None:
+        start = time.monotonic()
+        outcome["answer"] = consumer.complete(tokens, MAX_TOKENS)
+        outcome["seconds"] = time.monotonic() - start
+
+    client = threading.Thread(target=decode)
+    client.start()
+    try:
+        time.sleep(1.5)  # the load has asked the frozen producer by now
+        assert "answer" not in outcome, "the consumer answered without asking the producer"
+        kill(producer.proc)
+        client.join(timeout=60)
+        assert outcome.get("answer") == reference.complete(tokens, MAX_TOKENS)
+        assert outcome["seconds"] < 1.5 + 4.0, f"the consumer waited {outcome['seconds']:.1f} s"
+        change = settled_stats(consumer, before, 1)
+        assert change.get("load_failures") == 1 and not change.get("loaded"), change
+    finally:
+        client.join(timeout=60)
+        producer.restart()
