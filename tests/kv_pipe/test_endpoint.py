@@ -106,7 +106,9 @@ def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
 
 
 def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
-    """Handshakes run side by side: ten connections that send nothing do not delay a real peer's."""
+    """Hardening finding 3: with one accept thread and blocking handshakes, three silent connections locked a
+    reconnecting peer out and ten filled the listen backlog of 8. Handshakes now run side by side (backlog 128):
+    ten connections that send nothing do not delay a real peer's."""
     server = _address()
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
