@@ -226,6 +226,7 @@ class Balancer:
         upstream.failures += 1
         upstream.last_error = error
         upstream.down_until = time.monotonic() + self.cooldown
+        upstream.learned_at = None  # it may come back as another engine (a restart): ask again
         log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
 
     def outstanding(self) -> int:
@@ -340,7 +341,7 @@ def as_bool(value: Any, field: str) -> bool:
     """``value`` read as vLLM reads a boolean field (true, "true", 1, "on", ...); 400 if it is none of them."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (0, 1):
+    if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
         return value.strip().lower() in TRUE_WORDS
@@ -348,8 +349,18 @@ def as_bool(value: Any, field: str) -> bool:
 
 
 def _positive_int(payload: dict[str, Any], field: str) -> None:
+    """An integer >= 1 as vLLM's request model reads one (lax: 16, "16" and 16.0 are all 16), or absent."""
     value = payload.get(field)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is None:
+        return
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        number = int(value.strip())
+    if number is None or number < 1:
         raise ProxyError(400, "invalid_request_error", f"{field} must be an integer >= 1, got {value!r:.100}")
 
 
@@ -360,7 +371,7 @@ def validate(payload: dict[str, Any], chat: bool) -> bool:
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ProxyError(400, "invalid_request_error", "messages must be a non-empty list of message objects")
-    else:
+    elif payload.get("prompt_embeds") is None:
         prompt = payload.get("prompt")
         valid = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
             all(isinstance(p, str) for p in prompt)
@@ -374,7 +385,10 @@ def validate(payload: dict[str, Any], chat: bool) -> bool:
         _positive_int(payload, name)
     if payload.get("model") is not None and not isinstance(payload["model"], str):
         raise ProxyError(400, "invalid_request_error", "model must be a string")
-    return as_bool(payload.get("stream", False), "stream") if payload.get("stream") is not None else False
+    stream = as_bool(payload["stream"], "stream") if payload.get("stream") is not None else False
+    if payload.get("stream_options") is not None and not stream:
+        raise ProxyError(400, "invalid_request_error", "stream_options can only be given with stream=true")
+    return stream
 
 
 class StreamRelay:

@@ -543,8 +543,11 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._fail_pending(e)
 
     def _fail_pending(self, error: BaseException) -> None:
+        """Fail every request in flight; they leave ``_pending`` at once, so that an answer to one of them arriving
+        later is dropped as late, never received into its ``key_out``."""
         with self._cv:
             waiting = list(self._pending.values())
+            self._pending.clear()
         for pending in waiting:
             if not pending.done.is_set():
                 pending.error = error

@@ -45,6 +45,8 @@ def check_nonce(value: str, who: str) -> str:
 
 def verify(secret: bytes, role: str, given: str, *parts: bytes | str, who: str) -> None:
     """Raise ``ProtocolError`` unless ``given`` is the proof of ``role`` over ``parts``."""
+    if len(given) != PROOF_HEX or any(c not in "0123456789abcdef" for c in given):
+        raise ProtocolError(f"{who}: a proof must be {PROOF_HEX} lowercase hex digits")
     if not hmac.compare_digest(given.encode(), proof(secret, role, *parts).encode()):
         raise ProtocolError(f"{who} does not prove that it knows this pipe's secret: set the same auth_secret in "
                             "both sides' mooncake.json (or MOONCAKE_KV_SECRET in both environments)")

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 SECRET_ENV = "MOONCAKE_KV_SECRET"  # the side channel's shared secret; wins over mooncake.json's auth_secret
-MIN_SECRET = 16
+MIN_SECRET = 32  # characters: e.g. secrets.token_hex(32) gives 64; a short one could be guessed offline
 P2PHANDSHAKE = "P2PHANDSHAKE"
 PROTOCOLS = ("tcp", "rdma")
 METADATA_BACKENDS = ("etcd", "http", "redis")
@@ -159,7 +159,7 @@ def _positive(value: Any, field: str, kind: type, hint: str, upper: float) -> An
     """A finite number > 0 and <= ``upper``, of ``kind`` (int: integers only)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ConfigError(f"{field}: expected a positive {kind.__name__}, got {value!r}; {hint}")
-    if not math.isfinite(value) or not 0 < value <= upper:
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 < value <= upper:
         raise ConfigError(f"{field}: must be > 0 and at most {upper:g}, got {value!r}; {hint}")
     return kind(value)
 
@@ -230,6 +230,7 @@ class MooncakeTransferEngineConfig:
         if not isinstance(secret, str) or (secret and len(secret) < MIN_SECRET):
             raise ConfigError(f"auth_secret: expected a string of at least {MIN_SECRET} characters (or \"\" for none), "
                               f"e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`")
+        self.secret  # noqa: B018 - validates MOONCAKE_KV_SECRET up front too
         object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30", MAX_TIMEOUT))
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "

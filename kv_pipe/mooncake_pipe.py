@@ -281,12 +281,16 @@ class MooncakePipe(KVPipeBase):
                 continue
             try:
                 return self._handshake_out(sock, min(max(remaining, 0.1), HANDSHAKE_TIMEOUT), timeout)
-            except (OSError, ProtocolError) as e:
+            except OSError as e:
                 sock.close()
-                if isinstance(e, ProtocolError):
-                    raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
                 last_error = str(e)
                 time.sleep(0.05)
+            except PeerDisconnected:
+                sock.close()
+                raise
+            except Exception as e:  # noqa: BLE001 - a malformed answer: refused, whatever broke on it
+                sock.close()
+                raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
 
     def _handshake_out(self, sock: socket.socket, handshake_timeout: float, timeout: float) -> Outbound:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -44,7 +44,7 @@ from kv_pipe.config import MAX_INLINE as MAX_INLINE_BYTES
 from kv_pipe.errors import ProtocolError
 
 MAGIC = b"MKVP"
-VERSION = 4
+VERSION = 5  # 5: authenticated handshake (CHALLENGE, AUTH)
 HEADER = struct.Struct("!4sBBHI")
 MAX_NDIM = 64
 MAX_JSON = 64 << 10

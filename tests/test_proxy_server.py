@@ -413,7 +413,9 @@ def test_invalid_json_is_400(body: bytes) -> None:
 
 
 @pytest.mark.parametrize(("path", "change", "field"), [
-    ("/v1/completions", {"max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": True}, "max_tokens"),
     ("/v1/completions", {"n": 0}, "n"),
@@ -442,7 +444,19 @@ def test_proxy_edges_a_request_vllm_would_refuse_is_refused_before_the_prefill(p
     run(test)
 
 
-@pytest.mark.parametrize("stream", ["true", "True", "1", 1, "yes", "on"])
+def test_proxy_edges_what_vllm_accepts_passes() -> None:
+    """Lax numbers as vLLM's request model reads them, a null stream, and prompt_embeds instead of a prompt."""
+
+    async def test(env: Environment) -> None:
+        for change in ({"max_tokens": "16"}, {"max_tokens": 16.0, "n": "1"}, {"stream": None},
+                       {"prompt": None, "prompt_embeds": "base64..."}):
+            assert (await env.post("/v1/completions", {**COMPLETION, **change}))[0] == 200, change
+        assert len(env.prefill[0].received) == 4
+
+    run(test)
+
+
+@pytest.mark.parametrize("stream", ["true", "True", "1", 1, "yes", "on", 1.0])
 def test_proxy_edges_stream_is_read_as_vllm_reads_it(stream: Any) -> None:
     """Hardening finding 5: ``"stream": "true"`` (vLLM takes it as true) was treated as non-streaming and cut by the
     total timeout. Now it is relayed as a stream: 4 chunks 0.3 s apart pass a 0.5 s timeout between chunks."""

@@ -189,6 +189,21 @@ def test_config_edges_are_refused_naming_the_key(text, field, tmp_path):
         MooncakeTransferEngineConfig.from_file(path)
 
 
+def test_a_short_secret_is_refused_up_front(monkeypatch):
+    with pytest.raises(ConfigError, match="auth_secret: expected a string of at least 32"):
+        MooncakeTransferEngineConfig(auth_secret="a" * 16)
+    monkeypatch.setenv("MOONCAKE_KV_SECRET", "short")
+    with pytest.raises(ConfigError, match="MOONCAKE_KV_SECRET: expected at least 32"):
+        MooncakeTransferEngineConfig()
+    monkeypatch.delenv("MOONCAKE_KV_SECRET")
+    assert "s" * 40 not in repr(MooncakeTransferEngineConfig(auth_secret="s" * 40))
+
+
+def test_a_400_digit_number_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="timeout: must be > 0 and at most"):
+        MooncakeTransferEngineConfig(timeout=10 ** 400)
+
+
 def test_default_max_tensor_size_fits_the_machine():
     assert MooncakeTransferEngineConfig().max_tensor_size <= physical_memory() // 2
 

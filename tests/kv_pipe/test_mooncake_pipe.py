@@ -471,7 +471,7 @@ def test_a_second_live_peer_is_refused(cfg):
 
 
 # ----------------------------------------------------------------------------- hardening finding 2: the secret
-SECRET = "0123456789abcdef-test-secret"
+SECRET = "0123456789abcdef0123456789abcdef-test-secret"
 
 
 def test_only_a_peer_that_knows_the_secret_joins_the_pipe():
@@ -496,7 +496,7 @@ def test_only_a_peer_that_knows_the_secret_joins_the_pipe():
 def test_a_peer_with_another_secret_is_told_so():
     """Both sides real: the connecting side checks the listening side's proof first and stops with a clear error."""
     listening = make_config(auth_secret=SECRET)
-    connecting = {**listening, "auth_secret": "another-secret-of-16-chars"}
+    connecting = {**listening, "auth_secret": "another-secret-that-is-at-least-32-characters-long"}
     peer = Peer(peers.echo, listening, 1, 1)
     with open_pipe(connecting, 0) as pipe, pytest.raises(ProtocolError, match="does not prove that it knows"):
         pipe.send_tensor(torch.ones(3), timeout=10)
