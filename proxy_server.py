@@ -452,6 +452,9 @@ class ParamsProtocol:
     def new_transfer(self) -> None:
         return None
 
+    async def prepare(self, prefill: Upstream) -> None:
+        """Nothing to learn about the prefill instance: its answer says where the KV waits."""
+
     async def prefill_params(self, transfer: None, decode: Upstream) -> dict[str, Any]:
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         try:
@@ -484,20 +487,28 @@ class BootstrapProtocol:
     def new_transfer(self) -> str:
         return uuid.uuid4().hex
 
+    async def prepare(self, prefill: Upstream) -> None:
+        """Learn the prefill instance's engine id before it prefills: if its bootstrap server cannot say, the request
+        ends here (502), not after a prefill whose KV would wait for a decode that never comes."""
+        await self._learned_engine_id(prefill)
+
     async def prefill_params(self, transfer: str, decode: Upstream) -> dict[str, Any]:
         return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
 
     async def decode_params(self, transfer: str, prefill: Upstream,
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:
+        engine_id = await self._learned_engine_id(prefill)  # the one it was prepared for, unless a retry moved it
+        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer,
+                "remote_engine_id": engine_id, "remote_bootstrap_addr": self.proxy.config.bootstrap_url(prefill.url)}
+
+    async def _learned_engine_id(self, prefill: Upstream) -> str:
         bootstrap = self.proxy.config.bootstrap_url(prefill.url)
         try:
-            engine_id = await self.proxy.learn(prefill, self._engine_id)
+            return await self.proxy.learn(prefill, self._engine_id)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             raise ProxyError(502, "upstream_error", f"the bootstrap server {bootstrap} of prefill instance "
                              f"{prefill.url} did not say its engine id ({error!r}); check --bootstrap",
                              PREFILL, prefill.url) from None
-        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer,
-                "remote_engine_id": engine_id, "remote_bootstrap_addr": bootstrap}
 
     async def _engine_id(self, prefill: Upstream) -> str:
         text = await self.proxy.get_text(self.proxy.config.bootstrap_url(prefill.url) + "/query")
@@ -604,11 +615,12 @@ class Proxy:
                 response.close()
             balancer.release(upstream)
 
-    async def prefill(self, path: str, payload: dict[str, Any], headers: dict[str, str],
-                      kv_params: dict[str, Any]) -> tuple[Upstream, dict[str, Any] | None]:
-        """Run the prefill copy to completion; the instance that ran it and its answer's kv_transfer_params."""
-        body = json.dumps(prefill_payload(payload, path == CHAT_COMPLETIONS, kv_params)).encode()
-        upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout)
+    async def prefill(self, path: str, body: bytes, headers: dict[str, str],
+                      reserved: Upstream) -> tuple[Upstream, dict[str, Any] | None]:
+        """Run the prefill copy on the reserved instance (another one if it cannot be reached) to completion; the
+        instance that ran it and its answer's kv_transfer_params."""
+        upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout,
+                                             reserved)
         data = await self.read_body(self.prefill_balancer, upstream, response)
         log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status >= 400:
@@ -643,7 +655,14 @@ class Proxy:
         try:
             transfer = self.protocol.new_transfer()
             prefill_params = await self.protocol.prefill_params(transfer, decode)
-            prefill, answer = await self.prefill(path, payload, headers, prefill_params)
+            body = json.dumps(prefill_payload(payload, path == CHAT_COMPLETIONS, prefill_params)).encode()
+            chosen = self.prefill_balancer.reserve()
+            try:  # what the decode will need to know about the prefill instance, asked before it prefills
+                await self.protocol.prepare(chosen)
+            except BaseException:
+                self.prefill_balancer.release(chosen)
+                raise
+            prefill, answer = await self.prefill(path, body, headers, chosen)
             decode_params = await self.protocol.decode_params(transfer, prefill, answer)
         except BaseException:
             self.decode_balancer.release(decode)
