@@ -628,11 +628,10 @@ class Proxy:
         return upstream, kv_transfer_params(data)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                             headers: dict[str, str], reserved: Upstream) -> Response:
+                             headers: dict[str, str], reserved: Upstream, streaming: bool) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
         cannot be reached) and relay its answer."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
-        streaming = validate(payload, path == CHAT_COMPLETIONS)
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer
         upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved)
@@ -650,7 +649,7 @@ class Proxy:
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         payload = parse_json_object(raw)
-        validate(payload, path == CHAT_COMPLETIONS)
+        streaming = validate(payload, path == CHAT_COMPLETIONS)
         decode = self.decode_balancer.reserve()
         try:
             transfer = self.protocol.new_transfer()
@@ -667,7 +666,7 @@ class Proxy:
         except BaseException:
             self.decode_balancer.release(decode)
             raise
-        return await self.forward_decode(path, raw, payload, decode_params, headers, decode)
+        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming)
 
     async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]]) -> Any:
         """What ``fetch`` says about an instance, asked at most once per DISCOVERY_TTL (concurrent requests share one

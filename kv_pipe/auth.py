@@ -37,16 +37,19 @@ def proof(secret: bytes, role: str, *parts: bytes | str) -> str:
     return mac.hexdigest()
 
 
-def check_nonce(value: str, who: str) -> str:
-    if len(value) != NONCE_HEX or any(c not in "0123456789abcdef" for c in value):
-        raise ProtocolError(f"{who}: the nonce must be {NONCE_HEX} lowercase hex digits")
+def _check_hex(value: str, digits: int, what: str) -> str:
+    if len(value) != digits or any(c not in "0123456789abcdef" for c in value):
+        raise ProtocolError(f"{what} must be {digits} lowercase hex digits")
     return value
+
+
+def check_nonce(value: str, who: str) -> str:
+    return _check_hex(value, NONCE_HEX, f"{who}: the nonce")
 
 
 def verify(secret: bytes, role: str, given: str, *parts: bytes | str, who: str) -> None:
     """Raise ``ProtocolError`` unless ``given`` is the proof of ``role`` over ``parts``."""
-    if len(given) != PROOF_HEX or any(c not in "0123456789abcdef" for c in given):
-        raise ProtocolError(f"{who}: a proof must be {PROOF_HEX} lowercase hex digits")
+    _check_hex(given, PROOF_HEX, f"{who}: a proof")
     if not hmac.compare_digest(given.encode(), proof(secret, role, *parts).encode()):
         raise ProtocolError(f"{who} does not prove that it knows this pipe's secret: set the same auth_secret in "
                             "both sides' mooncake.json (or MOONCAKE_KV_SECRET in both environments)")

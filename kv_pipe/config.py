@@ -241,7 +241,7 @@ class MooncakeTransferEngineConfig:
     def secret(self) -> bytes:
         """The side channel's shared secret: MOONCAKE_KV_SECRET if set, else auth_secret (b"": none)."""
         value = os.environ.get(SECRET_ENV)
-        if value is not None and value and len(value) < MIN_SECRET:
+        if value and len(value) < MIN_SECRET:
             raise ConfigError(f"{SECRET_ENV}: expected at least {MIN_SECRET} characters")
         return (value if value else self.auth_secret).encode()
 

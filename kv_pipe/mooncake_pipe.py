@@ -300,7 +300,7 @@ class MooncakePipe(KVPipeBase):
                                               "address": self.endpoint.address, "channel": self.channel, "nonce": ours})
         sock.sendall(hello)
         hello_payload = hello[wire.HEADER.size:]
-        kind, payload = self._expect(sock, Kind.CHALLENGE)
+        payload = self._expect(sock, Kind.CHALLENGE)
         # the peer proves that it knows the secret, then we do; nothing about our memory is sent (kv_pipe/auth.py)
         challenge = wire.decode_json(payload, {"nonce": str, "proof": str})
         theirs = auth.check_nonce(challenge["nonce"], "CHALLENGE")
@@ -309,7 +309,7 @@ class MooncakePipe(KVPipeBase):
         session = self._engine.session
         sock.sendall(wire.encode_json(Kind.AUTH, {"session": session, "proof": auth.proof(
             secret, "link", hello_payload, theirs, session)}))
-        kind, payload = self._expect(sock, Kind.WELCOME)
+        payload = self._expect(sock, Kind.WELCOME)
         welcome = wire.decode_json(payload, _WELCOME)
         if welcome["ring_size"] <= 0 or welcome["max_chunk"] <= 0 or welcome["ring_addr"] <= 0:
             raise ProtocolError(f"WELCOME announces an unusable ring: {welcome}")
@@ -327,14 +327,15 @@ class MooncakePipe(KVPipeBase):
                     self.endpoint.address, self.peer, self.channel, out.session, ring_size, chunk_size)
         return out
 
-    def _expect(self, sock: socket.socket, expected: Kind) -> tuple[Kind, bytes]:
+    def _expect(self, sock: socket.socket, expected: Kind) -> bytes:
+        """The payload of the next handshake frame, which must be ``expected`` (an ERROR: the peer refused us)."""
         kind, payload = wire.recv_frame(sock)
         if kind == Kind.ERROR:
             sock.close()
             raise PeerDisconnected(f"peer {self.peer} refused the connection: {payload.decode('utf-8', 'replace')}")
         if kind != expected:
             raise ProtocolError(f"expected {expected.name}, got {kind.name}")
-        return kind, payload
+        return payload
 
     # ---------------------------------------------------------------- receiving
     def register_receive_region(self, region: torch.Tensor) -> None:
