@@ -69,7 +69,9 @@ class PeerLinks:
         with self._lock:
             linked = self._pull.get(producer)
             if linked is not None and not linked.pipe.closed:
-                return linked.buffer  # type: ignore[return-value]
+                if linked.buffer.healthy:
+                    return linked.buffer  # type: ignore[return-value]
+                linked.pipe.close()  # a thread of the buffer died (logged): a new link gets a new buffer
             pipe = self.endpoint.link(producer, KV)
             buffer = SimpleBuffer(pipe, pipe, self.buffer_size, role="consumer")
             self._pull[producer] = _Linked(pipe, buffer)

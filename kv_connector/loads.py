@@ -104,7 +104,11 @@ class Loads:
             if not future.done():
                 continue
             del self._running[req_id]
-            result = future.result()
+            error = future.exception()  # only something like SystemExit gets out of _run: never into vLLM
+            if error is not None:
+                logger.error("MooncakeConnector: loading the KV of request %s ended with %r: recomputing", req_id, error)
+                self.stats.count("load_failures")
+            result = None if error is not None else future.result()
             out.done.add(req_id)
             if result is None or result.written == 0:
                 out.failed.add(req_id)

@@ -148,6 +148,9 @@ class PushBuffer:
         if dead and not self._closed.is_set() and not self._reported_dead:
             self._reported_dead = True
             logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)", dead)
+            with self._cv:  # a consumer's staged entries: nobody would expire them any more
+                for key in list(self._entries):
+                    self._drop(key, "aborted")
         return not dead and not self._closed.is_set()
 
     def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:

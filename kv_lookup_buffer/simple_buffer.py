@@ -242,6 +242,7 @@ class SimpleBuffer(KVLookupBufferBase):
         self._consumer_closes = 0  # bumped when the consumer says goodbye: wakes blocked inserts
         self._thread: threading.Thread | None = None  # producer: serving the constructor's pipes; consumer: receiving
         self._links: list[tuple[KVPipeBase, KVPipeBase, threading.Thread]] = []  # producer: every link served
+        self._died: str | None = None  # the thread of ours that ended unexpectedly (see ``healthy``)
         self._seq = 0  # the consumer's request counter
         self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
         self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "stray_frames": 0, "expired": 0,
@@ -259,6 +260,8 @@ class SimpleBuffer(KVLookupBufferBase):
         With ``evict``, never waits: the oldest entries make room."""
         if self._closed.is_set():
             raise BufferClosed("insert on a closed buffer")
+        if self._died is not None:
+            raise BufferClosed(f"this buffer's {self._died} thread died (see the log): use a new buffer")
         self._take_role("producer")
         tokens = _masked_tokens(input_tokens, roi).tolist()
         hashes = prefix_hashes(tokens)  # outside the lock: the serving thread is not held up by it
@@ -354,11 +357,38 @@ class SimpleBuffer(KVLookupBufferBase):
             self._links = [link for link in self._links if link[2].is_alive()]
             self._links.append((signal_pipe, data, self._serve_thread(signal_pipe, data)))
 
+    @property
+    def healthy(self) -> bool:
+        """Open, and its receiving thread (consumer) or the serving thread of its constructor's pipes (producer) has
+        not died. A link whose serving thread died is closed instead: its consumer makes it again."""
+        return not self._closed.is_set() and self._died is None
+
     def _serve_thread(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> threading.Thread:
-        thread = threading.Thread(target=self._serve, args=(signal_pipe, data_pipe), name="kv-buffer-server",
+        thread = threading.Thread(target=self._serve_guarded, args=(signal_pipe, data_pipe), name="kv-buffer-server",
                                   daemon=True)
         thread.start()
         return thread
+
+    def _serve_guarded(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> None:
+        """``_serve``, and if it ever ends while the buffer is open (it catches every error of a request, so only
+        something like SystemExit can end it): say so and close the link, so that its consumer's requests fail
+        at once and it links again (a new serving thread), instead of waiting for answers nobody sends."""
+        try:
+            self._serve(signal_pipe, data_pipe)
+        finally:
+            if not self._closed.is_set():
+                logger.error("the thread serving a consumer's requests ended unexpectedly; closing that link")
+                if signal_pipe is self.signal_pipe:
+                    self._died = "serving"
+                try:  # its requests in flight fail at once (the consumer may not have heard from us yet)
+                    data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
+                except Exception as e:  # noqa: BLE001 - telling it is best effort here
+                    logger.info("could not tell the consumer: %s", e)
+                for pipe in {id(signal_pipe): signal_pipe, id(data_pipe): data_pipe}.values():
+                    try:
+                        pipe.close()
+                    except Exception:  # noqa: BLE001 - closing is best effort here
+                        logger.exception("closing the link failed")
 
     def _serve(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> None:
         while not self._closed.is_set():
@@ -461,6 +491,8 @@ class SimpleBuffer(KVLookupBufferBase):
         """
         if self._closed.is_set():
             raise BufferClosed("drop_select on a closed buffer")
+        if self._died is not None:
+            raise BufferClosed(f"this buffer's {self._died} thread died (see the log): use a new buffer")
         self._take_role("consumer")
         if input_tokens is not None:
             query = _masked_tokens(input_tokens, roi)  # a bad query is refused here rather than at the producer
@@ -477,7 +509,7 @@ class SimpleBuffer(KVLookupBufferBase):
             seq = self._seq
             self._pending[seq] = pending
             if self._thread is None:
-                self._thread = threading.Thread(target=self._receive_loop, name="kv-buffer-receiver", daemon=True)
+                self._thread = threading.Thread(target=self._receive_guarded, name="kv-buffer-receiver", daemon=True)
                 self._thread.start()
         try:
             self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, seq, query, key_rows), timeout=wait)
@@ -496,6 +528,17 @@ class SimpleBuffer(KVLookupBufferBase):
             raise pending.error
         assert pending.result is not None
         return pending.result
+
+    def _receive_guarded(self) -> None:
+        """``_receive_loop``, and if it ever ends while the buffer is open (only something like SystemExit can end
+        it): the buffer is unhealthy, the requests in flight and every later one fail with a clear error."""
+        try:
+            self._receive_loop()
+        finally:
+            if not self._closed.is_set():
+                self._died = "receiving"
+                logger.error("the buffer's receiving thread ended unexpectedly: drop_select fails from now on")
+                self._fail_pending(BufferClosed("this buffer's receiving thread died (see the log): use a new buffer"))
 
     def _receive_loop(self) -> None:
         """Consumer: receive every answer and hand it to its request."""

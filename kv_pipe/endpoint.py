@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_HANDSHAKES = 64  # connections being handshaken at once; more are closed at once (a flood must not pile up threads)
+MAX_HANDSHAKES_PER_HOST = 16  # of them from one host: one host's flood leaves room for the others
+HELLO_TIMEOUT = 3.0  # a peer sends its HELLO as soon as it connected: a silent connection frees its slot soon
 BACKLOG = 128
 DEFAULT_CHANNEL = "kv"
 _CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -75,6 +77,7 @@ class PipeEndpoint:
         self._links: dict[tuple[str, str], MooncakePipe] = {}
         self._on_link: Callable[[MooncakePipe], None] | None = None
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._per_host: dict[str, int] = {}  # handshakes under way by source host (under _lock)
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
         self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
@@ -211,18 +214,31 @@ class PipeEndpoint:
                     return
                 time.sleep(0.05)
                 continue
-            who = join_host_port(str(addr[0]), addr[1])
-            if not self._handshakes.acquire(blocking=False):
-                logger.warning("closed a side-channel connection from %s: %d handshakes already under way", who,
-                               MAX_HANDSHAKES)
+            host, who = str(addr[0]), join_host_port(str(addr[0]), addr[1])
+            with self._lock:
+                crowded = self._per_host.get(host, 0) >= MAX_HANDSHAKES_PER_HOST
+                if not crowded:
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+            if crowded or not self._handshakes.acquire(blocking=False):
+                logger.warning("closed a side-channel connection from %s: %d handshakes already under way%s", who,
+                               MAX_HANDSHAKES_PER_HOST if crowded else MAX_HANDSHAKES, " from that host" if crowded else "")
+                if not crowded:
+                    self._handshake_ended(host)
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._handshake, args=(sock, str(addr[0]), who), daemon=True,
+                threading.Thread(target=self._handshake, args=(sock, host, who), daemon=True,
                                  name=f"kv-pipe-hello-{self.port}").start()
             except RuntimeError:  # no thread to be had: refuse this one, keep accepting
                 self._handshakes.release()
+                self._handshake_ended(host)
                 sock.close()
+
+    def _handshake_ended(self, host: str) -> None:
+        with self._lock:
+            left = self._per_host.pop(host, 1) - 1
+            if left > 0:
+                self._per_host[host] = left
 
     def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
         """One incoming connection, start to end of its handshake; any failure closes this connection only."""
@@ -237,21 +253,24 @@ class PipeEndpoint:
             pipe.attach_inbound(sock, who, session)
         except Exception as e:  # noqa: BLE001 - whatever a stranger sends, this connection ends and we go on
             logger.warning("rejected a side-channel connection from %s: %s", who, e)
+            # our own errors describe what the peer sent; anything else stays in our log
+            said = str(e) if isinstance(e, PipeError) else f"the handshake failed here ({type(e).__name__}): see its log"
             try:
                 sock.settimeout(1.0)
-                sock.sendall(wire.encode(Kind.ERROR, str(e).encode()[:4000]))
+                sock.sendall(wire.encode(Kind.ERROR, said.encode()[:4000]))
             except OSError:
                 pass
             sock.close()
         finally:
             self._handshakes.release()
+            self._handshake_ended(source)
 
     def _authenticate(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str, str]:
         """The peer's checked HELLO, the endpoint address it names (normalized) and its engine session, once it
         proved that it knows the secret (see ``kv_pipe.auth``); nothing about memory is sent before."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT, self.config.timeout)
-        kind, payload = wire.recv_frame(sock, deadline=deadline)
+        kind, payload = wire.recv_frame(sock, deadline=min(deadline, time.monotonic() + HELLO_TIMEOUT))
         if kind != Kind.HELLO:
             raise ProtocolError(f"expected HELLO, got {kind.name}")
         hello = wire.decode_json(payload, HELLO)
@@ -266,8 +285,10 @@ class PipeEndpoint:
         auth.check_nonce(hello["nonce"], "HELLO")
         address = join_host_port(host, port)
         if self.peers is not None and address not in self.peers:
-            raise ProtocolError(f"{address} is not a configured peer of this pipe (expected "
-                                f"{' or '.join(sorted(self.peers))})")
+            # the configured peers go to our log only: the connecting side has proved nothing yet
+            logger.warning("a side-channel connection from %s names %s, not a configured peer (%s)", source, address,
+                           " or ".join(sorted(self.peers)))
+            raise ProtocolError(f"{address} is not a configured peer of this pipe")
         if not _same_host(host, source):
             raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
         secret, ours = self.config.secret, auth.nonce()

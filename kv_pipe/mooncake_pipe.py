@@ -105,6 +105,7 @@ class MooncakePipe(KVPipeBase):
         self._recv_lock = threading.Lock()
         self._state = threading.Condition()  # guards _inbound / _outbound replacement and the ring
         self._inbound: Inbound | None = None
+        self._read_from: Inbound | None = None  # the connection the last recv_tensor read from
         self._outbound: Outbound | None = None
         self._ring: torch.Tensor | None = None  # where the peer writes chunks: taken when it first connects
         self._stage: torch.Tensor | None = None
@@ -362,7 +363,7 @@ class MooncakePipe(KVPipeBase):
             now = time.monotonic()
             while self._quarantine and self._quarantine[0][0] < now:
                 self._quarantine.popleft()
-            inbound = self._wait_inbound(deadline, timeout)
+            inbound = self._read_from = self._wait_inbound(deadline, timeout)
             try:
                 kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0))
             except PipeTimeout:
@@ -530,9 +531,9 @@ class MooncakePipe(KVPipeBase):
 
     def abandon_receive(self, reason: str) -> None:
         """Drop the connection the peer sends on (see ``KVPipeBase.abandon_receive``): its next send connects
-        afresh, and ``recv_tensor`` waits for that connection."""
-        with self._state:
-            inbound = self._inbound
+        afresh, and ``recv_tensor`` waits for that connection. Only the connection the last ``recv_tensor`` read
+        from is dropped: one the peer made since is left alone."""
+        inbound = self._read_from
         if inbound is not None:
             inbound.fail(PeerDisconnected(f"receiving from {self.peer} was abandoned: {reason}"))
             inbound.reported = True

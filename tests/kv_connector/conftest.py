@@ -133,5 +133,22 @@ def settled_stats(server: VllmServer, before: dict[str, float], loads: int, time
         time.sleep(0.05)
 
 
+def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
+    """Wait until the instance has no request running or waiting and its ``kv_stats`` stopped changing: requests
+    clients abandoned are aborted, and their loads end, in the engine's later steps."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, float] | None = None
+    while True:
+        every = metrics(server)
+        busy = every.get("vllm:num_requests_running", 0.0) + every.get("vllm:num_requests_waiting", 0.0)
+        now = kv_stats(server)
+        if not busy and now == last:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name} still busy after {timeout:g} s: {busy:g} requests")
+        last = now
+        time.sleep(0.5)
+
+
 def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)

@@ -292,3 +292,20 @@ def request_then_hang(cfg: dict[str, Any], address: str, producer: str, entry_se
         pipe.send_tensor(_request(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
         asked.set()
         time.sleep(120)
+
+
+def ask(cfg: dict[str, Any], queries: list[list[int]], timeout: float) -> list[tuple[str, float]]:
+    """Consumer: one drop_select per query, one after the other; how each ended ("hit", "miss" or the error) and
+    how long it took."""
+    out = []
+    with open_pipe(cfg, 1) as pipe:
+        buf = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
+        for query in queries:
+            start = time.monotonic()
+            try:
+                got = buf.drop_select(torch.tensor(query), None, timeout=timeout)
+                what = "miss" if got[2] is None else "hit"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                what = f"{type(e).__name__}: {e}"
+            out.append((what, time.monotonic() - start))
+    return out

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kv_lookup_buffer.push_buffer import PushBuffer, entry_key
+from kv_lookup_buffer.push_buffer import COMMIT, PushBuffer, entry_key
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe.peers import Peer, ctx, make_config, open_pipe
 
@@ -227,3 +227,37 @@ def test_no_thread_dies_silently_a_failing_message_is_skipped(cfg, monkeypatch):
             producer.result()
             buf.close()
     assert not buf.healthy  # closed
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # SystemExit, on purpose
+def test_a_dead_receiving_thread_releases_what_it_staged(cfg, monkeypatch):
+    """Hardening finding 4: if the consumer's receiving thread ever ends (SystemExit injected at the first COMMIT:
+    its catch-all keeps any error from doing it), nobody expires its staged entries any more: the first ``healthy``
+    check says it is unhealthy, releases them, and ``take`` answers None at once (the load goes by pull)."""
+    real = PushBuffer._handle
+
+    def dies_at_commit(self, kind, key, fields):  # noqa: ANN001, ANN202
+        if kind == COMMIT:
+            raise SystemExit("test: the receiving thread ends")
+        return real(self, kind, key, fields)
+
+    monkeypatch.setattr(PushBuffer, "_handle", dies_at_commit)
+    done = ctx().Event()
+    producer = Peer(programs.push_entries, cfg, [1], done)
+    with open_pipe(cfg, 1) as pipe:
+        buf = consumer_for(pipe, capacity=1 << 20)
+        try:
+            tokens, _ = programs.push_entry(1)
+            key = entry_key(tokens)
+            deadline = time.monotonic() + 60
+            while all(t.is_alive() for t in buf._threads) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert buf.staged_bytes() == ENTRY_BYTES and buf.has_begun(key)  # staged, never committed
+            start = time.monotonic()
+            assert not buf.healthy
+            assert buf.staged_bytes() == 0 and not buf.has_begun(key)
+            assert buf.take(key, timeout=30) is None and time.monotonic() - start < 1.0
+        finally:
+            done.set()
+            producer.result()
+            buf.close()

@@ -341,6 +341,58 @@ def test_a_producer_stalled_mid_answer_fails_the_request_and_the_link_recovers()
     print("stray frames skipped:", buf.stats["stray_frames"])
 
 
+# ----------------------------------------------------------------------------- hardening finding 4: dead threads
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # SystemExit, on purpose
+def test_a_dead_receiving_thread_fails_requests_at_once_and_a_new_buffer_is_served(cfg, monkeypatch):
+    """Hardening finding 4: no thread dies silently. The consumer's receiving thread catches every error of an
+    answer, so only something like SystemExit ends it (injected here): the request in flight and every later one
+    fail at once with a clear error instead of waiting for their timeout, ``healthy`` says so, and a new buffer on
+    the same link is served (what was left of the broken answer is skipped)."""
+    done = ctx.Event()
+    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done)
+    entries = programs.prefix_entries()
+    pipe, buf = consumer(cfg)
+    with pipe:
+        def dies(key_out: object) -> list:
+            raise SystemExit("test: the receiving thread ends")
+
+        monkeypatch.setattr(buf, "_receive_entry", dies)
+        start = time.monotonic()
+        with pytest.raises(BufferClosed, match="receiving thread died"):
+            buf.drop_select(entries[0][0], None, timeout=30)
+        assert time.monotonic() - start < 5.0 and not buf.healthy
+        with pytest.raises(BufferClosed, match="receiving thread died"):
+            buf.drop_select(entries[1][0], None, timeout=30)
+        fresh = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
+        got = fresh.drop_select(entries[1][0], None, timeout=30)
+        assert same(got[2], entries[1][2]) and fresh.healthy
+        settle(fresh)
+        done.set()
+        left = producer.result()
+    assert left["entries"] == 2  # the two not asked for (the first left with the broken answer)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # SystemExit, on purpose
+def test_a_dead_serving_thread_closes_its_link_and_the_consumer_is_told_at_once(cfg, monkeypatch):
+    """Hardening finding 4, producer side: if the thread serving a link ever ends (SystemExit injected while it
+    answers), the link is closed, so the consumer's request fails at once rather than after its 30 s timeout; the
+    buffer says it is unhealthy and refuses inserts with a clear error."""
+    with open_pipe(cfg, 0) as pipe:
+        buf = SimpleBuffer(pipe, pipe, 1 << 20)
+
+        def dies(frame: object, data_pipe: object) -> None:
+            raise SystemExit("test: the serving thread ends")
+
+        monkeypatch.setattr(buf, "_handle", dies)
+        buf.insert(*programs.basic_entries()[0])
+        asking = Peer(programs.ask, cfg, [[1, 2, 3]], 30.0)
+        [(what, seconds)] = asking.result()
+        assert what.startswith(("PeerDisconnected", "BufferClosed", "PipeClosed")) and seconds < 10.0, (what, seconds)
+        assert not buf.healthy and pipe.closed
+        with pytest.raises(BufferClosed, match="serving thread died"):
+            buf.insert(*programs.basic_entries()[0])
+
+
 def test_a_consumer_killed_mid_answer_leaves_the_entry_and_the_producer_serving(cfg):
     """Fault: a consumer asks for a 12 MiB entry and is killed while the producer sends it (into the consumer's ring:
     the answer is gone with it). The producer frees that entry (or keeps it, had the send failed) and keeps serving:

@@ -105,6 +105,18 @@ def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
         assert endpoint.links() == []
 
 
+def test_a_stranger_is_not_told_who_the_configured_peers_are(cfg):
+    """Before a peer proved that it knows the secret, an ERROR says what was wrong with its own HELLO, never what
+    this endpoint is configured with."""
+    allowed = _address()
+    with open_endpoint(cfg, 1, _address(), peers={allowed}) as endpoint:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+            sock.sendall(_hello(endpoint))
+            kind, payload = wire.recv_frame(sock)
+    assert kind == Kind.ERROR and b"127.0.0.1:1 is not a configured peer" in payload, payload
+    assert allowed.encode() not in payload and allowed.split(":")[1].encode() not in payload
+
+
 def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
     """Hardening finding 3: with one accept thread and blocking handshakes, three silent connections locked a
     reconnecting peer out and ten filled the listen backlog of 8. Handshakes now run side by side (backlog 128):
@@ -123,10 +135,58 @@ def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
                 time.sleep(0.01)
             assert link is not None
             assert float(link.recv_tensor(timeout=20)[0]) == 1.0
-            assert time.monotonic() - start < 8.0  # the hello timeout is 10 s: nobody waited for the silent ones
+            assert time.monotonic() - start < 8.0  # one after the other, the silent ones would take 10 x 3 s
             link.send_tensor(torch.tensor([2.0]))
             assert link.recv_tensor(timeout=20) is None
             assert client.result() == [2.0]
         finally:
             for s in silent:
                 s.close()
+
+
+def _closed_by_the_endpoint(sock: socket.socket) -> bool:
+    """Whether the endpoint closed ``sock`` (whatever it sent first is read), without waiting."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(1 << 16):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
+    """Hardening: 70 connections from one host (127.0.0.2) that send nothing: 16 are held (the per-host cap), 54
+    closed at once (with the overall cap of 64 alone, 64 would be held and nobody else could start a handshake);
+    a real peer from another host (127.0.0.1) links; the held ones are closed within seconds (a HELLO is due as
+    soon as a peer connected)."""
+    server = _address()
+    with open_endpoint(cfg, 0, server, start=False) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        endpoint.start()
+        silent = [socket.create_connection((endpoint.host, endpoint.port), source_address=("127.0.0.2", 0))
+                  for _ in range(70)]
+        try:
+            time.sleep(0.5)  # the endpoint has accepted them all (well before the HELLO timeout)
+            closed = [_closed_by_the_endpoint(s) for s in silent]
+            assert sum(closed) == 54, closed
+            start = time.monotonic()
+            client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
+            link = None
+            while link is None and time.monotonic() - start < 30:
+                link = next(iter(endpoint.links()), None)
+                time.sleep(0.01)
+            assert link is not None and float(link.recv_tensor(timeout=20)[0]) == 1.0
+            link.send_tensor(torch.tensor([2.0]))
+            assert link.recv_tensor(timeout=20) is None
+            assert client.result() == [2.0]
+            deadline = time.monotonic() + 10
+            while not all(closed) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                closed = [c or _closed_by_the_endpoint(s) for c, s in zip(closed, silent, strict=True)]
+            assert all(closed), f"{closed.count(False)} silent connections still held"
+        finally:
+            for sock in silent:
+                sock.close()

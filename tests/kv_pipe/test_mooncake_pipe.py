@@ -289,6 +289,33 @@ def test_a_peer_that_went_away_fails_fast_and_is_found_again_when_back(cfg):
     assert same(back[0], torch.full((2,), 5.0)) and tensors == 1
 
 
+def test_abandoning_a_receive_spares_a_connection_the_peer_made_since(cfg):
+    """Hardening: ``abandon_receive`` (a caller gave up on a message in the middle) drops the connection the last
+    ``recv_tensor`` read from; if the peer has connected afresh since, the new connection and what it carries stay."""
+    first = Peer(peers.echo, cfg, 0, 1)
+    with open_pipe(cfg, 1) as pipe:
+        pipe.send_tensor(torch.ones(3))
+        assert same(pipe.recv_tensor(), torch.ones(3))  # read from the first connection
+        first.kill()
+        second = Peer(peers.echo, cfg, 0, 1)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                pipe.send_tensor(torch.full((2,), 5.0))
+                break
+            except PeerDisconnected:
+                assert time.monotonic() < deadline, "the restarted peer was never found"
+                time.sleep(0.2)
+        old = pipe._read_from
+        while pipe._inbound is old or pipe._inbound is None:  # the echo comes on a connection of its own
+            assert time.monotonic() < deadline, "the restarted peer never connected back"
+            time.sleep(0.05)
+        pipe.abandon_receive("test: the message on the first connection broke off")
+        assert same(pipe.recv_tensor(timeout=30), torch.full((2,), 5.0))
+        pipe.send_tensor(None)
+        assert second.result() == 1
+
+
 def test_close_unblocks_recv_and_is_idempotent(cfg):
     pipe = open_pipe(cfg, 1)
     errors: list[BaseException] = []
