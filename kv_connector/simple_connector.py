@@ -10,6 +10,7 @@ is reported as a failed load, and vLLM recomputes the prompt: the answer is the 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,11 +40,26 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
 
 
+def route_stack_logs() -> None:
+    """The pipe and buffer layers log through plain ``logging`` (they know nothing of vLLM): inside a vLLM process,
+    send their records through vLLM's handlers and level, else only their warnings reach stderr, bare."""
+    ours = logging.getLogger("vllm")
+    for name in ("kv_pipe", "kv_lookup_buffer"):
+        stack = logging.getLogger(name)
+        if stack.handlers or not ours.handlers:
+            continue
+        for handler in ours.handlers:
+            stack.addHandler(handler)
+        stack.setLevel(ours.getEffectiveLevel())
+        stack.propagate = False
+
+
 class SimpleConnector(KVConnectorBase_V1):
     """See the module docstring. ``kv_role`` kv_producer or kv_consumer (kv_both is refused: one role per instance)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_stack_logs()
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(f"kv_role {transfer.kv_role!r}: MooncakeConnector needs \"kv_producer\" (prefill instance) or "

@@ -145,7 +145,9 @@ def test_many_requests_at_once_with_shared_prefixes(pair, mode, reference):
 
 
 def test_request_sent_straight_to_the_consumer_is_a_quick_miss(pair, mode, reference):
-    """Nothing was prefilled for it: the load misses in milliseconds and the consumer computes the prompt itself."""
+    """Nothing was prefilled for it: the load misses at once and the consumer computes the prompt itself. "At once"
+    is checked against the waits a miss must not take (push_wait 5 s, load_timeout 10 s), not in milliseconds: on a
+    quiet box the whole request takes ~0.1 s, under the suite's load up to ~0.8 s was seen."""
     _, consumer = pair
     tokens = prompt(950 if mode == "pull" else 960, 200)
     before = kv_stats(consumer)
@@ -154,7 +156,7 @@ def test_request_sent_straight_to_the_consumer_is_a_quick_miss(pair, mode, refer
     elapsed = time.monotonic() - start
     assert answer == reference.complete(tokens, 1)
     misses = [line for line in consumer.log_text().splitlines() if "holds no KV" in line]
-    assert elapsed < 0.5, f"a request nobody prefilled took {elapsed:.2f} s; the consumer logged: {misses[-1:]}"
+    assert elapsed < 2.5, f"a request nobody prefilled took {elapsed:.2f} s; the consumer logged: {misses[-1:]}"
     change = settled_stats(consumer, before, 1)
     assert change.get("load_misses") == 1 and not change.get("loaded_bytes")
 
