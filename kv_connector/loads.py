@@ -83,15 +83,17 @@ class Loads:
         self.stats.count("loaded")
         self.stats.count("loaded_bytes", result.loaded_bytes)
         self.stats.count("fetched_bytes", result.fetched_bytes)
-        self.stats.sample("loads", req.num_tokens, result.loaded_bytes, seconds)
+        pushed = result.source == "pushed"
+        self.stats.sample("push_loads" if pushed else "loads", req.num_tokens, result.loaded_bytes, seconds)
         partial = result.written < len(req.block_ids)
         if partial:
             self.stats.count("partial_loads")
+        rate = "" if pushed else f"{result.loaded_bytes / seconds / 1e9:.2f} GB/s; "  # a push load is a wait
         logger.info("MooncakeConnector: loaded request %s (%s): %d tokens, blocks %d-%d of the prompt%s, %.2f MiB in "
-                    "%.1f ms (%.2f GB/s; %s)", req.req_id, result.source, req.num_tokens, req.first_block,
+                    "%.1f ms (%s%s)", req.req_id, result.source, req.num_tokens, req.first_block,
                     req.first_block + result.written - 1,
                     f" (the producer's entry covered {result.written} of {len(req.block_ids)} blocks)" if partial else "",
-                    result.loaded_bytes / 2**20, seconds * 1e3, result.loaded_bytes / seconds / 1e9, result.detail)
+                    result.loaded_bytes / 2**20, seconds * 1e3, rate, result.detail)
         return result
 
     def collect(self, wait: float = 0.0) -> Finished:

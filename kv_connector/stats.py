@@ -46,20 +46,22 @@ COUNTERS = {  # name -> help text
     "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
+SAMPLES = ("loads", "push_loads", "saves")  # per completed operation: [tokens, bytes, seconds]
 ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # read by proxy_server.py (push mode: where to push)
 
 
 @dataclass
 class MooncakeConnectorStats(KVConnectorStats):
-    """``data``: the counters, the gauges, and ``loads`` / ``saves``: [tokens, bytes, seconds] per completed load or
-    save (for the histograms and the log line's averages)."""
+    """``data``: the counters, the gauges, and ``SAMPLES``: [tokens, bytes, seconds] per completed pull load, push
+    load or save (for the histograms and the log line's averages). A push load's seconds are not a transfer time:
+    the wait for the push's commit and the copy from the staging area (the KV moved during the prefill)."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(COUNTERS, 0) | dict.fromkeys(GAUGES, -1) | {"loads": [], "saves": []}
+        self.data = dict.fromkeys(COUNTERS, 0) | dict.fromkeys(GAUGES, -1) | {kind: [] for kind in SAMPLES}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Workers of one step (tensor parallel ranks) or successive steps: counters and samples add up; a gauge
@@ -70,22 +72,23 @@ class MooncakeConnectorStats(KVConnectorStats):
             for name in GAUGES:
                 if other.data.get(name, -1) >= 0:
                     self.data[name] = other.data[name]
-            self.data["loads"] += other.data.get("loads", [])
-            self.data["saves"] += other.data.get("saves", [])
+            for kind in SAMPLES:
+                self.data[kind] += other.data.get(kind, [])
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {name: self.data[name] for name in COUNTERS if self.data[name]}
-        for kind in ("loads", "saves"):
+        for kind in SAMPLES:
             samples: list[Any] = self.data[kind]
             if samples:
                 nbytes, seconds = sum(s[1] for s in samples), sum(s[2] for s in samples)
                 out[f"{kind}_avg_ms"] = round(1e3 * seconds / len(samples), 2)
-                out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+                if kind != "push_loads":  # a wait, not a transfer: no rate
+                    out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["loads"] and not self.data["saves"] and not any(self.data[n] for n in COUNTERS) \
+        return not any(self.data[kind] for kind in SAMPLES) and not any(self.data[n] for n in COUNTERS) \
             and all(self.data[n] < 0 for n in GAUGES)
 
 
@@ -104,7 +107,7 @@ class StatsRecorder:
                 self._stats.data[name] += n
 
     def sample(self, kind: str, tokens: int, nbytes: int, seconds: float) -> None:
-        """One completed load or save (``kind`` "loads" or "saves")."""
+        """One completed operation (``kind``: one of ``SAMPLES``)."""
         with self._lock:
             self._stats.data[kind].append([tokens, nbytes, seconds])
 
@@ -148,7 +151,10 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         sizes = [float(2 ** (16 + 2 * i)) for i in range(9)]  # 64 KiB .. 4 GiB
         self.histograms = {}
-        for kind, what in (("load", "loads (request, transfer and copy into the KV cache)"),
+        for kind, what in (("load", "pull loads (request to the producer, transfer, copy into the KV cache)"),
+                           ("push_load", "push-mode loads: the wait for the push's commit plus the copy from the "
+                                         "staging area into the KV cache; not a transfer time (the KV moved during "
+                                         "the prefill)"),
                            ("save", "saves (gather from the KV cache into the producer's buffer)")):
             self.histograms[f"{kind}s", 2] = self._per_engine(self._histogram_cls(
                 name=f"vllm:mooncake_kv_{kind}_seconds", documentation=f"Duration of {what}.", buckets=seconds,

@@ -90,6 +90,18 @@ def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     consumer.stop()
 
 
+@pytest.fixture(params=["pull", "push"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """A test taking ``pair`` runs once per transfer mode."""
+    return request.param
+
+
+@pytest.fixture
+def pair(mode: str, request: pytest.FixtureRequest) -> tuple[VllmServer, VllmServer]:
+    """The shared producer/consumer pair of ``mode``: ``pd_pair`` or ``push_pair``."""
+    return request.getfixturevalue("pd_pair" if mode == "pull" else "push_pair")
+
+
 # ----------------------------------------------------------------------------- connector stats, from /metrics
 def metrics(server: VllmServer) -> dict[str, float]:
     """Every counter and gauge of the instance's /metrics, summed over labels: ``name`` -> value (counters without

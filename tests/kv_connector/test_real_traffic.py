@@ -22,16 +22,6 @@ from tests.kv_connector.conftest import BLOCK, ROW_BYTES, blocks, diff, kv_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 
-@pytest.fixture(params=["pull", "push"])
-def mode(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def pair(mode: str, request: pytest.FixtureRequest):
-    return request.getfixturevalue("pd_pair" if mode == "pull" else "push_pair")
-
-
 def rows_moved(length: int, claimed: int) -> int:
     """Blocks a load of ``claimed`` tokens writes, for a prompt of ``length`` tokens (see the module docstring)."""
     local = length - 1 - claimed
