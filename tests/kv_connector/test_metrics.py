@@ -50,7 +50,7 @@ def test_every_metric_is_exported_with_its_type(pair):
     for server in pair:
         values, types = scrape(server)
         for name in COUNTERS:
-            assert types.get(name) == "counter" and f"{name}_total" in values, name
+            assert types.get(f"{name}_total") == "counter" and f"{name}_total" in values, name
         for name in GAUGES:
             assert types.get(name) == "gauge" and name in values, name
         for name in HISTOGRAMS:
