@@ -104,8 +104,8 @@ def post(server: VllmServer, tokens: list[int], max_tokens: int) -> None:
 
 
 def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: random.Random,
-                  longest: bool = False) -> dict[str, Any]:
-    lengths = [3072 if longest else rng.randint(1024, 3072) for _ in range(n)]
+                  longest: bool = False, tokens: int | None = None) -> dict[str, Any]:
+    lengths = [3072 if longest else tokens or rng.randint(1024, 3072) for _ in range(n)]
     prompts = [[rng.randrange(10, 7000) for _ in range(length)] for length in lengths]
     saved = stats(producer).get("saved", 0)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # prefills: the producer keeps every prompt's KV
@@ -212,6 +212,7 @@ def main() -> int:
     parser.add_argument("--load-concurrency", type=int, nargs="+", default=[1, 4],
                         help="the consumer's load_concurrency values to run (1: one load at a time, as before #14)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=None, help="every prompt this long (default: 1024-3072)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args()
@@ -234,7 +235,7 @@ def main() -> int:
                 for n in args.in_flight:
                     for r in range(args.rounds):
                         seen = len(load_timings(consumer.log, 0))
-                        result = in_vllm_round(producer, consumer, n, rng)
+                        result = in_vllm_round(producer, consumer, n, rng, tokens=args.tokens)
                         timings = load_timings(consumer.log, seen)
                         result["load_ms"] = {name: statistics.median(t[i] for t in timings) if timings else None
                                              for i, name in enumerate(("total", "fetch", "copy"))}
