@@ -78,7 +78,8 @@ PUSH_TTFT_TARGETS = {1024: 1.15, 3072: 1.05}  # push / colocated
 PUSH_WAIT_TARGET_MS = 5.0     # push: the consumer's wait for KV once the decode request arrives
 REQUEST_TIMEOUT = 300.0
 
-OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+(?: \(pushed\))?: (\d+) tokens, ([\d.]+) MiB in ([\d.]+) ms")
+OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+ \((?:pulled|pushed)\): (\d+) tokens, [^,]*, ([\d.]+) MiB in "
+                         r"([\d.]+) ms")
 OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
 BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
 BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
