@@ -178,14 +178,17 @@ class LogTail:
 class Stacks:
     """The servers of the stacks in ``modes``; the benchmark runs one stack at a time (``modes`` of one)."""
 
-    def __init__(self, model: Path, work: Path, modes: tuple[str, ...]) -> None:
+    def __init__(self, model: Path, work: Path, modes: tuple[str, ...], serve_args: list[str] | None = None) -> None:
         self.model, self.work, self.modes = model, work, modes
+        self.serve_args = SERVE_ARGS if serve_args is None else serve_args
         self.servers: dict[str, VllmServer] = {}
         self.proxy: subprocess.Popen | None = None
         self.proxy_url = ""
         self.bootstrap_port = free_port()
 
-    def start(self) -> None:
+    def specs(self) -> list[tuple[str, int, dict[str, Any] | None, Path | None, dict[str, str]]]:
+        """Every instance any stack may use: (name, core, kv_transfer_config, mooncake.json, extra environment);
+        the part of the name before the first "-" is its stack. Writes the stacks' mooncake.json."""
         mooncake = self.work / "mooncake.json"
         mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
                                         "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
@@ -205,30 +208,39 @@ class Stacks:
             ("builtin-producer", 0, {**shim, "kv_role": "kv_producer", "engine_id": "bench-prefill"}, None, builtin_env),
             ("builtin-consumer", 1, {**shim, "kv_role": "kv_consumer", "engine_id": "bench-decode"}, None, builtin_env),
         ]
+        return specs
+
+    def start(self) -> None:
         began = time.monotonic()
         try:
-            for name, core, kv, config, env in specs:
+            for name, core, kv, config, env in self.specs():
                 if name.split("-")[0] not in self.modes:
                     continue
-                self.servers[name] = VllmServer(name, self.model, free_port(), core, self.work, kv, config, SERVE_ARGS,
-                                                env)
+                self.servers[name] = VllmServer(name, self.model, free_port(), core, self.work, kv, config,
+                                                self.serve_args, env)
             for name, server in self.servers.items():
                 server.wait_ready()
                 print(f"  {name} is up ({time.monotonic() - began:.0f} s)", flush=True)
-            ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
-            if ours_mode is None:
-                return
-            port = free_port()
-            self.proxy_url = f"http://{HOST}:{port}"
-            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
-                   "--decode", self.servers[f"{ours_mode}-consumer"].url, "--host", HOST, "--port", str(port),
-                   "--log-level", "WARNING"]
-            log = self.work / "proxy.log"
-            self.proxy = spawn(cmd, log)
-            wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
+            self.start_front()
         except BaseException:
             self.stop()
             raise
+
+    def start_front(self) -> None:
+        """The proxy in front of a disaggregated stack of ours, if one is in ``modes``."""
+        ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
+        if ours_mode is not None:
+            self.start_proxy([str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
+                              "--decode", self.servers[f"{ours_mode}-consumer"].url, "--log-level", "WARNING"])
+
+    def start_proxy(self, script_args: list[str]) -> None:
+        """Start ``python script_args... --host HOST --port PORT`` as ``self.proxy`` and wait for its /health."""
+        port = free_port()
+        self.proxy_url = f"http://{HOST}:{port}"
+        cmd = [sys.executable, *script_args, "--host", HOST, "--port", str(port)]
+        log = self.work / "proxy.log"
+        self.proxy = spawn(cmd, log)
+        wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
 
     def stop(self) -> None:
         if self.proxy is not None:
