@@ -117,6 +117,19 @@ def test_a_stranger_is_not_told_who_the_configured_peers_are(cfg):
     assert allowed.encode() not in payload and allowed.split(":")[1].encode() not in payload
 
 
+def _real_peer_round_trip(cfg, endpoint, server: str) -> None:
+    """A real peer process links to ``endpoint`` (at ``server``) and a tensor goes each way."""
+    client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
+    start, link = time.monotonic(), None
+    while link is None and time.monotonic() - start < 30:
+        link = next(iter(endpoint.links()), None)
+        time.sleep(0.01)
+    assert link is not None and float(link.recv_tensor(timeout=20)[0]) == 1.0
+    link.send_tensor(torch.tensor([2.0]))
+    assert link.recv_tensor(timeout=20) is None
+    assert client.result() == [2.0]
+
+
 def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
     """Hardening finding 3: with one accept thread and blocking handshakes, three silent connections locked a
     reconnecting peer out and ten filled the listen backlog of 8. Handshakes now run side by side (backlog 128):
@@ -128,17 +141,8 @@ def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
         silent = [socket.create_connection((endpoint.host, endpoint.port)) for _ in range(10)]
         try:
             start = time.monotonic()
-            client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
-            link = None
-            while link is None and time.monotonic() - start < 30:
-                link = next(iter(endpoint.links()), None)
-                time.sleep(0.01)
-            assert link is not None
-            assert float(link.recv_tensor(timeout=20)[0]) == 1.0
+            _real_peer_round_trip(cfg, endpoint, server)
             assert time.monotonic() - start < 8.0  # one after the other, the silent ones would take 10 x 3 s
-            link.send_tensor(torch.tensor([2.0]))
-            assert link.recv_tensor(timeout=20) is None
-            assert client.result() == [2.0]
         finally:
             for s in silent:
                 s.close()
@@ -172,16 +176,7 @@ def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
             time.sleep(0.5)  # the endpoint has accepted them all (well before the HELLO timeout)
             closed = [_closed_by_the_endpoint(s) for s in silent]
             assert sum(closed) == 54, closed
-            start = time.monotonic()
-            client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
-            link = None
-            while link is None and time.monotonic() - start < 30:
-                link = next(iter(endpoint.links()), None)
-                time.sleep(0.01)
-            assert link is not None and float(link.recv_tensor(timeout=20)[0]) == 1.0
-            link.send_tensor(torch.tensor([2.0]))
-            assert link.recv_tensor(timeout=20) is None
-            assert client.result() == [2.0]
+            _real_peer_round_trip(cfg, endpoint, server)
             deadline = time.monotonic() + 10
             while not all(closed) and time.monotonic() < deadline:
                 time.sleep(0.2)
