@@ -201,6 +201,10 @@ class _Pending:
     error: BaseException | None = None
 
 
+def _died_error(thread: str) -> BufferClosed:
+    return BufferClosed(f"this buffer's {thread} thread died (see the log): use a new buffer")
+
+
 class SimpleBuffer(KVLookupBufferBase):
     """A lookup buffer holding at most ``buffer_size_thresh`` bytes of tensors.
 
@@ -258,10 +262,7 @@ class SimpleBuffer(KVLookupBufferBase):
         """See ``KVLookupBufferBase.insert``. ``copy=False`` (an extension): keep the caller's tensors instead of
         copying them; the caller hands them over and must not touch them again (saves a copy of a fresh gather).
         With ``evict``, never waits: the oldest entries make room."""
-        if self._closed.is_set():
-            raise BufferClosed("insert on a closed buffer")
-        if self._died is not None:
-            raise BufferClosed(f"this buffer's {self._died} thread died (see the log): use a new buffer")
+        self._check_usable("insert")
         self._take_role("producer")
         tokens = _masked_tokens(input_tokens, roi).tolist()
         hashes = prefix_hashes(tokens)  # outside the lock: the serving thread is not held up by it
@@ -356,6 +357,12 @@ class SimpleBuffer(KVLookupBufferBase):
             data = data_pipe if data_pipe is not None else signal_pipe
             self._links = [link for link in self._links if link[2].is_alive()]
             self._links.append((signal_pipe, data, self._serve_thread(signal_pipe, data)))
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed.is_set():
+            raise BufferClosed(f"{op} on a closed buffer")
+        if self._died is not None:
+            raise _died_error(self._died)
 
     @property
     def healthy(self) -> bool:
@@ -489,10 +496,7 @@ class SimpleBuffer(KVLookupBufferBase):
 
         Several threads may call this at once: their requests are in flight together.
         """
-        if self._closed.is_set():
-            raise BufferClosed("drop_select on a closed buffer")
-        if self._died is not None:
-            raise BufferClosed(f"this buffer's {self._died} thread died (see the log): use a new buffer")
+        self._check_usable("drop_select")
         self._take_role("consumer")
         if input_tokens is not None:
             query = _masked_tokens(input_tokens, roi)  # a bad query is refused here rather than at the producer
@@ -538,7 +542,7 @@ class SimpleBuffer(KVLookupBufferBase):
             if not self._closed.is_set():
                 self._died = "receiving"
                 logger.error("the buffer's receiving thread ended unexpectedly: drop_select fails from now on")
-                self._fail_pending(BufferClosed("this buffer's receiving thread died (see the log): use a new buffer"))
+                self._fail_pending(_died_error(self._died))
 
     def _receive_loop(self) -> None:
         """Consumer: receive every answer and hand it to its request."""

@@ -76,8 +76,7 @@ class PipeEndpoint:
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], MooncakePipe] = {}
         self._on_link: Callable[[MooncakePipe], None] | None = None
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        self._per_host: dict[str, int] = {}  # handshakes under way by source host (under _lock)
+        self._handshakes: dict[str, int] = {}  # handshakes under way by source host (under _lock)
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
         self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
@@ -215,30 +214,34 @@ class PipeEndpoint:
                 time.sleep(0.05)
                 continue
             host, who = str(addr[0]), join_host_port(str(addr[0]), addr[1])
-            with self._lock:
-                crowded = self._per_host.get(host, 0) >= MAX_HANDSHAKES_PER_HOST
-                if not crowded:
-                    self._per_host[host] = self._per_host.get(host, 0) + 1
-            if crowded or not self._handshakes.acquire(blocking=False):
-                logger.warning("closed a side-channel connection from %s: %d handshakes already under way%s", who,
-                               MAX_HANDSHAKES_PER_HOST if crowded else MAX_HANDSHAKES, " from that host" if crowded else "")
-                if not crowded:
-                    self._handshake_ended(host)
+            refused = self._handshake_begins(host)
+            if refused:
+                logger.warning("closed a side-channel connection from %s: %s", who, refused)
                 sock.close()
                 continue
             try:
                 threading.Thread(target=self._handshake, args=(sock, host, who), daemon=True,
                                  name=f"kv-pipe-hello-{self.port}").start()
             except RuntimeError:  # no thread to be had: refuse this one, keep accepting
-                self._handshakes.release()
                 self._handshake_ended(host)
                 sock.close()
 
+    def _handshake_begins(self, host: str) -> str:
+        """Count a handshake from ``host`` in, or say why not (a flood must not pile up threads, and one host's
+        flood must leave room for the others)."""
+        with self._lock:
+            if sum(self._handshakes.values()) >= MAX_HANDSHAKES:
+                return f"{MAX_HANDSHAKES} handshakes already under way"
+            if self._handshakes.get(host, 0) >= MAX_HANDSHAKES_PER_HOST:
+                return f"{MAX_HANDSHAKES_PER_HOST} handshakes already under way from that host"
+            self._handshakes[host] = self._handshakes.get(host, 0) + 1
+            return ""
+
     def _handshake_ended(self, host: str) -> None:
         with self._lock:
-            left = self._per_host.pop(host, 1) - 1
+            left = self._handshakes.pop(host, 1) - 1
             if left > 0:
-                self._per_host[host] = left
+                self._handshakes[host] = left
 
     def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
         """One incoming connection, start to end of its handshake; any failure closes this connection only."""
@@ -262,7 +265,6 @@ class PipeEndpoint:
                 pass
             sock.close()
         finally:
-            self._handshakes.release()
             self._handshake_ended(source)
 
     def _authenticate(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str, str]:
