@@ -120,9 +120,10 @@ def metrics(server: VllmServer) -> dict[str, float]:
     return out
 
 
-def kv_stats(server: VllmServer) -> dict[str, float]:
-    """The connector's own stats (``vllm:mooncake_kv_*``) plus vLLM's prefix-cache hit counters, in tokens."""
-    every = metrics(server)
+def kv_stats(server: VllmServer, every: dict[str, float] | None = None) -> dict[str, float]:
+    """The connector's own stats (``vllm:mooncake_kv_*``) plus vLLM's prefix-cache hit counters, in tokens (from
+    ``every``, the instance's ``metrics``, if given)."""
+    every = metrics(server) if every is None else every
     out = {name.removeprefix(STAT_PREFIX): v for name, v in every.items() if name.startswith(STAT_PREFIX)}
     out["local_hits"] = every.get("vllm:prefix_cache_hits", 0.0)
     out["external_hits"] = every.get("vllm:external_prefix_cache_hits", 0.0)
@@ -153,7 +154,7 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
     while True:
         every = metrics(server)
         busy = every.get("vllm:num_requests_running", 0.0) + every.get("vllm:num_requests_waiting", 0.0)
-        now = kv_stats(server)
+        now = kv_stats(server, every)
         if not busy and now == last:
             return
         if time.monotonic() > deadline:
