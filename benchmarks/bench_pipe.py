@@ -1,22 +1,27 @@
-"""One-way transfer benchmark: MooncakePipe vs. a raw Transfer Engine write vs. a plain loopback TCP socket.
+"""One-way transfer benchmark: MooncakePipe vs. the raw Transfer Engine vs. a plain loopback TCP socket.
 
 For each tensor size, the same bytes go from a *sender* process (a child started with multiprocessing "spawn") to
-a *receiver* process (this one), on 127.0.0.1, CPU only, over three transports:
+a *receiver* process (this one), on 127.0.0.1, CPU only, in four ways:
 
-- ``ours``:   ``MooncakePipe.send_tensor(uint8 tensor)`` in the sender -> ``recv_tensor()`` in the receiver
-  (a new result tensor each time, so the receiver pays the page faults of fresh memory).
-- ``ours_out``: the same, received with ``recv_tensor(out=buffer)`` into a reused buffer, as the raw TE and socket
-  baselines do (what a caller with a reusable destination, like the KV connector, gets).
-- ``raw_te``: one ``TransferEngine.transfer_sync_write`` from a registered source buffer into a registered
-  destination buffer of the receiver's engine (P2PHANDSHAKE); the lower bound of what the pipe can reach.
-- ``socket``: ``sendall`` on a TCP_NODELAY loopback socket -> ``recv_into`` a preallocated buffer.
+- ``ours``:   ``MooncakePipe.send_tensor(uint8 tensor)`` in the sender -> ``recv_tensor()`` in the receiver, which
+  returns a fresh result each time (the previous one is dropped first): from the pipe's pool of memory kept mapped
+  (``result_pool_size``), else newly allocated memory with its page faults. Times send start -> result returned.
+- ``ours_out``: the same, received with ``recv_tensor(out=buffer)`` into one reused buffer (what a caller with a
+  reusable destination, like the KV connector, gets). Times send start -> result returned.
+- ``raw_te``: the Transfer Engine alone, like for like with the pipe's configuration: the bytes go from a registered
+  source buffer into a registered destination buffer of the receiver's engine (P2PHANDSHAKE) in ``chunk_size``
+  writes (``batch_transfer_async_write``, one write per batch) with up to ``max_chunks_in_flight`` of them in flight,
+  each awaited by polling ``transfer_check_status`` (as the pipe waits). Times the first write's start -> the last
+  write's completion, on the sender: no side channel, no receiver involvement. The bound the pipe is measured against.
+- ``socket``: ``sendall`` on a TCP_NODELAY loopback socket -> ``recv_into`` a preallocated buffer. Times send start
+  -> last byte received.
 
 One-way latency of one transfer: the sender stores ``time.perf_counter()`` (CLOCK_MONOTONIC, the same clock in
 every process on Linux) into shared memory right before sending; the receiver takes ``perf_counter()`` right after
 the receive completed; latency = the difference. A one-sided write tells the receiver nothing, so for ``raw_te``
-the latency is the duration of the synchronous write call on the sender. Transfers never overlap: the receiver
-hands the sender a token before each one. A few untimed warm-up transfers come first, and the last received
-bytes are checked against what was sent (untimed). Throughput = bytes / median latency, in GB/s (1e9 bytes/s).
+the latency is measured on the sender, from the first write's start to the last one's completion. Transfers never
+overlap: the receiver hands the sender a token before each one. A few untimed warm-up transfers come first, and the
+last received bytes are checked against what was sent (untimed). Throughput = bytes / median latency, in GB/s (1e9 bytes/s).
 
 Run (from the repository root)::
 
@@ -24,6 +29,7 @@ Run (from the repository root)::
     .venv/bin/python benchmarks/bench_pipe.py --quick     # 4 KiB .. 1 MiB, few repeats (smoke test)
     .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 64M 256M --chunk-size 16M --inflight 2
     .venv/bin/python benchmarks/bench_pipe.py --sizes 16M 128M --busy sender  # a spinning Python thread there
+    .venv/bin/python benchmarks/bench_pipe.py --sizes 64M --no-pool --out-dir /tmp  # fresh results, as before the pool
 
 It prints a markdown table and whether the targets are met, and writes ``bench_pipe.json`` (every median/p90,
 the configuration and versions) and ``bench_pipe.png`` (throughput and latency vs. size) to ``--out-dir``.
@@ -49,6 +55,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -58,16 +65,16 @@ from typing import Any, Protocol
 
 import torch
 
-from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig
-
 # The Transfer Engine reads these when it starts (in this process and in the spawned sender, which inherits them).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the repository's test helpers importable
-    sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT) not in sys.path:  # run as a script: measure this checkout's pipe (not an installed copy), and
+    sys.path.insert(0, str(REPO_ROOT))  # make its test helpers importable
 
+from benchmarks import common  # noqa: E402
+from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig  # noqa: E402
 from tests.kv_pipe.peers import free_port, make_config  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -254,9 +261,12 @@ class PipeSender:
 
 
 class RawTESender:
+    """The pipe's write pattern on the bare engine: ``chunk_size`` writes, ``max_chunks_in_flight`` in flight."""
+
     def __init__(self, setup: dict[str, Any]) -> None:
         self.engine = start_engine()
         self.peer, self.dst_addr = setup["session"], setup["dst_addr"]
+        self.chunk, self.inflight = setup["chunk_size"], setup["max_chunks_in_flight"]
         self.src = torch.empty(setup["max_size"], dtype=torch.uint8)
         register(self.engine, self.src)
 
@@ -264,12 +274,32 @@ class RawTESender:
         self.src[:size].copy_(pattern(size))
 
     def send(self, size: int) -> float | None:
+        src, pending = self.src.data_ptr(), deque()  # (batch id, bytes) of the writes in flight
         t0 = time.perf_counter()
-        rc = self.engine.transfer_sync_write(self.peer, self.src.data_ptr(), self.dst_addr, size)
-        elapsed = time.perf_counter() - t0
-        if rc != 0:
-            raise RuntimeError(f"transfer_sync_write of {size} bytes to {self.peer} failed (rc={rc})")
-        return elapsed
+        for pos in range(0, size, self.chunk):
+            length = min(self.chunk, size - pos)
+            batch = self.engine.batch_transfer_async_write(self.peer, [src + pos], [self.dst_addr + pos], [length])
+            if not batch:
+                raise RuntimeError(f"could not start a {length}-byte write to {self.peer}")
+            pending.append((batch, length))
+            if len(pending) >= self.inflight:
+                self._wait(*pending.popleft())
+        while pending:
+            self._wait(*pending.popleft())
+        return time.perf_counter() - t0
+
+    def _wait(self, batch: int, length: int) -> None:
+        """Poll as the pipe's ``MooncakeEngine.wait`` does (the binding's blocking wait spins a core at full speed):
+        64 polls, then 50 us naps between polls."""
+        polls, deadline = 0, time.monotonic() + STEP_TIMEOUT
+        while (status := self.engine.transfer_check_status(batch)) == 0:
+            polls += 1
+            if polls > 64:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a {length}-byte write to {self.peer} did not complete")
+                time.sleep(0.00005)
+        if status != 1:
+            raise RuntimeError(f"a {length}-byte write to {self.peer} failed (status {status})")
 
     def close(self) -> None:
         self.engine.unregister_memory(self.src.data_ptr())
@@ -380,6 +410,7 @@ class PipeReceiver:
 
     def close(self) -> None:
         self.last = None
+        print(f"  results from the pool: {self.pipe.endpoint.results.stats}", flush=True)
         self.pipe.close()
 
 
@@ -407,7 +438,8 @@ class RawTEReceiver:
         self.dst = torch.zeros(max_size, dtype=torch.uint8)
         register(self.engine, self.dst)
         self.setup = {"session": f"{HOST}:{self.engine.get_rpc_port()}", "dst_addr": self.dst.data_ptr(),
-                      "max_size": max_size}
+                      "max_size": max_size, "chunk_size": config["chunk_size"],
+                      "max_chunks_in_flight": config["max_chunks_in_flight"]}
 
     def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
         return float(get_from_sender(link.done, proc, link))
@@ -600,6 +632,7 @@ def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[st
         "benchmark": "bench_pipe",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git("rev-parse", "HEAD"),
+        "commit": common.commit(), "command": common.command(), "cpu": common.cpu(),
         "kv_pipe_uncommitted_changes": git("status", "--porcelain", "--", "kv_pipe") not in (None, ""),
         "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                  "torch_threads": torch.get_num_threads(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
@@ -609,7 +642,8 @@ def write_json(path: Path, args: argparse.Namespace, plan: Plan, config: dict[st
         "pipe_config": config,
         "env": {k: os.environ.get(k) for k in ("MC_LOG_LEVEL", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT", "OMP_NUM_THREADS")},
         "method": {"warmup": plan.warmup, "latency": "one-way, sender perf_counter() before send -> receiver perf_counter() "
-                   "after receive; raw_te: duration of transfer_sync_write on the sender", "gbps": "bytes / median / 1e9"},
+                   "after receive; raw_te: on the sender, first write start -> last write done, in chunk_size writes "
+                   "with max_chunks_in_flight in flight (the pipe's configuration)", "gbps": "bytes / median / 1e9"},
         "sizes": list(plan.sizes),
         "results": {name: {"error": r.error, "sizes": {str(s): {**asdict(st), "gbps": st.gbps} for s, st in r.stats.items()}}
                     for name, r in results.items()},
@@ -625,7 +659,7 @@ def write_plot(path: Path, plan: Plan, results: dict[str, TransportResult]) -> N
     import matplotlib.pyplot as plt
 
     labels = {"ours": "MooncakePipe (ours)", "ours_out": "MooncakePipe into a reused buffer",
-              "raw_te": "raw TE transfer_sync_write", "socket": "Python TCP socket"}
+              "raw_te": "raw TE, chunk_size writes, max_chunks_in_flight in flight", "socket": "Python TCP socket"}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 9), sharex=True)
     for name, r in results.items():
         sizes = [s for s in plan.sizes if s in r.stats]
@@ -663,6 +697,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MooncakePipe staging_buffer_size (default: the config default, %(default)s)")
     p.add_argument("--inflight", type=int, default=defaults.max_chunks_in_flight,
                    help="MooncakePipe max_chunks_in_flight (default: the config default, %(default)s)")
+    p.add_argument("--no-pool", action="store_true",
+                   help="MooncakePipe result_pool_size 0: every result of ours is freshly allocated")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="MooncakePipe huge_pages false (default: true, the config default)")
     p.add_argument("--rounds", type=int, default=3,
                    help="run every transport this many times in rotating order and pool the samples (default: 3)")
     p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
@@ -694,8 +732,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def pipe_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Two free ports on 127.0.0.1 (P2PHANDSHAKE, TCP) plus the pipe knobs from the command line."""
-    return make_config(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size, max_chunks_in_flight=args.inflight)
+    """Two free ports on 127.0.0.1 (P2PHANDSHAKE, TCP) plus the pipe knobs from the command line (the raw TE
+    baseline takes chunk_size and max_chunks_in_flight from it too)."""
+    pool = 0 if args.no_pool else MooncakeTransferEngineConfig().result_pool_size  # named in the JSON either way
+    return make_config(chunk_size=args.chunk_size, staging_buffer_size=args.staging_size, max_chunks_in_flight=args.inflight,
+                       huge_pages=args.huge_pages, result_pool_size=pool)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -704,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     config = pipe_config(args)
     print(f"bench_pipe: sizes {', '.join(fmt_size(s) for s in plan.sizes)}; repeats "
           f"{', '.join(str(plan.repeats[s]) for s in plan.sizes)} (+{plan.warmup} warm-up); chunk {fmt_size(args.chunk_size)}, "
-          f"staging {fmt_size(args.staging_size)}, in flight {args.inflight}", flush=True)
+          f"staging {fmt_size(args.staging_size)}, in flight {args.inflight}, result pool "
+          f"{'off' if args.no_pool else 'on'}, huge pages {'on' if args.huge_pages else 'off'}", flush=True)
     load_start = os.getloadavg()
     if load_start[0] > BUSY_LOAD:
         print(f"note: load average {load_start[0]:.2f} - other processes use the CPU, expect noisy numbers", flush=True)

@@ -155,6 +155,11 @@ def default_max_tensor_size() -> int:
     return min(64 * GiB, physical_memory() // 2)
 
 
+def default_result_pool_size() -> int:
+    """512 MiB, at most 1/16 of this machine's RAM: memory kept mapped for received tensors."""
+    return min(512 * MiB, physical_memory() // 16)
+
+
 def _positive(value: Any, field: str, kind: type, hint: str, upper: float) -> Any:
     """A finite number > 0 and <= ``upper``, of ``kind`` (int: integers only)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
@@ -172,6 +177,8 @@ class MooncakeTransferEngineConfig:
     itself picks its own ports. ``staging_buffer_size`` bytes are registered per direction and per pipe; no tensor
     moves through more memory than that plus the result tensor itself. Tensors of at most ``inline_max`` bytes ride
     inside the side-channel frame that announces them (lower latency than a Transfer Engine write plus a frame).
+    Received tensors of 1 MiB or more are served from up to ``result_pool_size`` bytes of memory that
+    each pipe endpoint keeps and reuses once a result is dropped (see ``kv_pipe.memory.ResultPool``).
     """
 
     prefill_url: str = "127.0.0.1:13003"
@@ -188,6 +195,7 @@ class MooncakeTransferEngineConfig:
     zero_copy_send: bool = True
     zero_copy_recv: bool = True
     max_tensor_size: int = dataclasses.field(default_factory=default_max_tensor_size)
+    result_pool_size: int = dataclasses.field(default_factory=default_result_pool_size)
     timeout: float = 30.0
     auth_secret: str = dataclasses.field(default="", repr=False)
 
@@ -223,6 +231,11 @@ class MooncakeTransferEngineConfig:
         _positive(self.max_chunks_in_flight, "max_chunks_in_flight", int, "e.g. 4", 1024)
         _positive(self.max_tensor_size, "max_tensor_size", int, f"{size_hint}; at most this machine's RAM",
                   physical_memory())
+        pool = self.result_pool_size
+        if isinstance(pool, bool) or not isinstance(pool, int) or not 0 <= pool <= physical_memory():
+            raise ConfigError(f"result_pool_size: expected a number of bytes from 0 (no pool: every received tensor "
+                              f"is freshly allocated) to {physical_memory()} (this machine's RAM), got {pool!r}; "
+                              "e.g. 536870912 for 512 MiB")
         if isinstance(self.inline_max, bool) or not isinstance(self.inline_max, int) or not 0 <= self.inline_max <= MAX_INLINE:
             raise ConfigError(f"inline_max: expected a number of bytes from 0 (never inline) to {MAX_INLINE}, "
                               f"got {self.inline_max!r}")

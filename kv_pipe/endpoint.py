@@ -28,6 +28,7 @@ import torch
 from kv_pipe import auth, wire
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
+from kv_pipe.memory import ResultPool
 from kv_pipe.scatter import Region
 from kv_pipe.transfer_engine import MooncakeEngine
 from kv_pipe.wire import Kind
@@ -82,6 +83,9 @@ class PipeEndpoint:
         self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
         self.direct_recv = self.offers and config.metadata.backend == "p2p"
         self.regions: list[tuple[Region, torch.Tensor]] = []
+        # Memory kept mapped for the results of recv_tensor() without out=, shared by every link (host results
+        # only: a device result is allocated on the device, as before).
+        self.results = ResultPool(config.result_pool_size if self.device.type == "cpu" else 0, config.huge_pages)
         try:
             self._listener = socket.create_server((host, port), backlog=BACKLOG)
         except OSError as e:
@@ -332,6 +336,7 @@ class PipeEndpoint:
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
         self.engine.close()
+        self.results.clear()
         logger.info("pipe endpoint %s closed", self.address)
 
     def __enter__(self) -> PipeEndpoint:

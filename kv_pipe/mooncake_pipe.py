@@ -8,8 +8,10 @@ How one tensor travels (sender A -> receiver B):
    reserve ring space, start a one-sided Transfer Engine write into B's ring (over TCP straight from the tensor;
    RDMA and device tensors first copy into A's own registered staging area). Up to ``max_chunks_in_flight`` writes
    run at once; as each completes, a CHUNK frame tells B where it is.
-3. B's ``recv_tensor`` allocates the result once, copies each chunk out of the ring and ACKs it, which frees the
-   space for A's next chunks. Memory use is fixed: two staging areas plus the result tensor.
+3. B's ``recv_tensor`` takes the result from the endpoint's pool of memory kept mapped (``ResultPool``: a fresh
+   result's page faults cost as much as the transfer; a slot is reused once the caller dropped every reference to
+   its result) or allocates it, copies each chunk out of the ring and ACKs it, which frees the space for A's next
+   chunks. Memory use is fixed: two staging areas plus the result tensor (and the pool, ``result_pool_size``).
 4. Zero-copy receive (TCP, host result of at least ``DIRECT_MIN`` bytes): on the TENSOR frame B registers the
    result itself and offers it (DIRECT; its WELCOME told A whether it does). A writes a first small chunk to the ring
    meanwhile and then waits up to ``OFFER_WAIT`` for the offer (a receiver that is not reading yet gets its ring
@@ -344,7 +346,10 @@ class MooncakePipe(KVPipeBase):
         self.endpoint.register_receive_region(region)
 
     def recv_tensor(self, timeout: float | None = None, out: torch.Tensor | Scatter | None = None) -> torch.Tensor | None:
-        """See ``KVPipeBase.recv_tensor``. ``out``: an optional contiguous buffer on the pipe's device to receive into
+        """See ``KVPipeBase.recv_tensor``. Without ``out``, a host result of 1 MiB or more lives in memory of the
+        endpoint's result pool (``result_pool_size``), faulted in by its first use and reused for a later result only once
+        nothing references this one any more (the result, a view or slice of it, its storage); use it as any tensor.
+        ``out``: an optional contiguous buffer on the pipe's device to receive into
         (any dtype; the result is then a view of its first bytes, saving the page faults of a fresh allocation);
         if it is too small for the incoming tensor, a new tensor is allocated instead. If this call raises, the
         contents of ``out`` are undefined, and with zero-copy receive writes the sender had already started may still
@@ -379,7 +384,7 @@ class MooncakePipe(KVPipeBase):
                     if isinstance(out, Scatter) and out.prefix(item.nbytes) and data is not None:
                         out.copy_in(0, data)
                         return torch.empty(item.shape, dtype=item.dtype, device="meta")
-                    result = self._result(item, out if isinstance(out, torch.Tensor) else None)
+                    result, _ = self._result(item, out if isinstance(out, torch.Tensor) else None)
                     if data is not None:
                         copy_bytes(result.reshape(-1).view(torch.uint8), data)
                     return result
@@ -388,7 +393,8 @@ class MooncakePipe(KVPipeBase):
                 self._receiving = True
                 if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
                     return self._receive_scatter(inbound, item, timeout, out)
-                return self._receive(inbound, item, timeout, self._result(item, out if isinstance(out, torch.Tensor) else None))
+                result, mapped = self._result(item, out if isinstance(out, torch.Tensor) else None)
+                return self._receive(inbound, item, timeout, result, mapped)
             except PipeError as e:
                 inbound.fail(e)  # a half-received tensor leaves the stream unusable
                 inbound.reported = True
@@ -397,17 +403,25 @@ class MooncakePipe(KVPipeBase):
                 self._receiving = False
                 self.last_used = time.monotonic()
 
-    def _result(self, header: TensorHeader, out: torch.Tensor | None) -> torch.Tensor:
+    def _result(self, header: TensorHeader, out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """Where a tensor is received, and whether that memory is known to be mapped already: ``out`` if it fits,
+        else memory from the endpoint's pool (host results of 1 MiB or more), else a fresh tensor."""
         if out is not None and 0 < header.nbytes <= out.numel() * out.element_size():
-            return out.reshape(-1).view(torch.uint8)[:header.nbytes].view(header.dtype).view(header.shape)
+            return out.reshape(-1).view(torch.uint8)[:header.nbytes].view(header.dtype).view(header.shape), False
+        if header.data is None:
+            pooled = self.endpoint.results.take(header.dtype, header.shape, header.nbytes)
+            if pooled is not None:
+                return pooled
         result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.data is None and self.config.huge_pages:
             advise_huge_pages(result.reshape(-1).view(torch.uint8))
-        return result
+        return result, False
 
-    def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float, result: torch.Tensor) -> torch.Tensor:
+    def _receive(self, inbound: Inbound, header: TensorHeader, timeout: float, result: torch.Tensor,
+                 mapped: bool) -> torch.Tensor:
         """Collect a tensor's bytes: CHUNK frames point into the ring (copy out, ACK), DCHUNK frames say the
-        sender wrote them into ``result`` itself (zero-copy receive, offered here for a large host result)."""
+        sender wrote them into ``result`` itself (zero-copy receive, offered here for a large host result).
+        ``mapped``: the result's pages are mapped already (a pool slot used before), so nothing is prefaulted."""
         if header.nbytes == 0:
             return result
         out = result.reshape(-1).view(torch.uint8)
@@ -417,7 +431,7 @@ class MooncakePipe(KVPipeBase):
         def place(pos: int, data: torch.Tensor) -> None:
             end = pos + data.numel()
             copy_bytes(out[pos:end], data)
-            if not direct and end < header.nbytes:
+            if not direct and not mapped and end < header.nbytes:
                 # While the next chunk is on the wire, fault in the memory it will be copied to (a fresh
                 # result's page faults would otherwise double the cost of that copy).
                 prefault(out[end:end + data.numel()])

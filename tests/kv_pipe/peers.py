@@ -73,6 +73,16 @@ def echo(cfg: dict[str, Any], kv_rank: int, count: int) -> int:
     return tensors
 
 
+def echo_until_none(cfg: dict[str, Any], kv_rank: int) -> int:
+    """Send every tensor received straight back, until a None comes; returns how many were echoed."""
+    echoed = 0
+    with open_pipe(cfg, kv_rank) as pipe:
+        while (item := pipe.recv_tensor()) is not None:
+            pipe.send_tensor(item)
+            echoed += 1
+    return echoed
+
+
 # ----------------------------------------------------------------------------- deterministic test data
 def dtype_cases() -> list[Any]:
     """Every dtype the pipe supports in several shapes (0-d, empty, odd sizes, non-contiguous), plus Nones."""

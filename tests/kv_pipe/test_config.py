@@ -208,6 +208,21 @@ def test_default_max_tensor_size_fits_the_machine():
     assert MooncakeTransferEngineConfig().max_tensor_size <= physical_memory() // 2
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True, "512MiB", None, 1 << 50])
+def test_a_bad_result_pool_size_is_refused_naming_the_key(value, tmp_path):
+    with pytest.raises(ConfigError, match=r"result_pool_size: expected a number of bytes from 0 \(no pool"):
+        MooncakeTransferEngineConfig(result_pool_size=value)
+    with pytest.raises(ConfigError, match=r"mooncake.json: result_pool_size: "):
+        MooncakeTransferEngineConfig.from_file(write(tmp_path, {"result_pool_size": value}))
+
+
+def test_result_pool_size_default_and_off():
+    default = MooncakeTransferEngineConfig().result_pool_size
+    assert 0 < default <= min(512 << 20, physical_memory() // 16)
+    assert MooncakeTransferEngineConfig(result_pool_size=0).result_pool_size == 0
+    assert MooncakeTransferEngineConfig.from_dict({"result_pool_size": 64 << 20}).result_pool_size == 64 << 20
+
+
 def test_transfer_mode_in_mooncake_json_says_where_it_moved():
     with pytest.raises(ConfigError, match="transfer_mode is a setting of the connector now.*kv_connector_extra_config"):
         MooncakeTransferEngineConfig.from_dict({"transfer_mode": "push"})
