@@ -1,8 +1,9 @@
 """End to end: a colocated instance vs our producer/consumer through the proxy vs vLLM's built-in MooncakeConnector.
 
 Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
-scripts/setup.sh), all started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one
-after the other in one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
+scripts/setup.sh; bfloat16 where the CPU computes it natively, else float32 and twice the KV: ``--dtype``), all
+started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one after the other in
+one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
 
 - ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
 - ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
@@ -65,13 +66,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import vllm_version  # noqa: E402
+from benchmarks.common import command, commit, cpu, header, native_dtype, vllm_version  # noqa: E402
 from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
-KV_BYTES_PER_TOKEN = 32 * 1024  # kv32k in bfloat16
-SERVE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes",
-              str(1 << 30), "--max-num-seqs", "8"]
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "8"]
+
+
+def serve_args_for(dtype: str) -> list[str]:
+    """The ``vllm serve`` arguments every stack gets, computing in ``dtype`` (see ``common.native_dtype``)."""
+    return ["--dtype", dtype, *SERVE_ARGS]
+
 TARGET_TRANSFER_RATIO = 1.0   # ours / built-in, at >= 1024 tokens
 TARGET_TTFT_RATIO = 1.25      # ours / colocated, at 1024 tokens
 PUSH_TTFT_TARGETS = {1024: 1.15, 3072: 1.05}  # push / colocated
@@ -180,7 +185,7 @@ class Stacks:
 
     def __init__(self, model: Path, work: Path, modes: tuple[str, ...], serve_args: list[str] | None = None) -> None:
         self.model, self.work, self.modes = model, work, modes
-        self.serve_args = SERVE_ARGS if serve_args is None else serve_args
+        self.serve_args = serve_args_for(native_dtype()) if serve_args is None else serve_args
         self.servers: dict[str, VllmServer] = {}
         self.proxy: subprocess.Popen | None = None
         self.proxy_url = ""
@@ -370,7 +375,12 @@ def markdown(rows: list[Row], lengths: list[int]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[Row], lengths: list[int], path: Path) -> None:
+def kv_kib(dtype: str) -> int:
+    """KiB of KV per token of the kv32k model in ``dtype``."""
+    return 32 if dtype in ("bfloat16", "float16", "half") else 64
+
+
+def plot(rows: list[Row], lengths: list[int], path: Path, dtype: str) -> None:
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -393,7 +403,8 @@ def plot(rows: list[Row], lengths: list[int], path: Path) -> None:
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.legend()
-    fig.suptitle("bench_e2e: kv32k model (32 KiB KV/token, bf16), one core per vLLM instance, TCP loopback")
+    fig.suptitle(f"bench_e2e: kv32k model ({kv_kib(dtype)} KiB KV/token, {dtype}), one core per vLLM instance, "
+                 "TCP loopback")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -410,6 +421,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="stacks to run (default all; the ratios need all three)")
+    parser.add_argument("--dtype", default=None, help="the models' dtype (default: bfloat16 where the CPU computes it "
+                        "natively, AVX-512 BF16 or AMX, else float32)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--keep-logs", action="store_true", help="print the log directory and keep it")
     args = parser.parse_args()
@@ -422,8 +435,10 @@ def main() -> int:
     if too_long:
         parser.error(f"--lengths {too_long}: prompt + --max-tokens must fit the 4608-token model length used here")
 
+    info = cpu()
+    dtype = args.dtype or native_dtype(info)
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
-    print(f"logs in {work}", flush=True)
+    print(f"logs in {work}; dtype {dtype} (CPU flags: {' '.join(info['flags']) or 'none of interest'})", flush=True)
     modes = tuple(m for m in MODES if m in args.modes)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
     samples: list[Sample] = []
@@ -434,7 +449,7 @@ def main() -> int:
         # figure noisy). Rounds alternate the order of the stacks, so that a slow drift of the machine does not favour
         # one of them; within a round every stack gets the same prompts.
         for mode in modes if round_ % 2 == 0 else modes[::-1]:
-            stacks = Stacks(model, work, (mode,))
+            stacks = Stacks(model, work, (mode,), serve_args_for(dtype))
             print(f"round {round_ + 1}/{args.rounds}, {mode}: starting {1 if mode == 'colocated' else 2} vLLM "
                   "instance(s) ...", flush=True)
             stacks.start()
@@ -464,17 +479,20 @@ def main() -> int:
     print(table)
     print(f"\nexternal prefix cache hits: {json.dumps(hits)} (prompt tokens - 1 per request: {expected_hits})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
-            "vllm": vllm_version(),
-            "model": "kv32k (8 layers, 32 KiB KV/token bf16)", "serve_args": SERVE_ARGS, "args": {
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit(), "command": command(),
+            "cpu": info, "dtype": dtype, "python": platform.python_version(), "vllm": vllm_version(),
+            "model": f"kv32k (8 layers, {kv_kib(dtype)} KiB KV/token in {dtype})", "serve_args": serve_args_for(dtype),
+            "args": {
                 k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "external_hits": hits, "expected_hits_each": expected_hits}
     (args.out_dir / "bench_e2e.json").write_text(json.dumps(
         {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}, indent=1))
     (args.out_dir / "bench_e2e.md").write_text(
-        f"# bench_e2e ({meta['date']})\n\n{table}\n\nexternal prefix cache hits: {json.dumps(hits)}; "
+        f"{header('bench_e2e: colocated vs ours (pull, push) vs the built-in MooncakeConnector', dtype)}\n"
+        f"kv32k model ({kv_kib(dtype)} KiB of KV per token); `vllm serve` arguments "
+        f"{' '.join(serve_args_for(dtype))}\n\n{table}\n\nexternal prefix cache hits: {json.dumps(hits)}; "
         f"expected each {expected_hits}\n")
-    plot(rows, args.lengths, args.out_dir / "bench_e2e.png")
+    plot(rows, args.lengths, args.out_dir / "bench_e2e.png", dtype)
     print(f"wrote {args.out_dir / 'bench_e2e.json'}, bench_e2e.md, bench_e2e.png")
     if not args.keep_logs:
         import shutil  # noqa: PLC0415

@@ -78,7 +78,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_e2e import SERVE_ARGS, Stacks, fmt, stream  # noqa: E402
+from benchmarks.bench_e2e import Stacks, fmt, serve_args_for, stream  # noqa: E402
 from benchmarks.common import cpu, header, native_dtype, vllm_version, write  # noqa: E402
 from tests.servers import HOST, VllmServer, spawn, stop  # noqa: E402
 
@@ -156,13 +156,6 @@ class ServeStacks(Stacks):
 
     def consumer(self) -> VllmServer | None:
         return next((s for n, s in self.servers.items() if n.endswith("-consumer")), None)
-
-
-def serve_args(dtype: str) -> list[str]:
-    """bench_e2e's ``vllm serve`` arguments with ``dtype``."""
-    args = list(SERVE_ARGS)
-    args[args.index("--dtype") + 1] = dtype
-    return args
 
 
 # ----------------------------------------------------------------------------- one run of vllm bench serve
@@ -471,7 +464,7 @@ def main() -> int:
     began = time.monotonic()
     failures: dict[str, str] = {}
     for mode in modes:
-        stacks = ServeStacks(model, work, (mode,), serve_args(dtype))
+        stacks = ServeStacks(model, work, (mode,), serve_args_for(dtype))
         print(f"{mode}: starting 2 vLLM instances and the proxy ... ({time.monotonic() - began:.0f} s in)", flush=True)
         try:
             stacks.start()
@@ -504,10 +497,10 @@ def main() -> int:
     print(f"\n{elapsed / 60:.1f} minutes")
     md = (header("bench_serve: vllm bench serve, colocated pair vs 1P1D", dtype) + "\n"
           f"kv32k model, {OUTPUT_LEN} output tokens (ignore_eos), random dataset, Poisson arrivals; "
-          f"`vllm serve` arguments {' '.join(serve_args(dtype))}; {'full' if args.full else 'reduced'} sweep, "
+          f"`vllm serve` arguments {' '.join(serve_args_for(dtype))}; {'full' if args.full else 'reduced'} sweep, "
           f"{elapsed / 60:.0f} minutes.\n\n{table}\n\n## Targets\n\n{text}\n")
     data = {"dtype": dtype, "vllm": vllm_version(),
-            "serve_args": serve_args(dtype), "output_len": OUTPUT_LEN,
+            "serve_args": serve_args_for(dtype), "output_len": OUTPUT_LEN,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "model"},
             "slo_ms": {str(n): ({"ttft": s[0], "tpot": s[1]} if s else None) for n, s in slos.items()},
             "targets": checks, "failed_stacks": failures, "elapsed_s": elapsed,
