@@ -26,6 +26,12 @@ Run (from the repository root; ~10 minutes)::
 
 Prints a markdown table and writes bench_loads.json / bench_loads.md to ``--out-dir`` (default benchmarks/results).
 Goal (issue #14): in-vLLM aggregate >= 0.5x the bare pipe at 16 and 64 requests in flight.
+
+``--single ROUNDS`` (~3 minutes for 20): one load at a time instead, each timed next to a bare-pipe transfer of the
+same bytes over a pipe kept up between rounds (bench_loads_single.json / .md). Goal (issue #17): a single pull load of
+96 MiB (3072 tokens) in vLLM at >= 0.7x the bare pipe's throughput::
+
+    .venv/bin/python benchmarks/bench_loads.py --single 20
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ MODEL = ROOT / ".cache" / "models" / "kv32k"
 BLOCK = 128
 ROW_BYTES = 8 * 8 * 128 * 256 * 2  # kv32k in bfloat16: 8 layers x [8 heads, 128 tokens, K and V of 128] per block
 GOAL = 0.5
+SINGLE_GOAL = 0.7
 SWITCH_INTERVAL = 0.0001  # the connector's gil_switch_interval default, for the bare pipe too
 
 
@@ -197,6 +204,129 @@ def bare_pipe_round(cfg: dict[str, Any], sizes: list[int], pinned: bool) -> dict
     return {"n": len(sizes), "bytes": sum(sizes), "seconds": wall, "GBps": sum(sizes) / wall / 1e9, "pinned": pinned}
 
 
+def _bare_server(cfg: dict[str, Any], largest: int, ready: Any, core: int) -> None:
+    """A bare-pipe sender that stays up: sends a tensor of each size it is asked for (0: stop)."""
+    import os  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from kv_pipe import MooncakePipe  # noqa: PLC0415
+
+    os.sched_setaffinity(0, {core})
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    with MooncakePipe(kv_rank=0, config=_pipe_config(cfg)) as pipe:
+        data = torch.randint(0, 255, (largest,), dtype=torch.uint8)
+        ready.set()
+        while True:
+            ask = pipe.recv_tensor(timeout=3600)
+            size = int(ask.item()) if ask is not None else 0
+            if size <= 0:
+                return
+            pipe.send_tensor(data[:size])
+
+
+class BarePipe:
+    """One bare pipe kept up between single loads, so that each load in vLLM is timed next to a bare transfer of the
+    same bytes (interleaved: the machine's slow drifts hit both). Sender on core 0, receiver (this process, only while
+    it receives) on core 1, as the vLLM producer's and consumer's workers."""
+
+    def __init__(self, cfg: dict[str, Any], largest: int) -> None:
+        import torch  # noqa: PLC0415
+
+        from kv_pipe import MooncakePipe  # noqa: PLC0415
+
+        cfg = {**cfg, "prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}"}
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        ready = mp.get_context("spawn").Event()
+        self.sender = mp.get_context("spawn").Process(target=_bare_server, args=(cfg, largest, ready, 0), daemon=True)
+        self.sender.start()
+        self.pipe = MooncakePipe(kv_rank=1, config=_pipe_config(cfg))
+        if not ready.wait(120):
+            raise RuntimeError("the bare-pipe sender did not start")
+        self.buf = torch.empty(largest, dtype=torch.uint8)
+        self.buf.fill_(0)  # mapped, as the consumer's KV cache blocks are
+        self.transfer(1 << 20)  # the link's set-up is not timed (the vLLM pair's link is up too)
+
+    def transfer(self, size: int) -> float:
+        """Seconds from asking for ``size`` bytes until they are in the (reused) receive buffer."""
+        import os  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415
+
+        cores = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {1})
+        try:
+            start = time.perf_counter()
+            self.pipe.send_tensor(torch.tensor([size], dtype=torch.int64))
+            got = self.pipe.recv_tensor(timeout=120, out=self.buf)
+            seconds = time.perf_counter() - start
+        finally:
+            os.sched_setaffinity(0, cores)
+        assert got is not None and got.numel() == size
+        return seconds
+
+    def close(self) -> None:
+        import torch  # noqa: PLC0415
+
+        self.pipe.send_tensor(torch.tensor([0], dtype=torch.int64))
+        self.sender.join(30)
+        self.pipe.close()
+
+
+def single_loads(producer: VllmServer, consumer: VllmServer, cfg: dict[str, Any], tokens: int, rounds: int,
+                 rng: random.Random) -> list[dict[str, float]]:
+    """``rounds`` single pull loads of a ``tokens``-token prompt in vLLM (the connector's own timing of the load: the
+    request to the producer and the transfer into the KV cache blocks), each followed by a bare-pipe transfer of the
+    same bytes."""
+    bare = BarePipe(cfg, (-(-tokens // BLOCK)) * ROW_BYTES)
+    out = []
+    try:
+        for r in range(rounds):
+            prompt = [rng.randrange(10, 7000) for _ in range(tokens)]
+            saved = stats(producer).get("saved", 0)
+            post(producer, prompt, 1)
+            deadline = time.monotonic() + 60
+            while stats(producer).get("saved", 0) < saved + 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen, before = len(load_timings(consumer.log, 0)), stats(consumer)
+            post(consumer, prompt, 1)
+            deadline = time.monotonic() + 10
+            while not (timings := load_timings(consumer.log, seen)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if len(timings) != 1:
+                raise RuntimeError(f"round {r}: {len(timings)} pulled-load lines in the consumer's log (expected 1)")
+            nbytes = stats(consumer).get("fetched_bytes", 0) - before.get("fetched_bytes", 0)
+            ms = timings[0][0]
+            bare_ms = bare.transfer(int(nbytes)) * 1e3
+            out.append({"bytes": nbytes, "vllm_ms": ms, "bare_ms": bare_ms, "ratio": bare_ms / ms})
+            print(f"single load {r}: {nbytes / 2**20:.0f} MiB, in vLLM {ms:.1f} ms ({nbytes / ms / 1e6:.2f} GB/s), bare "
+                  f"pipe {bare_ms:.1f} ms ({nbytes / bare_ms / 1e6:.2f} GB/s), ratio {bare_ms / ms:.2f}", flush=True)
+    finally:
+        bare.close()
+    return out
+
+
+def single_markdown(rows: list[dict[str, float]], tokens: int, dtype: str) -> str:
+    med = {k: statistics.median(r[k] for r in rows) for k in ("bytes", "vllm_ms", "bare_ms", "ratio")}
+    ratios = sorted(r["ratio"] for r in rows)
+    return "\n".join([
+        common.header("One pull load inside vLLM vs the bare pipe, interleaved (bench_loads.py --single)", dtype), "",
+        f"Each round: a fresh {tokens}-token prompt prefilled on the producer, then its decode request on the consumer "
+        "(nothing cached there): *in vLLM* is the connector's own timing of that load (its request to the producer, "
+        "the producer's lookup, the transfer straight into the KV cache blocks); then *bare pipe*: the same bytes "
+        "through a MooncakePipe kept up between two processes (sender on core 0, receiver on core 1, as the "
+        "instances' workers; GIL switch interval 0.1 ms and the same pipe settings for both), timed from the "
+        "receiver's request to the bytes being in a reused buffer. Interleaved, so the machine's drifts hit both.", "",
+        "| rounds | MiB per load | in vLLM ms (p50) | GB/s | bare pipe ms (p50) | GB/s | in vLLM / bare pipe "
+        "(p50 of the rounds' ratios) | min - max of the ratios |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {len(rows)} | {med['bytes'] / 2**20:.0f} | {med['vllm_ms']:.1f} | {med['bytes'] / med['vllm_ms'] / 1e6:.2f} | "
+        f"{med['bare_ms']:.1f} | {med['bytes'] / med['bare_ms'] / 1e6:.2f} | **{med['ratio']:.2f}** | "
+        f"{ratios[0]:.2f} - {ratios[-1]:.2f} |", "",
+        f"Goal (issue #17): a single pull load of 96 MiB in vLLM at >= {SINGLE_GOAL}x the bare pipe's throughput for "
+        f"the same bytes: **{'met' if med['ratio'] >= SINGLE_GOAL else 'NOT met'}**.", ""])
+
+
 def load_timings(log: Path, skip: int) -> list[tuple[float, float, float]]:
     """(total, fetch, copy) ms of each pulled load in the consumer's log after the first ``skip`` of them."""
     pattern = re.compile(r"loaded request \S+ \(pulled\).* in ([\d.]+) ms \([\d.]+ GB/s; fetch ([\d.]+) ms, "
@@ -213,6 +343,9 @@ def main() -> int:
                         help="the consumer's load_concurrency values to run (1: one load at a time, as before #14)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=None, help="every prompt this long (default: 1024-3072)")
+    parser.add_argument("--single", type=int, default=0, metavar="ROUNDS",
+                        help="instead: ROUNDS single loads of --tokens (default 3072) tokens, each next to a bare-pipe "
+                        "transfer of the same bytes (results in bench_loads_single.*)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args()
@@ -223,6 +356,22 @@ def main() -> int:
     if dtype != "bfloat16":
         print("note: the KV sizes below assume bfloat16; with float32 every load moves twice the bytes", file=sys.stderr)
     rng = random.Random(1234)
+    if args.single:
+        tokens = args.tokens or 3072
+        with tempfile.TemporaryDirectory(prefix="bench-loads-") as tmp:
+            producer, consumer = start(Path(tmp), dtype, 1, 4)
+            try:
+                in_vllm_round(producer, consumer, 4, random.Random(99), longest=True)  # warm-up
+                cfg = json.loads((Path(tmp) / "mooncake.json").read_text())
+                single = single_loads(producer, consumer, cfg, tokens, args.single, rng)
+            finally:
+                producer.stop()
+                consumer.stop()
+        table = single_markdown(single, tokens, dtype)
+        print(table)
+        common.write("bench_loads_single", {"dtype": dtype, "tokens": tokens, "rounds": single, "goal": SINGLE_GOAL},
+                     table, args.out_dir)
+        return 0
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-loads-") as tmp:
         for concurrency in args.load_concurrency:
