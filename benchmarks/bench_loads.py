@@ -225,52 +225,66 @@ def _bare_server(cfg: dict[str, Any], largest: int, ready: Any, core: int) -> No
             pipe.send_tensor(data[:size])
 
 
+def _bare_receiver(cfg: dict[str, Any], largest: int, conn: Any, core: int) -> None:
+    """The receiving end of ``BarePipe``, in a process of its own pinned to ``core`` with every thread it starts (as
+    the consumer's worker): times each size ``conn`` asks for, from asking the sender to the bytes being in a reused,
+    mapped buffer; answers the seconds (0 stops it)."""
+    import os  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from kv_pipe import MooncakePipe  # noqa: PLC0415
+
+    os.sched_setaffinity(0, {core})
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    buf = torch.zeros(largest, dtype=torch.uint8)  # written: mapped, as the consumer's KV cache blocks are
+    with MooncakePipe(kv_rank=1, config=_pipe_config(cfg)) as pipe:
+        conn.send("ready")
+        while True:
+            size = conn.recv()
+            start = time.perf_counter()
+            pipe.send_tensor(torch.tensor([size], dtype=torch.int64))
+            if size <= 0:
+                return
+            got = pipe.recv_tensor(timeout=120, out=buf)
+            seconds = time.perf_counter() - start
+            conn.send(seconds if got is not None and got.numel() == size else -1.0)
+
+
 class BarePipe:
     """One bare pipe kept up between single loads, so that each load in vLLM is timed next to a bare transfer of the
-    same bytes (interleaved: the machine's slow drifts hit both). Sender on core 0, receiver (this process, only while
-    it receives) on core 1, as the vLLM producer's and consumer's workers."""
+    same bytes (interleaved: the machine's slow drifts hit both). The sender on core 0 and the receiver on core 1,
+    each a process pinned with all its threads, as the vLLM producer's and consumer's workers."""
 
     def __init__(self, cfg: dict[str, Any], largest: int) -> None:
-        import torch  # noqa: PLC0415
-
-        from kv_pipe import MooncakePipe  # noqa: PLC0415
-
         cfg = {**cfg, "prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}"}
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        ready = mp.get_context("spawn").Event()
-        self.sender = mp.get_context("spawn").Process(target=_bare_server, args=(cfg, largest, ready, 0), daemon=True)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        self.sender = ctx.Process(target=_bare_server, args=(cfg, largest, ready, 0), daemon=True)
         self.sender.start()
-        self.pipe = MooncakePipe(kv_rank=1, config=_pipe_config(cfg))
         if not ready.wait(120):
             raise RuntimeError("the bare-pipe sender did not start")
-        self.buf = torch.empty(largest, dtype=torch.uint8)
-        self.buf.fill_(0)  # mapped, as the consumer's KV cache blocks are
+        self.conn, theirs = ctx.Pipe()
+        self.receiver = ctx.Process(target=_bare_receiver, args=(cfg, largest, theirs, 1), daemon=True)
+        self.receiver.start()
+        if not self.conn.poll(120) or self.conn.recv() != "ready":
+            raise RuntimeError("the bare-pipe receiver did not start")
         self.transfer(1 << 20)  # the link's set-up is not timed (the vLLM pair's link is up too)
 
     def transfer(self, size: int) -> float:
-        """Seconds from asking for ``size`` bytes until they are in the (reused) receive buffer."""
-        import os  # noqa: PLC0415
-
-        import torch  # noqa: PLC0415
-
-        cores = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {1})
-        try:
-            start = time.perf_counter()
-            self.pipe.send_tensor(torch.tensor([size], dtype=torch.int64))
-            got = self.pipe.recv_tensor(timeout=120, out=self.buf)
-            seconds = time.perf_counter() - start
-        finally:
-            os.sched_setaffinity(0, cores)
-        assert got is not None and got.numel() == size
+        """Seconds from the receiver asking for ``size`` bytes until they are in its buffer."""
+        self.conn.send(size)
+        if not self.conn.poll(120):
+            raise RuntimeError(f"the bare pipe did not move {size} bytes in 120 s")
+        seconds = self.conn.recv()
+        if seconds < 0:
+            raise RuntimeError(f"the bare pipe's receiver got the wrong size for {size} bytes")
         return seconds
 
     def close(self) -> None:
-        import torch  # noqa: PLC0415
-
-        self.pipe.send_tensor(torch.tensor([0], dtype=torch.int64))
+        self.conn.send(0)
+        self.receiver.join(30)
         self.sender.join(30)
-        self.pipe.close()
 
 
 def single_loads(producer: VllmServer, consumer: VllmServer, cfg: dict[str, Any], tokens: int, rounds: int,
