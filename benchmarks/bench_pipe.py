@@ -289,17 +289,7 @@ class RawTESender:
         return time.perf_counter() - t0
 
     def _wait(self, batch: int, length: int) -> None:
-        """Poll as the pipe's ``MooncakeEngine.wait`` does (the binding's blocking wait spins a core at full speed):
-        64 polls, then 50 us naps between polls."""
-        polls, deadline = 0, time.monotonic() + STEP_TIMEOUT
-        while (status := self.engine.transfer_check_status(batch)) == 0:
-            polls += 1
-            if polls > 64:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"a {length}-byte write to {self.peer} did not complete")
-                time.sleep(0.00005)
-        if status != 1:
-            raise RuntimeError(f"a {length}-byte write to {self.peer} failed (status {status})")
+        common.wait_transfer(self.engine, batch, STEP_TIMEOUT, f"a {length}-byte write to {self.peer}")
 
     def close(self) -> None:
         self.engine.unregister_memory(self.src.data_ptr())

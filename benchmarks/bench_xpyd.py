@@ -331,15 +331,10 @@ class TEConsumer:
         batch = self.engine.batch_transfer_async_read(session, [local], [remote], [nbytes])
         if not batch:
             raise BenchError(f"could not start a {nbytes}-byte read from {session}")
-        deadline, polls = time.monotonic() + self.spec.pipe_timeout, 0
-        while (status := self.engine.transfer_check_status(batch)) == 0:
-            polls += 1
-            if polls > 64:
-                if time.monotonic() > deadline:
-                    raise BenchError(f"a {nbytes}-byte read from {session} did not end within {self.spec.pipe_timeout} s")
-                time.sleep(0.00005)
-        if status != 1:
-            raise BenchError(f"a {nbytes}-byte read from {session} failed (status {status})")
+        try:
+            common.wait_transfer(self.engine, batch, self.spec.pipe_timeout, f"a {nbytes}-byte read from {session}")
+        except RuntimeError as e:
+            raise BenchError(str(e)) from None
 
     def probe(self, p: int) -> None:
         self._read(p, self.probe_buf.data_ptr() + p * PROBE_BYTES, self.peers[p]["base"], PROBE_BYTES)
