@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -93,54 +92,58 @@ class WarmPool:
                 self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
-# torch's count of the owners of a storage (tensors and views using it, DLPack capsules, numpy arrays...): private,
-# so a torch without it gets no pool rather than a wrong one.
+# torch's count of the owners of a storage (tensors and views using it): private, so a torch without it gets no pool
+# rather than a wrong one.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 @dataclass(eq=False)
 class _Slot:
-    """One block of the pool (mapped once a receive filled it). Only the pool holds ``storage``; every result served
-    from it is a tensor on that storage, so the slot is in use for as long as any tensor, view or slice of a result
-    (or the storage object itself) is alive anywhere."""
+    """One block of the pool (mapped once a receive filled it). Only the pool holds ``buf``. A result served from it
+    has a storage of its own, exactly its size, whose memory is a view of ``buf`` kept alive by that storage (through
+    a numpy array): the slot is in use for as long as the result's storage lives, i.e. while any tensor, view, slice,
+    array, capsule or the storage object itself of that result is alive anywhere. The result's storage never shows
+    the rest of the slot (an earlier, larger result's bytes), and weak references to it die with it."""
 
-    storage: torch.UntypedStorage
-    addr: int
-    nbytes: int
+    buf: torch.Tensor  # uint8, the slot's whole memory
     last_used: float
     warm: bool = False  # a receive has filled it: every page is mapped
-    idle: tuple[int, int] = (0, 0)  # (uses, refs) while only the pool holds the storage (measured when made)
+    idle: int = 0  # torch's use count of ``buf``'s storage while no result uses the slot (measured when made)
 
-    def users(self) -> tuple[int, int]:
-        """torch's use count of the storage (tensors, views, capsules, arrays on it) and Python's reference count
-        of the storage object (a caller may hold the storage itself)."""
-        return _storage_use_count(self.storage._cdata), sys.getrefcount(self.storage)
+    @property
+    def addr(self) -> int:
+        return self.buf.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
 
     def free(self) -> bool:
-        uses, refs = self.users()
-        return uses <= self.idle[0] and refs <= self.idle[1]
+        return _storage_use_count(self.buf.untyped_storage()._cdata) <= self.idle
 
-    def lost(self) -> bool:
-        """The storage no longer owns our memory (e.g. ``share_memory_()`` moved a result to shared memory, which
-        another process may now use): never serve from it again."""
-        return self.storage.data_ptr() != self.addr or self.storage.nbytes() != self.nbytes
+    def serve(self, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` on the first ``nbytes`` of the slot, with a storage of its own."""
+        return torch.from_numpy(self.buf[:nbytes].numpy()).view(dtype).view(tuple(shape))
 
 
 class ResultPool:
     """Host memory, kept mapped, that ``recv_tensor()`` results are served from (one pool per pipe endpoint).
 
-    A fresh result's page faults cost about as much as receiving the bytes (measured on 2 cores: 64 MiB copied into
-    fresh memory 30 ms, into mapped memory 10 ms; 64 MiB received fresh without huge pages ~42 ms, into mapped memory
-    ~33 ms). So results of at least ``MIN_BYTES`` live in *slots*, faulted in once and reused once a result is
-    dropped: a slot is reused only while nothing but the pool references its storage (torch's use count of it, and
-    Python's of the storage object), so a result still referenced, also through a view, a slice or its storage, is
-    never overwritten. Slots are made on demand, sized to the tensor, and all of them together hold at most
-    ``capacity`` bytes; idle slots are dropped, least recently used first, to make room. A result that fits nowhere is
-    left to the caller to allocate (``take`` returns None). Thread-safe.
+    A fresh result's page faults cost about as much as receiving its bytes (see benchmarks/results/bench_pipe.json).
+    So results of at least ``MIN_BYTES`` live in *slots*, faulted in once and reused once a result is dropped: each
+    result has a storage of its own, exactly its size, that keeps its slot in use for as long as it lives (see
+    ``_Slot``), so a result still referenced, also through a view, a slice, an array or its storage, is never
+    overwritten, and never shows another result's bytes. Slots are made on demand, sized to the tensor, and all of
+    them together hold at most ``capacity`` bytes; idle slots are dropped, least recently used first, to make room. A
+    result that fits nowhere is left to the caller to allocate (``take`` returns None). Thread-safe.
 
-    A new slot is faulted in by the receive it is made for, as a fresh result would be, not before: faulting 64 MiB
-    in first took 8-15 ms, and a sender waits only ``OFFER_WAIT`` (20 ms) for a zero-copy offer, so a slot made
-    ahead of the offer sent that first tensor through the ring instead (one more copy).
+    A new slot is faulted in by the receive it is made for, as a fresh result would be, not before: faulting it in
+    first can take longer than a sender waits for a zero-copy offer (``OFFER_WAIT``), which then sent that first
+    tensor through the ring instead (one more copy).
+
+    A result moved to shared memory (``share_memory_()``, or put on a multiprocessing queue) leaves its slot, which is
+    free again. ``forget`` takes a result's slot out of the pool for good (its memory is freed with the result): for a
+    result whose failed zero-copy receive a late write may still reach.
     """
 
     MIN_BYTES = 1 << 20  # smaller results come from the allocator's already mapped heap: little to save
@@ -170,6 +173,11 @@ class ResultPool:
         with self._lock:
             return [(s.addr, s.nbytes, s.free()) for s in self._slots]
 
+    def forget(self, result: torch.Tensor) -> None:
+        """Take the slot ``result`` lives in (if any) out of the pool: never served again, freed with the result."""
+        with self._lock:
+            self._slots = [s for s in self._slots if s.addr != result.data_ptr()]
+
     def take(self, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> tuple[torch.Tensor, bool] | None:
         """A contiguous tensor of ``dtype`` and ``shape`` (``nbytes`` bytes) in a free slot, and whether its pages are
         all mapped already (False for a new slot: the caller's writes fault them in); or None: too small or too large
@@ -184,14 +192,10 @@ class ResultPool:
             slot.last_used = time.monotonic()
             self.stats["pooled"] += 1
             warm, slot.warm = slot.warm, True
-            return torch.empty(0, dtype=dtype).set_(slot.storage, 0, tuple(shape)), warm
+            return slot.serve(dtype, shape, nbytes), warm
 
     def _find(self, nbytes: int) -> _Slot | None:
         """The smallest free slot that fits (within SLACK), else a new one if room can be made; under the lock."""
-        for slot in [s for s in self._slots if s.lost()]:
-            self._slots.remove(slot)
-            logger.debug("result pool: a %d-byte slot's memory was taken over (e.g. share_memory_): forgotten",
-                         slot.nbytes)
         free = [s for s in self._slots if s.free()]
         fits = [s for s in free if nbytes <= s.nbytes <= nbytes * self.SLACK]
         if fits:
@@ -215,9 +219,8 @@ class ResultPool:
         buf = torch.empty(size, dtype=torch.uint8)
         if self.huge_pages:
             advise_huge_pages(buf)  # before its first fault: 512x fewer of them
-        slot = _Slot(buf.untyped_storage(), buf.data_ptr(), size, time.monotonic())
-        del buf  # from now on the slot's storage object is the only owner of the memory
-        slot.idle = slot.users()
+        slot = _Slot(buf, time.monotonic())
+        slot.idle = _storage_use_count(buf.untyped_storage()._cdata)
         self.stats["made"] += 1
         logger.debug("result pool: made a %d-byte slot (%d slots)", size, len(self._slots) + 1)
         return slot

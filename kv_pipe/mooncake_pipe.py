@@ -448,6 +448,7 @@ class MooncakePipe(KVPipeBase):
                 # Writes the sender started may still land until its own timeout: keep the memory alive till then
                 # (a caller's ``out`` buffer is the caller's: see the docstring of recv_tensor).
                 self._quarantine.append((time.monotonic() + self.config.timeout + 5.0, result))
+                self.endpoint.results.forget(result)  # never handed to another receive, even once this pipe closed
             raise
         finally:
             if direct:

@@ -8,8 +8,10 @@ a spawned echo peer sends each tensor back. The pool itself is also driven direc
 from __future__ import annotations
 
 import gc
+import io
 import socket
 import threading
+import weakref
 
 import pytest
 import torch
@@ -169,6 +171,28 @@ def test_a_pooled_result_is_registered_only_while_it_is_received(echo):
     assert echo.pool.stats["made"] == 1
 
 
+def test_a_result_shows_only_its_own_bytes_and_its_storage_dies_with_it():
+    """A result served from a larger slot (an earlier, larger result's bytes in the rest of it) has a storage of
+    exactly its own size: saving it or reading its storage never shows those bytes, and weak references to the
+    storage die with the result (then the slot is free)."""
+    pool = ResultPool(64 * MiB)
+    first, _ = pool.take(torch.uint8, (8 * MiB,), 8 * MiB)
+    first.fill_(0xAB)
+    del first
+    second, _ = pool.take(torch.float32, (MiB,), 4 * MiB)  # fits the 8 MiB slot (within SLACK)
+    assert pool.stats["made"] == 1 and pool.stats["pooled"] == 2
+    second.fill_(1.0)
+    assert second.untyped_storage().nbytes() == 4 * MiB
+    saved = io.BytesIO()
+    torch.save(second, saved)
+    assert saved.tell() < 4 * MiB + 64 * 1024 and b"\xab" * 64 not in saved.getvalue()
+    ref = weakref.ref(second.untyped_storage())
+    assert not pool.slots()[0][2]
+    del second
+    gc.collect()
+    assert ref() is None and pool.slots()[0][2]
+
+
 @pytest.mark.parametrize("echo", [{}], indirect=True)
 def test_a_result_moved_to_shared_memory_leaves_the_pool(echo):
     got = echo.round_trip(tensor(1))
@@ -181,9 +205,10 @@ def test_a_result_moved_to_shared_memory_leaves_the_pool(echo):
     assert [a for a, _, _ in echo.pool.slots()] == [later.data_ptr()]
 
 
-def test_a_failed_direct_receive_keeps_its_slot_until_no_write_can_land():
+def test_a_failed_direct_receive_takes_its_slot_out_of_the_pool():
     """A sender that got the direct offer and went away may still have writes on their way into the result: the
-    pipe keeps that result (quarantine) for the sender's timeout, so its slot is not handed to the next receive."""
+    pipe keeps that result (quarantine) for the sender's timeout, and its slot leaves the pool for good, so it is
+    never handed to another receive, not even once the pipe (and its quarantine) is gone."""
     cfg = make_config(timeout=5.0)
     with open_pipe(cfg, 1) as pipe:
         errors: list[BaseException] = []
@@ -206,8 +231,8 @@ def test_a_failed_direct_receive_keeps_its_slot_until_no_write_can_land():
             offered = wire.decode_direct(payload).regions
         receiver.join(timeout=30)
         assert len(errors) == 1 and isinstance(errors[0], PeerDisconnected), errors
-        slots = pipe.endpoint.results.slots()
-        assert [(a, n) for a, n, _ in slots] == [offered[0]] and not slots[0][2]  # held by the quarantine
+        assert pipe.endpoint.results.slots() == [] and pipe.endpoint.results.stats["made"] == 1
+        assert [r.data_ptr() for _, r in pipe._quarantine] == [offered[0][0]]  # kept alive until no write can land
         # the region is unregistered all the same: a late write is refused by the engine
         assert pipe.endpoint.engine.register_region(*offered[0])
         pipe.endpoint.engine.unregister_region(offered[0][0])
