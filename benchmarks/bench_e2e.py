@@ -489,6 +489,8 @@ def main() -> int:
     print(table)
     print(f"\nexternal prefix cache hits: {json.dumps(hits)} (prompt tokens - 1 per request: {expected_hits})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    # before any file is written: the results files themselves must not make the commit read as dirty
+    head = header("bench_e2e: colocated vs ours (pull, push) vs the built-in MooncakeConnector", dtype)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit(), "command": command(),
             "cpu": info, "dtype": dtype, "python": platform.python_version(), "vllm": vllm_version(),
             "model": f"kv32k (8 layers, {kv_kib(dtype)} KiB KV/token in {dtype})", "serve_args": serve_args_for(dtype),
@@ -498,7 +500,7 @@ def main() -> int:
     (args.out_dir / "bench_e2e.json").write_text(json.dumps(
         {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}, indent=1))
     (args.out_dir / "bench_e2e.md").write_text(
-        f"{header('bench_e2e: colocated vs ours (pull, push) vs the built-in MooncakeConnector', dtype)}\n"
+        f"{head}\n"
         f"kv32k model ({kv_kib(dtype)} KiB of KV per token); `vllm serve` arguments "
         f"{' '.join(serve_args_for(dtype))}\n\n{table}\n\nexternal prefix cache hits: {json.dumps(hits)}; "
         f"expected each {expected_hits}\n")
