@@ -86,7 +86,7 @@ REQUEST_TIMEOUT = 300.0
 
 OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+ \((?:pulled|pushed)\): (\d+) tokens, [^,]*, ([\d.]+) MiB in "
                          r"([\d.]+) ms")
-PUSH_WAITED = re.compile(r"\(pushed\).*waited ([\d.]+) ms for the push")
+PUSH_SPLIT = re.compile(r"\(pushed\).*waited ([\d.]+) ms for the push.* staging area in ([\d.]+) ms")  # wait, copy
 OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
 BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
 BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
@@ -273,7 +273,7 @@ class Stacks:
             if len(loaded) == 1:
                 _, mib, ms = loaded[0]
                 sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
-                waited = PUSH_WAITED.search(log)
+                waited = PUSH_SPLIT.search(log)
                 sample.wait_ms = float(waited.group(1)) if waited else None
             else:
                 failed = OURS_FAILED.findall(log)

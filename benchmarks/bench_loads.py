@@ -111,16 +111,21 @@ def post(server: VllmServer, tokens: list[int], max_tokens: int) -> None:
         resp.read()
 
 
+def prefill(producer: VllmServer, prompts: list[list[int]]) -> None:
+    """Prefill ``prompts`` on the producer (4 at a time) and wait until it saved them all: it keeps their KV."""
+    saved = stats(producer).get("saved", 0)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda t: post(producer, t, 1), prompts))
+    deadline = time.monotonic() + 60
+    while stats(producer).get("saved", 0) < saved + len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: random.Random,
                   longest: bool = False, tokens: int | None = None) -> dict[str, Any]:
     lengths = [3072 if longest else tokens or rng.randint(1024, 3072) for _ in range(n)]
     prompts = [[rng.randrange(10, 7000) for _ in range(length)] for length in lengths]
-    saved = stats(producer).get("saved", 0)
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # prefills: the producer keeps every prompt's KV
-        list(pool.map(lambda t: post(producer, t, 1), prompts))
-    deadline = time.monotonic() + 60
-    while stats(producer).get("saved", 0) < saved + n and time.monotonic() < deadline:
-        time.sleep(0.05)
+    prefill(producer, prompts)
     before = stats(consumer)
     ended = lambda s: sum(s.get(k, 0) - before.get(k, 0) for k in ("loaded", "load_misses", "load_failures"))  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -301,11 +306,7 @@ def single_loads(producer: VllmServer, consumer: VllmServer, cfg: dict[str, Any]
     try:
         for r in range(rounds):
             prompt = [rng.randrange(10, 7000) for _ in range(tokens)]
-            saved = stats(producer).get("saved", 0)
-            post(producer, prompt, 1)
-            deadline = time.monotonic() + 60
-            while stats(producer).get("saved", 0) < saved + 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            prefill(producer, [prompt])
             seen, before = len(load_timings(consumer.log, 0)), stats(consumer)
             post(consumer, prompt, 1)
             deadline = time.monotonic() + 10

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import signal
 import statistics
 import sys
@@ -50,12 +49,10 @@ sys.path.insert(0, str(ROOT))
 
 import proxy_server  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.bench_e2e import LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
+from benchmarks.bench_e2e import OURS_LOADED, PUSH_SPLIT, LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
 
 MODES = ("colocated", "ours", "push")
 LABELS = {"colocated": "colocated", "ours": "ours pull", "push": "ours push"}
-PUSH_LOAD = re.compile(r"\(pushed\).*waited ([\d.]+) ms for the push.* staging area in ([\d.]+) ms")
-PULL_LOAD = re.compile(r"\(pulled\).* in ([\d.]+) ms \(")
 PHASES = (("ttft", "TTFT (colocated: the instance; else through the proxy)"),
           ("prefill", "2. prefill request to the producer, to its answer"),
           ("decode_ttft", "3. decode request's TTFT on the consumer"),
@@ -105,11 +102,11 @@ def run_stack(mode: str, model: Path, work: Path, dtype: str, prompts: list[list
             add("decode_ttft", decode, i)
             add("hand_sum", prefill + decode, i)
             log = tail.new()
-            if (m := PUSH_LOAD.search(log)) is not None:
+            if (m := PUSH_SPLIT.search(log)) is not None:
                 add("push_wait", float(m.group(1)), i)
                 add("push_copy", float(m.group(2)), i)
-            elif (m := PULL_LOAD.search(log)) is not None:
-                add("pull_load", float(m.group(1)), i)
+            elif (m := OURS_LOADED.search(log)) is not None:
+                add("pull_load", float(m.group(3)), i)
             elif i >= warmup:
                 print(f"  {mode} #{i}: no load line in the consumer's log (KV not transferred?)", flush=True)
             add("consumer_floor", stream(consumer.url, "/v1/completions", stacks.body(q, 4))[0] * 1e3, i)

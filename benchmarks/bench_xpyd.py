@@ -331,10 +331,8 @@ class TEConsumer:
         batch = self.engine.batch_transfer_async_read(session, [local], [remote], [nbytes])
         if not batch:
             raise BenchError(f"could not start a {nbytes}-byte read from {session}")
-        try:
-            common.wait_transfer(self.engine, batch, self.spec.pipe_timeout, f"a {nbytes}-byte read from {session}")
-        except RuntimeError as e:
-            raise BenchError(str(e)) from None
+        common.wait_transfer(self.engine, batch, self.spec.pipe_timeout, f"a {nbytes}-byte read from {session}",
+                             BenchError)
 
     def probe(self, p: int) -> None:
         self._read(p, self.probe_buf.data_ptr() + p * PROBE_BYTES, self.peers[p]["base"], PROBE_BYTES)

@@ -86,16 +86,16 @@ def write(name: str, data: dict[str, Any], table: str, out_dir: Path = RESULTS) 
     (out_dir / f"{name}.md").write_text(table)
 
 
-def wait_transfer(engine: Any, batch: int, timeout: float, what: str) -> None:
+def wait_transfer(engine: Any, batch: int, timeout: float, what: str, error: type[Exception] = RuntimeError) -> None:
     """Wait for a raw Transfer Engine batch as the pipe's ``MooncakeEngine.wait`` does (the binding's blocking wait
     spins a core at full speed): 64 polls, then 50 us naps between polls. ``what`` names the transfer in the
-    RuntimeError raised when it fails or is not done within ``timeout`` seconds."""
+    ``error`` raised when it fails or is not done within ``timeout`` seconds."""
     polls, deadline = 0, time.monotonic() + timeout
     while (status := engine.transfer_check_status(batch)) == 0:
         polls += 1
         if polls > 64:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not complete within {timeout} s")
+                raise error(f"{what} did not complete within {timeout} s")
             time.sleep(0.00005)
     if status != 1:
-        raise RuntimeError(f"{what} failed (status {status})")
+        raise error(f"{what} failed (status {status})")
