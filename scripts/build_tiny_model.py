@@ -1,19 +1,25 @@
 #!/usr/bin/env python
-"""Build tiny local Llama models (random weights, own tokenizer) for tests and benchmarks, with no network.
+"""Build tiny local models (random weights, own tokenizer) for tests and benchmarks, with no network.
 
 The tokenizer is a byte-level BPE trained with `tokenizers` on the Python standard library's own .py files,
 wrapped in transformers' PreTrainedTokenizerFast with <s>/</s>/<pad> and a small chat template, so that vLLM's
-/v1/completions and /v1/chat/completions both work. The model is LlamaForCausalLM(LlamaConfig(...)) with random
-weights from a fixed seed, saved with save_pretrained (safetensors, bfloat16) beside the tokenizer and a
-generation_config.json.
+/v1/completions and /v1/chat/completions both work. The model is transformers' model class of the preset's
+architecture with random weights from a fixed seed, saved with save_pretrained (safetensors, bfloat16) beside the
+tokenizer and a generation_config.json.
 
-Presets:
-  tiny   small and fast, for tests: 4 layers x 2 KV heads x head_dim 64 x (K,V) x 2 bytes = 2 KiB of KV per token
-  kv32k  realistic KV size for benchmarks: 8 layers x 8 KV heads x head_dim 128 x (K,V) x 2 bytes = 32 KiB per token,
-         with a narrow hidden size so that a prefill stays cheap on one CPU core
+Presets (KV bytes per token in bfloat16; float32 doubles them):
+  tiny          Llama, 4 layers x 2 KV heads x head_dim 64 x (K,V): 2 KiB; the connector tests' model
+  kv32k         Llama, 8 layers x 8 KV heads x head_dim 128 x (K,V): 32 KiB, a realistic KV size for benchmarks,
+                with a narrow hidden size so that a prefill stays cheap on one CPU core
+  qwen2         Qwen2, GQA 4:1 with qkv bias
+  qwen3         Qwen3, q/k norm, GQA 2:1
+  mistral       Mistral, every layer a 128-token sliding window
+  gemma2        Gemma2, sliding and global layers, logit softcapping, head_dim 128, tied embeddings
+  deepseek_mla  DeepSeek-V2 MLA: one 512 + 64 latent per token and layer (dense MLP in every layer)
+  long          Llama with a 40,960-token context and 512 bytes of KV per token, for long prompts
 
 Usage:
-  scripts/build_tiny_model.py [--preset tiny|kv32k|all] [--out-dir DIR] [--force] [--check]
+  scripts/build_tiny_model.py [--preset NAME|all] [--out-dir DIR] [--force] [--check]
 
 The default output directory is .cache/models/<preset> under the repository root. The build is idempotent: a stamp
 file (.build-stamp.json) records the script version and the configuration; when it matches, nothing is done.
@@ -36,7 +42,7 @@ import traceback
 from pathlib import Path
 
 # Bump when the output of this script changes for the same preset (tokenizer training, saving, file layout...).
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAMP_NAME = ".build-stamp.json"
@@ -58,33 +64,17 @@ CHAT_TEMPLATE = (
 # Tokenizer training corpus: the top-level .py files of the standard library, sorted (deterministic), capped.
 CORPUS_MAX_BYTES = 8 * 1024 * 1024
 
-PRESETS: dict[str, dict] = {
-    "tiny": {
-        "seed": 1234,
-        "vocab_size": 6000,
-        "llama": {
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "max_position_embeddings": 4096,
-        },
-    },
-    "kv32k": {
-        "seed": 1234,
-        "vocab_size": 8000,
-        "llama": {
-            "hidden_size": 512,
-            "intermediate_size": 1024,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "max_position_embeddings": 8192,
-        },
-    },
+# Each preset: an architecture (transformers' config and model classes), a seed, a vocabulary size and the config's
+# fields. Tiny random-weight models of the layouts users serve: separate K and V (Llama), GQA with qkv bias (Qwen2),
+# q/k norm (Qwen3), sliding window (Mistral), alternating sliding/global layers with softcapping and tied
+# embeddings (Gemma2), DeepSeek-style MLA (one latent per token and layer), and a long-context Llama.
+ARCHITECTURES = {  # name -> (config class, model class) in transformers
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
 }
 
 COMMON_LLAMA = {
@@ -94,6 +84,50 @@ COMMON_LLAMA = {
     "tie_word_embeddings": False,
     "attention_bias": False,
     "initializer_range": 0.02,
+}
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096}
+
+PRESETS: dict[str, dict] = {
+    "tiny": {"arch": "llama", "seed": 1234, "vocab_size": 6000, "model": {**COMMON_LLAMA, **SMALL}},
+    "kv32k": {
+        "arch": "llama",
+        "seed": 1234,
+        "vocab_size": 8000,
+        "model": {
+            **COMMON_LLAMA,
+            "hidden_size": 512,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 8192,
+        },
+    },
+    "qwen2": {"arch": "qwen2", "seed": 1234, "vocab_size": 6000,  # GQA 4:1, qkv bias (Qwen2's default)
+              "model": {**SMALL, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+                        "rms_norm_eps": 1e-6, "tie_word_embeddings": False}},
+    "qwen3": {"arch": "qwen3", "seed": 1234, "vocab_size": 6000,  # q/k norm, GQA 2:1
+              "model": {**SMALL, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}},
+    "mistral": {"arch": "mistral", "seed": 1234, "vocab_size": 6000,  # every layer a 128-token sliding window
+                "model": {**SMALL, "sliding_window": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}},
+    "gemma2": {"arch": "gemma2", "seed": 1234, "vocab_size": 6000,  # sliding/global layers, softcapping, tied
+               "model": {**SMALL, "head_dim": 128, "query_pre_attn_scalar": 128, "sliding_window": 128,
+                         "tie_word_embeddings": True, "attn_logit_softcapping": 50.0,
+                         "final_logit_softcapping": 30.0}},
+    "deepseek_mla": {"arch": "deepseek_v2", "seed": 1234, "vocab_size": 6000,  # MLA: a 512+64 latent per token
+                     "model": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+                               "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                               "v_head_dim": 128, "first_k_dense_replace": 4, "moe_intermediate_size": 256,
+                               "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                               "tie_word_embeddings": False}},
+    "long": {"arch": "llama", "seed": 1234, "vocab_size": 6000,  # 40k context, 1 KiB of float32 KV per token
+             "model": {**COMMON_LLAMA, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                       "max_position_embeddings": 40960}},
 }
 
 
@@ -116,7 +150,8 @@ def preset_config(name: str) -> dict:
         "special_tokens": SPECIAL_TOKENS,
         "chat_template": CHAT_TEMPLATE,
         "corpus_max_bytes": CORPUS_MAX_BYTES,
-        "llama": {**COMMON_LLAMA, **p["llama"]},
+        "arch": p["arch"],
+        "model": p["model"],
         "torch_dtype": "bfloat16",
     }
 
@@ -125,9 +160,12 @@ def config_digest(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def kv_bytes_per_token(llama: dict, dtype_bytes: int = 2) -> int:
-    head_dim = llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"]
-    return llama["num_hidden_layers"] * llama["num_key_value_heads"] * head_dim * 2 * dtype_bytes
+def kv_bytes_per_token(model: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of KV one token takes in every layer: MLA caches one latent (kv_lora_rank + rope dims), others K and V."""
+    if model.get("kv_lora_rank"):
+        return model["num_hidden_layers"] * (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * dtype_bytes
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    return model["num_hidden_layers"] * model["num_key_value_heads"] * head_dim * 2 * dtype_bytes
 
 
 def read_stamp(model_dir: Path) -> dict | None:
@@ -185,7 +223,7 @@ def train_tokenizer(cfg: dict):
         eos_token=EOS,
         pad_token=PAD,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=cfg["llama"]["max_position_embeddings"],
+        model_max_length=cfg["model"]["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
 
@@ -207,25 +245,27 @@ def build(name: str, out_dir: Path, force: bool) -> None:
     t_start = time.perf_counter()
 
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = train_tokenizer(cfg)
     vocab_size = len(tokenizer)
-    llama = cfg["llama"]
-    config = LlamaConfig(
+    fields = cfg["model"]
+    config_name, model_name = ARCHITECTURES[cfg["arch"]]
+    config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **llama,
+        **fields,
     )
     torch.manual_seed(cfg["seed"])
     t0 = time.perf_counter()
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"  model: LlamaForCausalLM, {n_params / 1e6:.1f} M parameters, {llama['num_hidden_layers']} layers, "
-        f"hidden {llama['hidden_size']}, {llama['num_attention_heads']} heads / {llama['num_key_value_heads']} KV heads "
-        f"x head_dim {llama['head_dim']}, KV {kv_bytes_per_token(llama)} bytes/token in bf16 "
+    log(f"  model: {model_name}, {n_params / 1e6:.1f} M parameters, {fields['num_hidden_layers']} layers, "
+        f"hidden {fields['hidden_size']}, {fields['num_attention_heads']} heads, KV {kv_bytes_per_token(fields)} "
+        "bytes/token in bf16 "
         f"(random init, seed {cfg['seed']}, {time.perf_counter() - t0:.1f} s)")
     generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -248,7 +288,7 @@ def build(name: str, out_dir: Path, force: bool) -> None:
             "digest": digest,
             "config": cfg,
             "num_parameters": n_params,
-            "kv_bytes_per_token_bf16": kv_bytes_per_token(llama),
+            "kv_bytes_per_token_bf16": kv_bytes_per_token(fields),
         }, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -273,13 +313,12 @@ def check(name: str, model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    llama = config.to_dict()
+    fields = config.to_dict()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {type(model).__name__} + {type(tokenizer).__name__} (vocab {len(tokenizer)}), "
         f"{n_params:,} parameters, dtype {next(model.parameters()).dtype}")
-    log(f"  KV cache: {kv_bytes_per_token(llama)} bytes/token in bf16 ({kv_bytes_per_token(llama) / 1024:g} KiB), "
-        f"{kv_bytes_per_token(llama, 4)} in float32 "
-        f"({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads x head_dim {config.head_dim} x 2)")
+    log(f"  KV cache: {kv_bytes_per_token(fields)} bytes/token in bf16 ({kv_bytes_per_token(fields) / 1024:g} KiB), "
+        f"{kv_bytes_per_token(fields, 4)} in float32")
 
     text = "def fibonacci(n):\n    return"
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -308,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Presets: " + ", ".join(
-                                     f"{n} ({kv_bytes_per_token(preset_config(n)['llama'])} KV bytes/token)"
+                                     f"{n} ({kv_bytes_per_token(preset_config(n)['model'])} KV bytes/token)"
                                      for n in PRESETS))
     ap.add_argument("--preset", choices=[*PRESETS, "all"], default="all", help="which model to build (default: all)")
     ap.add_argument("--out-dir", type=Path,
