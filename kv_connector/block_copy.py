@@ -93,13 +93,20 @@ def gather(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int],
     return out
 
 
-def scatter(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], kv: torch.Tensor) -> None:
+def scatter(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int], kv: torch.Tensor,
+            heads: tuple[int, int] | None = None) -> None:
     """Write the first ``len(ids)`` rows of ``kv`` (block-major, as ``gather`` returns) into blocks ``ids`` of every
-    layer."""
+    layer; ``heads=(start, stop)``: ``kv`` holds only that range of each block's first dimension (blocks along
+    dimension 0), written there."""
     n = len(ids)
     if not n:
         return
     first = layers[0]
+    if heads is not None:
+        if block_dim != 0:
+            raise ValueError("a part of each block can only be written with blocks along dimension 0")
+        layers = [layer.narrow(1, heads[0], heads[1] - heads[0]) for layer in layers]
+        first = layers[0]
     if kv.dim() < 2 or kv.dtype != first.dtype or kv.shape[1] != len(layers) or \
             list(kv.shape[2:]) != block_shape(first, block_dim):
         raise ValueError(f"KV of shape {list(kv.shape)} {kv.dtype} does not fit {len(layers)} layers of "

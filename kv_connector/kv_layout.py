@@ -3,7 +3,11 @@
 An entry's KV is block-major, ``[blocks, layers, *block_shape]`` (``block_copy``): row ``i`` is block ``i`` of the
 prompt in every layer, K and V together as the attention backend stores them. Blocks are copied whole, so both
 instances must run the same model with the same KV layout; the descriptor (model fingerprint, layers, block shape,
-dtype) rides with every entry and is checked on every load.
+dtype, and the span of KV heads this TP rank holds) rides with every entry and is checked on every load.
+
+Instances of different TP sizes hold different spans of heads per block (``heads``): a consumer rank then reads
+parts of blocks, which needs vLLM's logical layout ``[blocks, heads, tokens, ...]`` (one head's slots contiguous
+within a block, as on the CPU); other layouts serve equal TP sizes only.
 """
 
 from __future__ import annotations
@@ -61,17 +65,25 @@ class KVCacheLayout:
     block_dim: int
     block_bytes: int  # one block of one layer
     descriptor: dict[str, Any]
+    heads: tuple[int, int] = (0, 1)  # the span of the model's KV heads this rank's blocks hold
+    heads_split: bool = False  # blocks are [heads, ...] on the host: parts of them (some heads) can be loaded
 
     @classmethod
-    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int | None, fingerprint: str) -> KVCacheLayout:
+    def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int | None, fingerprint: str,
+                    heads: tuple[int, int] = (0, 1), block_size: int | None = None) -> KVCacheLayout:
         layers = list(kv_caches.values())
         first = layers[0]
         num_blocks = num_blocks or first.shape[0]
         block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
-        block_bytes = math.prod(block_copy.block_shape(first, block_dim)) * first.element_size()
-        descriptor = {"model": fingerprint, "layers": len(layers), "block": block_copy.block_shape(first, block_dim),
-                      "dtype": str(first.dtype)}
-        return cls(layers, {name: i for i, name in enumerate(kv_caches)}, block_dim, block_bytes, descriptor)
+        shape = block_copy.block_shape(first, block_dim)
+        block_bytes = math.prod(shape) * first.element_size()
+        descriptor = {"model": fingerprint, "layers": len(layers), "block": shape, "dtype": str(first.dtype),
+                      "heads": list(heads)}
+        split = (block_dim == 0 and len(shape) >= 2 and shape[0] == heads[1] - heads[0]
+                 and (block_size is None or shape[1] == block_size)
+                 and all(t.device.type == "cpu" and t.is_contiguous() and t.shape == first.shape for t in layers))
+        return cls(layers, {name: i for i, name in enumerate(kv_caches)}, block_dim, block_bytes, descriptor,
+                   heads, split)
 
     @property
     def row_bytes(self) -> int:
@@ -86,10 +98,18 @@ class KVCacheLayout:
         """The cache is contiguous host memory: loads can be received straight into its blocks."""
         return all(t.device.type == "cpu" and t.is_contiguous() for t in self.layers)
 
-    def scatter(self, block_ids: list[int]) -> Scatter:
+    def scatter(self, block_ids: list[int], at: int = 0, count: int | None = None) -> Scatter:
         """Where the rows of a block-major entry go: block ``block_ids[i]`` of every layer for row i, in the entry's
-        byte order (row, layer, index before the block dimension)."""
+        byte order (row, layer, index before the block dimension). ``at``, ``count``: only heads ``at`` .. ``at +
+        count - 1`` of each block (needs ``heads_split``): for an entry holding just those heads."""
         first = self.layers[0]
+        if count is not None:
+            if not self.heads_split:
+                raise LayoutMismatch("this KV cache's blocks cannot be filled head by head")
+            per_head = self.block_bytes // first.shape[1]
+            regions = [(layer.data_ptr() + b * self.block_bytes + at * per_head, count * per_head)
+                       for b in block_ids for layer in self.layers]
+            return Scatter.of(regions, self.layers)
         outer = math.prod(first.shape[:self.block_dim])
         blocks = first.shape[self.block_dim]
         slab = self.block_bytes // outer
@@ -100,15 +120,27 @@ class KVCacheLayout:
     def descriptor_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(self.descriptor, sort_keys=True).encode()), dtype=torch.uint8)
 
-    def check(self, descriptor: torch.Tensor | None, kv: torch.Tensor | None = None) -> None:
-        """Raise ``LayoutMismatch`` unless the producer's descriptor equals ours and ``kv`` (block-major rows, if
-        given) agrees with it."""
+    def expected(self, heads: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The descriptor of a producer rank holding ``heads`` (default: ours) of this model."""
+        if heads is None or tuple(heads) == self.heads:
+            return self.descriptor
+        block = [heads[1] - heads[0], *self.descriptor["block"][1:]]
+        return {**self.descriptor, "block": block, "heads": list(heads)}
+
+    def check(self, descriptor: torch.Tensor | None, kv: torch.Tensor | None = None,
+              heads: tuple[int, int] | None = None, part: int | None = None) -> None:
+        """Raise ``LayoutMismatch`` unless the producer's descriptor is the one a rank holding ``heads`` (default: our
+        span) of this model sends, and ``kv`` (block-major rows, if given; ``part`` heads of each block, if given)
+        agrees with it."""
         theirs = parse_descriptor(descriptor)
         if kv is not None:
+            block = list(theirs["block"])
+            if part is not None and block:
+                block[0] = part  # the entry's blocks hold all the producer rank's heads; we asked for ``part``
             actual = {"layers": kv.shape[1] if kv.dim() > 1 else None, "block": list(kv.shape[2:]), "dtype": str(kv.dtype)}
-            if any(theirs.get(k) != v for k, v in actual.items()):
+            if actual != {"layers": theirs["layers"], "block": block, "dtype": theirs["dtype"]}:
                 raise LayoutMismatch(f"the producer's entry contradicts its own layout ({theirs} vs tensor {actual})")
-        diff = {k: (theirs.get(k), mine) for k, mine in self.descriptor.items() if theirs.get(k) != mine}
+        diff = {k: (theirs.get(k), mine) for k, mine in self.expected(heads).items() if theirs.get(k) != mine}
         if diff:
             described = ", ".join(f"{k}: producer {a} vs this instance {b}" for k, (a, b) in diff.items())
             raise LayoutMismatch(f"the producer's KV layout differs from this instance's ({described}): run the same "

@@ -40,6 +40,9 @@ class ConnectorOptions:
     - ``gil_switch_interval``: seconds; the Python thread switch interval set in the vLLM worker process (0 keeps
       Python's 5 ms). The transfer runs in side threads that compete for the GIL with vLLM's busy engine loop; each
       hand-over costs up to one interval.
+    - ``recompute_tokens``: consumer: how many of a prompt's last tokens it computes itself instead of loading them
+      (at least 1: vLLM computes the last one to sample from). 0 (the default) picks 1, or 2 for an MLA model on
+      the CPU, whose single-token (decode) attention path disagrees with its prefill path (docs/architecture.md).
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
       ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used.
     """
@@ -55,6 +58,7 @@ class ConnectorOptions:
     push_ttl: float = 30.0
     push_wait: float = 5.0
     gil_switch_interval: float = 0.0001
+    recompute_tokens: int = 0
     allow_test_corruption: bool = False
 
     @classmethod
@@ -88,6 +92,10 @@ class ConnectorOptions:
                               f"(or 0 to keep Python's default), got {interval!r}")
         if opts.mooncake_config_path is not None and not isinstance(opts.mooncake_config_path, str):
             raise ConfigError("kv_connector_extra_config.mooncake_config_path: expected a path string")
+        if isinstance(opts.recompute_tokens, bool) or not isinstance(opts.recompute_tokens, int) or \
+                not 0 <= opts.recompute_tokens <= 4096:
+            raise ConfigError("kv_connector_extra_config.recompute_tokens: expected an integer from 1 to 4096 (or 0 "
+                              f"for the default), got {opts.recompute_tokens!r}")
         if not isinstance(opts.allow_test_corruption, bool):
             raise ConfigError("kv_connector_extra_config.allow_test_corruption: expected true or false")
         return opts
@@ -108,3 +116,21 @@ def pipe_addresses(vllm_config: VllmConfig, mooncake: MooncakeTransferEngineConf
     kv_rank = 0 if is_producer else 1
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     return [join_host_port(*mooncake.pipe_address(kv_rank, rank)) for rank in range(tp_size)]
+
+
+def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:
+    """How many of a prompt's last tokens a consumer computes itself (see ``ConnectorOptions.recompute_tokens``)."""
+    if options.recompute_tokens:
+        return options.recompute_tokens
+    from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM's platform is known only inside vLLM
+
+    return 2 if vllm_config.model_config.use_mla and current_platform.is_cpu() else 1
+
+
+def check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
+    """The KV moves as raw bytes checked against the model's dtype: a quantized KV cache (fp8) is refused up front."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise ConfigError(f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves the KV cache in the model's own "
+                          "dtype only (a quantized KV cache's scales are not carried or checked yet); serve both "
+                          "instances with --kv-cache-dtype auto")

@@ -36,10 +36,11 @@ def producer_params(addresses: list[str], engine_id: str, request_id: str) -> di
             TP_SIZE: len(addresses), REQUEST: request_id}
 
 
-def _addresses(value: Any, field: str, tp_size: int) -> list[str]:
+def _addresses(value: Any, field: str, tp_size: int | None) -> list[str]:
+    """``tp_size``: the number of addresses required (None: any)."""
     if not isinstance(value, list) or not 0 < len(value) <= MAX_RANKS:
         raise ParamsError(f"{field}: expected a list of \"host:port\" (one per TP rank), got {value!r:.200}")
-    if len(value) != tp_size:
+    if tp_size is not None and len(value) != tp_size:
         raise ParamsError(f"{field}: {len(value)} pipe address(es) (TP {len(value)} on the other instance), but this "
                           f"instance runs TP {tp_size}: run both instances with the same tensor_parallel_size")
     try:
@@ -57,17 +58,22 @@ class RemotePrefill:
     request_id: str
 
 
-def remote_prefill(params: dict[str, Any] | None, tp_size: int) -> RemotePrefill | None:
-    """The producer named by a decode request's params; None if they name none (load from the configured one)."""
+def remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
+    """The producer named by a decode request's params; None if they name none (load from the configured one). The
+    producer may run another TP size than this instance (each rank reads the KV heads it holds from the producer
+    ranks that hold them)."""
     if not params or not params.get("do_remote_prefill") or PIPE not in params:
         return None
     remote_tp = params.get(TP_SIZE)
     if remote_tp is not None and (isinstance(remote_tp, bool) or not isinstance(remote_tp, int)):
         raise ParamsError(f"{TP_SIZE}: expected an integer, got {remote_tp!r:.100}")
+    pipes = _addresses(params[PIPE], PIPE, None)
+    if remote_tp is not None and remote_tp != len(pipes):
+        raise ParamsError(f"{TP_SIZE} is {remote_tp} but {PIPE} names {len(pipes)} pipe address(es)")
     engine, request = params.get(ENGINE, ""), params.get(REQUEST, "")
     if not isinstance(engine, str) or not isinstance(request, str) or len(engine) > 256 or len(request) > 1024:
         raise ParamsError(f"{ENGINE} and {REQUEST} must be short strings")
-    return RemotePrefill(_addresses(params[PIPE], PIPE, tp_size), engine, request)
+    return RemotePrefill(pipes, engine, request)
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int) -> list[str] | None:

@@ -11,6 +11,10 @@ first_block + n) - the blocks this instance does not hold in its prefix cache - 
 straight into the request's blocks of the KV cache (a ``Scatter`` target: the pipe offers the blocks to the
 producer's writes, or copies each chunk there from its ring). The entry's tokens come back with it: a block is used
 only where its tokens agree with the prompt; blocks written with anything else are reported and recomputed.
+
+Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
+of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
+saved by one producer rank only and read from it by every consumer rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from vllm.logger import init_logger
 
 from kv_connector import block_copy
-from kv_connector.kv_layout import KVCacheLayout
+from kv_connector.heads import HeadSplit, Piece
+from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, SaveRequest
 from kv_connector.stats import StatsRecorder
@@ -41,14 +46,16 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class PullTransfer(KVTransfer):
-    """``rank``: this worker's TP rank (a request's params name the producer's pipe per rank); ``default_producer``:
-    where requests without params load from."""
+    """``split``: this worker's TP rank and the KV heads it holds (a request's params name the producer's pipe per
+    rank); ``default_producers``: the producer's pipe per rank for requests without params (mooncake.json's)."""
 
-    def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int, rank: int,
-                 default_producer: str, corrupt_ok: bool = False, concurrency: int = 1) -> None:
+    def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
+                 split: HeadSplit, default_producers: list[str], corrupt_ok: bool = False,
+                 concurrency: int = 1) -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.block_size = block_size
-        self.rank, self.default_producer = rank, default_producer
+        self.split, self.default_producers = split, default_producers
+        self.rank = split.rank
         self.corrupt_ok = corrupt_ok
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
@@ -58,6 +65,8 @@ class PullTransfer(KVTransfer):
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
         assert self.buffer is not None, "only a producer saves"
+        if not self.split.saves:  # another rank holds the same KV (MLA) and saves it
+            return
         start = time.perf_counter()
         nbytes = self.layout.kv_bytes(len(save.block_ids))
         scratch = self.scratch.get(nbytes)
@@ -84,21 +93,45 @@ class PullTransfer(KVTransfer):
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
+        producers = self.producers(req)
+        written, fetched, details = len(req.block_ids), 0, []
+        for piece in self.split.plan(len(producers)):
+            usable, nbytes, detail = self._load_piece(req, piece, producers, deadline)
+            written, fetched = min(written, usable), fetched + nbytes
+            details.append(detail)
+        seconds = time.perf_counter() - start
+        return LoadResult(written, self.layout.kv_bytes(written), fetched, "pulled",
+                          "; ".join(details) if len(details) == 1 else
+                          f"{len(details)} producer ranks in {seconds * 1e3:.1f} ms: " + "; ".join(details))
+
+    def _load_piece(self, req: LoadRequest, piece: Piece, producers: list[str], deadline: float
+                    ) -> tuple[int, int, str]:
+        """Read ``piece`` of ``req``'s blocks from its producer rank (of ``producers``) into the KV cache: (rows
+        usable, bytes fetched, timings)."""
+        start = time.perf_counter()
         n = len(req.block_ids)
         rows = (req.first_block, req.first_block + n)
+        count = None if piece.whole else piece.part[1] - piece.part[0]
         query = torch.tensor(req.token_ids, dtype=torch.int64)
         # Host cache: receive into the blocks themselves. Else into a pooled buffer, copied into the blocks after.
-        buf = None if self.layout.on_host else self.receive.get(self.layout.kv_bytes(n))
-        target = self.layout.scatter(req.block_ids) if buf is None else buf
-        buffer = self.links.pull_buffer(self.producer(req))
+        if count is not None and not self.layout.heads_split:
+            raise LayoutMismatch(f"the producer runs TP {len(producers)} and this instance TP "
+                                 f"{self.split.tp}, but this KV cache's layout cannot take parts of blocks: run both "
+                                 "instances with the same tensor_parallel_size")
+        wanted = self.layout.kv_bytes(n) // (1 if count is None else self.layout.heads[1] - self.layout.heads[0])
+        buf = None if self.layout.on_host else self.receive.get(wanted * (count or 1))
+        target = (self.layout.scatter(req.block_ids) if count is None else
+                  self.layout.scatter(req.block_ids, piece.at, count)) if buf is None else buf
+        buffer = self.links.pull_buffer(producers[piece.producer])
         # If drop_select raises, writes may still land in buf for a while: it is then not put back for reuse.
-        tokens, _, kv, descriptor, _ = buffer.drop_select(query, None, key_rows=rows, key_out=target,
-                                                          timeout=max(deadline - time.monotonic(), 0.001))
+        tokens, _, kv, descriptor, _ = buffer.drop_select(
+            query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
+            key_out=target, timeout=max(deadline - time.monotonic(), 0.001))
         fetched = time.perf_counter()
         try:
             if kv is None:
                 raise KVMiss()
-            self.layout.check(descriptor, kv)
+            self.layout.check(descriptor, kv, self.split.producer_span(len(producers), piece.producer), count)
             if tokens is None or tokens.dtype != torch.int64 or tokens.dim() != 1:
                 raise ValueError("the producer's entry has no valid token ids")
             usable = self._usable_rows(req, query, tokens, kv.shape[0])
@@ -107,24 +140,31 @@ class PullTransfer(KVTransfer):
             ids = req.block_ids[:usable]
             in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
             if req.corrupt and self.corrupt_ok:  # test-only control: proves the consumer really uses the KV
+                if count is not None:
+                    raise ValueError("test corruption is for equal TP sizes only")
                 kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
                 in_place = False
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
             if not in_place:
-                block_copy.scatter(self.layout.layers, self.layout.block_dim, ids, kv[:usable])
+                heads = None if count is None else (piece.at, piece.at + count)
+                block_copy.scatter(self.layout.layers, self.layout.block_dim, ids, kv[:usable], heads)
         finally:
             if buf is not None:
                 self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)
         copied = time.perf_counter()
-        nbytes = kv.numel() * kv.element_size()
         where = ("received into the KV cache blocks" if received_in_place
                  else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
-        return LoadResult(usable, self.layout.kv_bytes(usable), nbytes, "pulled",
-                          f"fetch {(fetched - start) * 1e3:.1f} ms, {where}")
+        source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
+        return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
-    def producer(self, req: LoadRequest) -> str:
-        """The pipe of the producer that holds ``req``'s KV, for this rank."""
-        return req.producers[self.rank] if req.producers else self.default_producer
+    def producers(self, req: LoadRequest) -> list[str]:
+        """The pipe of each TP rank of the producer that holds ``req``'s KV."""
+        return req.producers or self.default_producers
+
+    def producer(self, req: LoadRequest) -> str | None:
+        """The producer rank that pushes to this rank (push mode: both instances run the same TP size), else None."""
+        producers = self.producers(req)
+        return producers[self.rank] if len(producers) == self.split.tp else None
 
     def _usable_rows(self, req: LoadRequest, query: torch.Tensor, tokens: torch.Tensor, received: int) -> int:
         """How many of the received rows hold this prompt's KV: all of them when the entry's tokens agree with the

@@ -114,7 +114,8 @@ class PushTransfer(KVTransfer):
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
-        push = self.links.push_buffer(self.pull.producer(req))
+        peer = self.pull.producer(req)
+        push = None if peer is None else self.links.push_buffer(peer)
         entry = None if push is None else push.take(entry_key(req.token_ids),
                                                     min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
         if entry is None:  # never linked, announced, refused, aborted or sent by pull: ask the producer

@@ -31,16 +31,18 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 class ConnectorScheduler:
-    """``pipes``: this instance's pipe address per TP rank; ``engine_id``: vLLM's id of this instance."""
+    """``pipes``: this instance's pipe address per TP rank; ``engine_id``: vLLM's id of this instance;
+    ``recompute``: consumer: how many of a prompt's last tokens it computes itself (at least the last one)."""
 
     def __init__(self, is_producer: bool, block_size: int, push: bool = False, pipes: list[str] | None = None,
-                 engine_id: str = "") -> None:
+                 engine_id: str = "", recompute: int = 1) -> None:
         self.is_producer = is_producer
         self.block_size = block_size
         self.push = push
         self.pipes = pipes or []
         self.tp_size = max(len(self.pipes), 1)
         self.engine_id = engine_id
+        self.recompute = max(recompute, 1)
         self.push_to: dict[str, list[str] | None] = {}  # producer, push mode: the consumer each request goes to
         self.remote: dict[str, kv_params.RemotePrefill | None] = {}  # consumer: the producer each claim loads from
         self.prompts: dict[str, list[int]] = {}  # producer: prompts still prefilling
@@ -55,11 +57,11 @@ class ConnectorScheduler:
         """``num_computed_tokens``: this instance's own prefix-cache hit, block aligned (vLLM passes it so)."""
         if self.is_producer:
             return 0, False
-        claim = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens  # vLLM recomputes the last token
+        claim = len(request.prompt_token_ids or ()) - self.recompute - num_computed_tokens
         if claim <= 0 or request.request_id in self.claimed:
             return 0, False
         try:
-            self.remote[request.request_id] = kv_params.remote_prefill(request.kv_transfer_params, self.tp_size)
+            self.remote[request.request_id] = kv_params.remote_prefill(request.kv_transfer_params)
         except kv_params.ParamsError as e:
             logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): recomputing its prompt",
                          request.request_id, e)

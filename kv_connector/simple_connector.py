@@ -23,7 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kv_connector.metadata import MooncakeConnectorMetadata
-from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
+from kv_connector.options import (
+    ConnectorOptions,
+    check_kv_cache_dtype,
+    load_mooncake_config,
+    pipe_addresses,
+    recompute_tokens,
+)
 from kv_connector.scheduler import ConnectorScheduler
 from kv_connector.stats import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.worker import ConnectorWorker
@@ -66,13 +72,20 @@ class SimpleConnector(KVConnectorBase_V1):
                               "\"kv_consumer\" (decode instance)")
         is_producer = transfer.kv_role == "kv_producer"
         options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        check_kv_cache_dtype(vllm_config)
         mooncake = load_mooncake_config(options)  # fail at start-up, not on the first request
         push_mode = options.transfer_mode == "push"
         block_size = vllm_config.cache_config.block_size
         self._bad_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             pipes = pipe_addresses(vllm_config, mooncake, is_producer)
-            self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "")
+            recompute = recompute_tokens(vllm_config, options)
+            self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "",
+                                                 recompute)
+            if not is_producer and recompute > 1:
+                logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
+                            "(recompute_tokens%s)", recompute, "" if options.recompute_tokens else
+                            ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
             if not is_producer and transfer.kv_load_failure_policy != "recompute":
                 # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
                 logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "

@@ -10,6 +10,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
+from kv_connector.heads import HeadSplit
 from kv_connector.kv_layout import KVCacheLayout, model_fingerprint
 from kv_connector.links import PeerLinks
 from kv_connector.loads import Loads
@@ -58,9 +59,14 @@ class ConnectorWorker:
             logger.info("MooncakeConnector: Python thread switch interval %.2f ms -> %.2f ms (gil_switch_interval)",
                         sys.getswitchinterval() * 1e3, interval * 1e3)
             sys.setswitchinterval(interval)
-        layout = KVCacheLayout.from_caches(kv_caches, self.num_blocks, model_fingerprint(self.vllm_config))
-        self.layout = layout
         rank = get_tensor_model_parallel_rank()
+        model = self.vllm_config.model_config
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        # MLA caches one latent per token, alike on every rank
+        split = HeadSplit(1, tp, rank, True) if model.use_mla else HeadSplit(model.get_total_num_kv_heads(), tp, rank)
+        layout = KVCacheLayout.from_caches(kv_caches, self.num_blocks, model_fingerprint(self.vllm_config), split.span,
+                                           self.block_size)
+        self.layout = layout
         opts, producer = self.options, self.is_producer
         role = "producer" if producer else "consumer"
         kv_rank = 0 if producer else 1
@@ -80,7 +86,8 @@ class ConnectorWorker:
                                                       ttl=opts.push_ttl)
         self.links = PeerLinks(endpoint, buffer, opts.buffer_size, make_push)
         endpoint.start()
-        pull = PullTransfer(layout, self.links, self.stats, self.block_size, rank, default_peer,
+        default_producers = [join_host_port(*self.mooncake.pipe_address(0, r)) for r in range(tp)]
+        pull = PullTransfer(layout, self.links, self.stats, self.block_size, split, default_producers,
                             opts.allow_test_corruption, opts.load_concurrency)
         self.transfer = pull
         if self.push_mode:
@@ -92,9 +99,11 @@ class ConnectorWorker:
             self.loads = Loads(self._load, opts.load_concurrency, opts.load_timeout, self.stats)
             self.links.warm_up(default_peer, opts.load_timeout)  # the producer named in mooncake.json
         first = layout.layers[0]
-        logger.info("MooncakeConnector %s (TP rank %d, %s mode): %d layers of %s %s, blocks along dim %d, pipe %s, "
-                    "default peer %s", role, rank, "push" if self.push_mode else "pull", len(layout.layers),
-                    list(first.shape), first.dtype, layout.block_dim, endpoint.address, default_peer)
+        logger.info("MooncakeConnector %s (TP rank %d of %d, %s mode): %d layers of %s %s, blocks along dim %d, KV "
+                    "heads %d-%d of %d%s, pipe %s, default peer %s", role, rank, tp,
+                    "push" if self.push_mode else "pull", len(layout.layers), list(first.shape), first.dtype,
+                    layout.block_dim, split.span[0], split.span[1] - 1, split.total,
+                    " (alike on every rank)" if split.replicated else "", endpoint.address, default_peer)
 
     def _load(self, req, deadline):  # noqa: ANN001, ANN202 - Loads' callback
         assert self.transfer is not None

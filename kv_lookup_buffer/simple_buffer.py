@@ -2,11 +2,14 @@
 
 The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
 
-- consumer -> producer, signal pipe: one int64 tensor per request, ``[op, seq, kind, row_start, row_stop, *tokens]``:
+- consumer -> producer, signal pipe: one int64 tensor per request,
+  ``[op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]``:
   ``OP_DROP_SELECT`` with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi;
   only the masked tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None,
   None)``); ``row_start``/``row_stop`` ask for rows [start, stop) of the entry's key (its first dimension), ``stop``
-  -1 for all of them. Or ``OP_CLOSE`` (the consumer is going away).
+  -1 for all of them; ``part_start``/``part_stop`` a range of its third dimension (-1: all); ``shares``: how many
+  requests take parts of this entry (it leaves the buffer with the last of them). Or ``OP_CLOSE`` (the consumer is
+  going away).
 - producer -> consumer, data pipe: an int64 tensor ``[status, seq]`` echoing the request's ``seq``: ``HIT``
   followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going away).
 
@@ -19,7 +22,9 @@ carry an op and a seq) and logged, and the serving thread goes on.
 
 Extensions to vLLM v0's contract (all off by default): ``max_age`` drops entries nobody took within that many seconds,
 ``evict`` makes ``insert`` drop the oldest entries to make room instead of waiting for a consumer, and
-``drop_select(..., key_rows=...)`` fetches only some rows of the entry's key.
+``drop_select(..., key_rows=..., key_part=..., shares=...)`` fetches only some rows of the entry's key, only a range
+of its third dimension (some KV heads), and lets several consumers (the TP ranks of one instance) each take a part of
+one entry.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follo
 HIT, MISS, CLOSED = 0, 1, 2
 ANSWER_MAGIC = 0x4D4B5641  # "MKVA": starts every answer, so that leftovers of an answer that broke off are told apart
 ALL_ROWS = -1
-REQUEST_HEAD = 5  # op, seq, kind, row_start, row_stop
+REQUEST_HEAD = 8  # op, seq, kind, row_start, row_stop, part_start, part_stop, shares
+MAX_SHARES = 1024
 DEFAULT_TIMEOUT = 30.0
 _POLL = 0.5  # how often the serving and receiving threads look at the clock (expiry) and at close()
 
@@ -60,6 +66,7 @@ class _Entry:
     nbytes: int
     copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
     created: float = field(default_factory=time.monotonic)
+    taken: int = 0  # requests that took a part of it (a shared entry leaves with the last share)
 
 
 def _nbytes(tensors: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> int:
@@ -145,11 +152,16 @@ class _Request:
     seq: int
     query: list[int] | None = None  # None: any entry
     rows: tuple[int, int] | None = None  # rows [start, stop) of the key; None: all
+    part: tuple[int, int] | None = None  # a range of the key's third dimension; None: all
+    shares: int = 1
 
 
-def _request(op: int, seq: int, query: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def _request(op: int, seq: int, query: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
+             part: tuple[int, int] | None = None, shares: int = 1) -> torch.Tensor:
     start, stop = rows if rows is not None else (0, ALL_ROWS)
-    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop], dtype=torch.int64)
+    part_start, part_stop = part if part is not None else (0, ALL_ROWS)
+    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop, part_start, part_stop, shares],
+                        dtype=torch.int64)
     return head if query is None else torch.cat((head, query))
 
 
@@ -157,8 +169,9 @@ def _read_request(t: torch.Tensor | None) -> _Request:
     """The request in a frame; ``_BadRequest`` (with ``seq`` when it could be read) if malformed."""
     if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < REQUEST_HEAD:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-        raise _BadRequest(f"expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, *tokens], got {desc}")
-    op, seq, kind, start, stop, *query = t.tolist()
+        raise _BadRequest("expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, part_start, part_stop, "
+                          f"shares, *tokens], got {desc}")
+    op, seq, kind, start, stop, part_start, part_stop, shares, *query = t.tolist()
     if op not in (OP_DROP_SELECT, OP_CLOSE):
         raise _BadRequest(f"unknown op {op}")
     if op == OP_CLOSE:
@@ -166,10 +179,15 @@ def _read_request(t: torch.Tensor | None) -> _Request:
     if start < 0 or not (stop == ALL_ROWS or stop >= start):
         raise _BadRequest(f"request {seq}: rows [{start}, {stop}) are not a range", seq)
     rows = None if stop == ALL_ROWS else (start, stop)
+    if part_start < 0 or not (part_stop == ALL_ROWS or part_stop >= part_start):
+        raise _BadRequest(f"request {seq}: part [{part_start}, {part_stop}) is not a range", seq)
+    part = None if part_stop == ALL_ROWS else (part_start, part_stop)
+    if not 1 <= shares <= MAX_SHARES:
+        raise _BadRequest(f"request {seq}: shares must be 1..{MAX_SHARES}, got {shares}", seq)
     if kind == ANY and not query:
-        return _Request(op, seq, None, rows)
+        return _Request(op, seq, None, rows, part, shares)
     if kind == QUERY:
-        return _Request(op, seq, query, rows)
+        return _Request(op, seq, query, rows, part, shares)
     raise _BadRequest(f"request {seq}: kind must be {QUERY} (tokens follow) or {ANY} (nothing follows), "
                       f"got {kind} with {len(query)} tokens", seq)
 
@@ -188,6 +206,17 @@ def _rows(key: torch.Tensor | None, rows: tuple[int, int] | None) -> torch.Tenso
         return key
     start = min(rows[0], key.shape[0])
     return key[start:min(max(rows[1], start), key.shape[0])]
+
+
+def _part(key: torch.Tensor | None, part: tuple[int, int] | None) -> torch.Tensor | None:
+    """A range of ``key``'s third dimension (clamped to what it has), as a contiguous copy; ``key`` itself if the
+    range is all of it (or ``key`` has no third dimension)."""
+    if key is None or part is None or key.dim() < 3:
+        return key
+    size = key.shape[2]
+    start = min(part[0], size)
+    stop = min(max(part[1], start), size)
+    return key if (start, stop) == (0, size) else key[:, :, start:stop].contiguous()
 
 
 @dataclass
@@ -456,35 +485,50 @@ class SimpleBuffer(KVLookupBufferBase):
         with self._cv:
             self._expire()
             ident = self._index.find(query, hashes)
-            entry = None if ident is None else self._index.remove(ident)
+            entry = None if ident is None else self._index.peek(ident)
+            if entry is not None:
+                entry.taken += 1
+                last = entry.taken >= request.shares
+                if request.shares > 1:
+                    entry.copied = False  # other threads may send it too: its memory is never recycled
+                if last:
+                    self._index.remove(ident)
         if entry is None:
             self._count("misses")
             data_pipe.send_tensor(_message(MISS, request.seq))
             return
         tokens, roi, key, value, hidden = entry.tensors
-        answer = [tokens, roi, _rows(key, request.rows), value, hidden]
+        answer = [tokens, roi, _part(_rows(key, request.rows), request.part), value, hidden]
         try:
             data_pipe.send_tensor(_message(HIT, request.seq))
             for t in answer:
                 data_pipe.send_tensor(t)
         except PipeError:
             with self._cv:  # the consumer did not get it: keep it for the next request
-                self._index.add(_masked_tokens(tokens, roi).tolist(), entry)
+                entry.taken -= 1
+                if last:
+                    self._index.add(_masked_tokens(tokens, roi).tolist(), entry)
             raise
         with self._cv:
             self.stats["hits"] += 1
             self.stats["hit_bytes"] += _nbytes(answer)
             self.stats["hit_key_bytes"] += _nbytes(answer[2:3])
-            self._release(entry)
+            if last:
+                self._release(entry)
 
     # ---------------------------------------------------------------- consumer
     def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
                     key_out: torch.Tensor | Scatter | None = None, key_rows: tuple[int, int] | None = None,
+                    key_part: tuple[int, int] | None = None, shares: int = 1,
                     timeout: float | None = None) -> list[torch.Tensor | None]:
         """See ``KVLookupBufferBase.drop_select``. Extensions:
 
         - ``key_rows=(start, stop)``: only rows [start, stop) of the entry's key are sent (its first dimension,
           clamped to the rows it has); the entry is taken all the same.
+        - ``key_part=(start, stop)``: only that range of the key's third dimension is sent (for a KV entry
+          ``[blocks, layers, heads, ...]``: some heads), as a contiguous tensor.
+        - ``shares``: this request takes one of that many parts of the entry (e.g. the heads of one TP rank); the
+          entry stays for the others and leaves the buffer with the last of them (or when it expires).
         - ``key_out``: where the entry's key is received, through the data pipe's ``recv_tensor(out=...)``
           (``MooncakePipe``): a buffer (the key returned is then a view of it: reusing one buffer for large entries
           saves the page faults of a fresh allocation each time), or a ``Scatter`` of memory regions (the key
@@ -504,8 +548,11 @@ class SimpleBuffer(KVLookupBufferBase):
             raise ValueError("roi given without input_tokens")
         else:
             query = None
-        if key_rows is not None and not (0 <= key_rows[0] <= key_rows[1]):
-            raise ValueError(f"key_rows must be (start, stop) with 0 <= start <= stop, got {key_rows}")
+        for name, span in (("key_rows", key_rows), ("key_part", key_part)):
+            if span is not None and not (0 <= span[0] <= span[1]):
+                raise ValueError(f"{name} must be (start, stop) with 0 <= start <= stop, got {span}")
+        if isinstance(shares, bool) or not isinstance(shares, int) or not 1 <= shares <= MAX_SHARES:
+            raise ValueError(f"shares must be an integer from 1 to {MAX_SHARES}, got {shares!r}")
         wait = self.timeout if timeout is None else timeout
         pending = _Pending(key_out)
         with self._cv:
@@ -516,7 +563,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 self._thread = threading.Thread(target=self._receive_guarded, name="kv-buffer-receiver", daemon=True)
                 self._thread.start()
         try:
-            self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, seq, query, key_rows), timeout=wait)
+            self.signal_pipe.send_tensor(_request(OP_DROP_SELECT, seq, query, key_rows, key_part, shares), timeout=wait)
             if not pending.done.wait(wait):
                 with self._cv:
                     receiving = pending.receiving

@@ -16,6 +16,9 @@ Presets (KV bytes per token in bfloat16; float32 doubles them):
   mistral       Mistral, every layer a 128-token sliding window
   gemma2        Gemma2, sliding and global layers, logit softcapping, head_dim 128, tied embeddings
   deepseek_mla  DeepSeek-V2 MLA: one 512 + 64 latent per token and layer (dense MLP in every layer)
+  llama_sharp, deepseek_mla_sharp
+                tiny and deepseek_mla with 5x larger random weights (sharper attention and logits), for
+                benchmarks/check_mla_paths.py
   long          Llama with a 40,960-token context and 512 bytes of KV per token, for long prompts
 
 Usage:
@@ -124,11 +127,18 @@ PRESETS: dict[str, dict] = {
                                "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
                                "tie_word_embeddings": False}},
+    # Diagnostics (benchmarks/check_mla_paths.py): sharper random weights make numerical disagreements visible
+    "llama_sharp": {"arch": "llama", "seed": 1234, "vocab_size": 6000,
+                    "model": {**COMMON_LLAMA, **SMALL, "initializer_range": 0.1}},
+    "deepseek_mla_sharp": {"arch": "deepseek_v2", "seed": 1234, "vocab_size": 6000, "model": {}},
     "long": {"arch": "llama", "seed": 1234, "vocab_size": 6000,  # 40k context, 1 KiB of float32 KV per token
              "model": {**COMMON_LLAMA, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
                        "max_position_embeddings": 40960}},
 }
+
+
+PRESETS["deepseek_mla_sharp"]["model"] = {**PRESETS["deepseek_mla"]["model"], "initializer_range": 0.1}
 
 
 class BuildError(Exception):

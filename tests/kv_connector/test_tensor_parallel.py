@@ -4,8 +4,8 @@ same rank of the other instance.
 
 Proof: the answers equal the producer's own (colocated, same TP) answers; the producer's params name one pipe per
 rank; every request is loaded by both ranks, and the bytes fetched are the whole prompt's KV (half from each rank's
-link: a rank that fetched the other rank's heads would give other text). An instance with another TP size is refused
-with a clear error and the prompt recomputed.
+link: a rank that fetched the other rank's heads would give other text). Instances of different TP sizes: TP 2 -> 1
+and 1 -> 2 against a colocated instance of the consumer's TP size, each rank reading exactly the heads it holds.
 """
 
 from __future__ import annotations
@@ -108,14 +108,33 @@ def test_corrupted_kv_changes_the_output(tp2_pair):
         != expected
 
 
-def test_a_consumer_with_another_tp_size_refuses_and_recomputes(tp2_pair, pd_pair, reference):
+def test_producer_tp2_to_consumer_tp1(tp2_pair, pd_pair, reference):
+    """The TP 1 consumer's one rank reads half of each block (one KV head) from each producer rank."""
     producer, _ = tp2_pair
     _, tp1_consumer = pd_pair
-    tokens = prompt(8230, 500)
-    params = prefill(producer, tokens)
-    before = kv_stats(tp1_consumer)
-    assert tp1_consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == reference.complete(tokens, MAX_TOKENS)
-    assert "remote_pipe: 2 pipe address(es) (TP 2 on the other instance), but this instance runs TP 1: run both " \
-           "instances with the same tensor_parallel_size" in tp1_consumer.log_text()
-    change = kv_stats(tp1_consumer)
-    assert change.get("loaded", 0) == before.get("loaded", 0) and change.get("external_hits") == before["external_hits"]
+    for seed, length in ((8230, 500), (8231, 900)):
+        tokens = prompt(seed, length)
+        params = prefill(producer, tokens)
+        before = kv_stats(tp1_consumer)
+        assert tp1_consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == \
+            reference.complete(tokens, MAX_TOKENS)  # colocated at the consumer's TP size
+        change = settled_stats(tp1_consumer, before, 1)
+        assert change.get("loaded") == 1 and not change.get("load_failures"), change
+        assert change.get("fetched_bytes") == change.get("loaded_bytes") == blocks(length - 1) * ROW_BYTES, change
+    assert "heads 0-0 of producer rank 1" in tp1_consumer.log_text()
+
+
+def test_producer_tp1_to_consumer_tp2(tp2_pair, pd_pair):
+    """Each rank of the TP 2 consumer reads its KV head from the TP 1 producer's one entry (taken in two shares)."""
+    tp1_producer, _ = pd_pair
+    producer, consumer = tp2_pair
+    for seed, length in ((8240, 500), (8241, 900)):
+        tokens = prompt(seed, length)
+        expected = producer.complete(tokens, MAX_TOKENS)  # colocated at the consumer's TP size
+        params = prefill(tp1_producer, tokens)
+        assert len(params["remote_pipe"]) == 1
+        before = kv_stats(consumer)
+        assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == expected
+        change = settled_stats(consumer, before, TP)
+        assert change.get("loaded") == TP and not change.get("load_failures"), change
+        assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # each rank half of it

@@ -57,8 +57,15 @@ def large_entries() -> list[Entry]:
             for i in range(2)]
 
 
+def parts_entries() -> list[Entry]:
+    """A KV-like key [4 rows, 2 layers, 4 heads, 3]: element (r, l, h, i) holds r * 1000 + l * 100 + h * 10 + i."""
+    r, layer, h, i = torch.meshgrid(*(torch.arange(n) for n in (4, 2, 4, 3)), indexing="ij")
+    key = (r * 1000 + layer * 100 + h * 10 + i).to(torch.float32)
+    return [(torch.tensor([50, 51, 52]), None, key, torch.tensor([9]), None)]
+
+
 ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress_entries, "large": large_entries,
-              "rows": rows_entries}
+              "rows": rows_entries, "parts": parts_entries}
 
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,

