@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeTimeout
+from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ class PushBuffer:
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self.stats = {"begun": 0, "pushed_bytes": 0, "committed": 0, "push_failed": 0, "no_credit": 0,
-                      "staged": 0, "taken": 0, "rejected": 0, "expired": 0, "pulled": 0, "aborted": 0, "malformed": 0}
+                      "staged": 0, "taken": 0, "rejected": 0, "expired": 0, "pulled": 0, "aborted": 0, "malformed": 0,
+                      "lost": 0}  # lost: messages that broke off mid-way (PipeStalled)
         # producer
         self._epoch = random.randrange(1, 1 << 62)
         self._sent_begins: deque[int] = deque()  # sizes of BEGINs not yet counted by the consumer's last credit
@@ -247,6 +248,10 @@ class PushBuffer:
         while not self._closed.is_set():
             try:
                 kind, _, (epoch, free, begun, _) = _parse(self.pipe.recv_tensor(timeout=_POLL))
+            except PipeStalled as e:  # _POLL bounds only the wait for a message to start
+                self.stats["lost"] += 1
+                logger.warning("push channel: a credit from the consumer broke off (%s); its next one replaces it", e)
+                continue
             except PipeTimeout:
                 continue
             except PipeClosed:
@@ -315,7 +320,13 @@ class PushBuffer:
         self._send_credit()  # tells a producer already running that this consumer exists
         while not self._closed.is_set():
             try:
-                header = self.pipe.recv_tensor(timeout=_POLL)
+                header = self.pipe.recv_tensor(timeout=_POLL)  # _POLL bounds only the wait for a message to start
+            except PipeStalled as e:
+                self.stats["lost"] += 1
+                logger.warning("push channel: a message from the producer broke off (%s); an entry it belonged to "
+                               "is not committed: it expires", e)
+                self._expire()
+                continue
             except PipeTimeout:
                 self._expire()
                 continue

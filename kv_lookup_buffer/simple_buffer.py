@@ -39,7 +39,7 @@ import torch
 
 from kv_lookup_buffer.base import KVLookupBufferBase
 from kv_lookup_buffer.token_index import TokenIndex, prefix_hashes
-from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeTimeout
+from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout
 from kv_pipe.memory import copy_bytes
 from kv_pipe.scatter import Scatter
 
@@ -230,6 +230,10 @@ class _Pending:
     error: BaseException | None = None
 
 
+class _AnswerBrokeOff(PipeError):
+    """The entry of a HIT answer did not arrive whole."""
+
+
 def _died_error(thread: str) -> BufferClosed:
     return BufferClosed(f"this buffer's {thread} thread died (see the log): use a new buffer")
 
@@ -278,8 +282,10 @@ class SimpleBuffer(KVLookupBufferBase):
         self._died: str | None = None  # the thread of ours that ended unexpectedly (see ``healthy``)
         self._seq = 0  # the consumer's request counter
         self._pending: dict[int, _Pending] = {}  # consumer: requests in flight, by seq
+        # requests_lost (producer) / answers_lost (consumer): requests / answers that broke off mid-way (their
+        # sender froze or died after they had begun to arrive); logged too
         self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "stray_frames": 0, "expired": 0,
-                      "evicted": 0, "hit_bytes": 0, "hit_key_bytes": 0}
+                      "evicted": 0, "hit_bytes": 0, "hit_key_bytes": 0, "requests_lost": 0, "answers_lost": 0}
 
     def __len__(self) -> int:
         with self._cv:
@@ -429,7 +435,14 @@ class SimpleBuffer(KVLookupBufferBase):
     def _serve(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> None:
         while not self._closed.is_set():
             try:
+                # _POLL bounds only the wait for a request to start: its bytes (a long query's come after its
+                # header) may take the pipe's own timeout, and a request that breaks off raises PipeStalled
                 frame = signal_pipe.recv_tensor(timeout=_POLL)
+            except PipeStalled as e:
+                self._count("requests_lost")
+                logger.warning("a request from the consumer broke off and is lost (its drop_select fails or times out; "
+                               "the consumer's next request connects afresh): %s", e)
+                continue
             except PipeTimeout:
                 with self._cv:
                     self._expire()
@@ -595,7 +608,7 @@ class SimpleBuffer(KVLookupBufferBase):
         """Consumer: receive every answer and hand it to its request."""
         while not self._closed.is_set():
             try:
-                frame = self.data_pipe.recv_tensor(timeout=_POLL)
+                frame = self.data_pipe.recv_tensor(timeout=_POLL)  # _POLL: the wait for an answer to start only
                 try:
                     status, seq = _read_message(frame, (HIT, MISS, CLOSED), "drop_select answer")
                 except ValueError as e:  # e.g. the rest of an answer that broke off, resent on a new connection
@@ -616,25 +629,34 @@ class SimpleBuffer(KVLookupBufferBase):
                         result = self._receive_entry(pending.key_out if pending is not None else None)
                     except Exception as e:  # noqa: BLE001 - whatever broke it, the rest of the entry is still coming
                         self.data_pipe.abandon_receive(f"answer {seq} broke off: {e}")
-                        raise PipeError(f"the answer to drop_select request {seq} broke off: {e}") from e
+                        raise _AnswerBrokeOff(f"the answer to drop_select request {seq} broke off: {e}") from e
                     if pending is None:
                         self.stats["late_hits_dropped"] += 1
                         logger.warning("dropped a late answer to drop_select request %d (its caller gave up)", seq)
                 if pending is not None:
                     pending.result = result
                     pending.done.set()
-            except PipeTimeout:
-                continue
+            except PipeTimeout as e:
+                if not isinstance(e, PipeStalled):
+                    continue  # idle
+                self._answers_lost(e, broke_off=True)  # an answer's header broke off: never mistaken for idleness
             except PipeClosed:
                 self._fail_pending(BufferClosed("the buffer was closed"))
                 return
             except (PipeError, ValueError) as e:  # the answers in flight are lost with the connection
-                logger.warning("drop_select answers lost: %s", e)
-                self._fail_pending(e)
-                self._closed.wait(0.01)
+                self._answers_lost(e, broke_off=isinstance(e, _AnswerBrokeOff))
             except Exception as e:  # a bug must not leave callers waiting forever: fail them and go on
                 logger.exception("drop_select answers lost")
                 self._fail_pending(e)
+
+    def _answers_lost(self, error: BaseException, broke_off: bool) -> None:
+        """The connection answers come on failed (``broke_off``: in the middle of an answer, which is counted): the
+        requests in flight fail now (their answers are lost with it) rather than at their timeout."""
+        if broke_off:
+            self._count("answers_lost")
+        logger.warning("drop_select answers lost: %s", error)
+        self._fail_pending(error)
+        self._closed.wait(0.01)
 
     def _fail_pending(self, error: BaseException) -> None:
         """Fail every request in flight; they leave ``_pending`` at once, so that an answer to one of them arriving

@@ -7,6 +7,7 @@ from kv_pipe.errors import (
     PeerDisconnected,
     PipeClosed,
     PipeError,
+    PipeStalled,
     PipeTimeout,
     ProtocolError,
     TransferError,
@@ -15,5 +16,5 @@ from kv_pipe.mooncake_pipe import MooncakePipe
 
 __all__ = [
     "ConfigError", "KVPipeBase", "MooncakePipe", "MooncakeTransferEngineConfig", "PeerDisconnected", "PipeClosed",
-    "PipeError", "PipeTimeout", "ProtocolError", "TransferError",
+    "PipeError", "PipeStalled", "PipeTimeout", "ProtocolError", "TransferError",
 ]

@@ -28,10 +28,15 @@ class KVPipeBase(ABC):
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         """Receive the next tensor (or ``None``) sent by the other end, in send order.
 
-        ``timeout`` (seconds, default: the pipe's configured one) bounds the wait for the next frame.
+        ``timeout`` (seconds, default: the pipe's configured one) bounds the wait for the next tensor to *start*
+        arriving, so a caller may poll with a short one. Once it started, each wait for the rest of it (a large
+        tensor's bytes come after its header) is bounded by the pipe's configured timeout, or by ``timeout`` if that
+        is larger: a tensor whose bytes come later than the poll interval is still received whole.
         The result equals what was sent bit for bit (dtype, shape, values) and lives on the pipe's device.
-        Raises ``PipeTimeout`` if nothing arrives within the timeout, ``PeerDisconnected`` if the peer died,
-        ``ProtocolError`` on a malformed frame, ``PipeClosed`` if ``close()`` is called meanwhile.
+        Raises ``PipeTimeout`` if nothing arrives within the timeout (nothing was consumed: call again),
+        ``PipeStalled`` (a ``PipeTimeout``) if a tensor began to arrive and its rest did not (that tensor is lost:
+        never mistake this for idleness), ``PeerDisconnected`` if the peer died, ``ProtocolError`` on a malformed
+        frame, ``PipeClosed`` if ``close()`` is called meanwhile.
         """
 
     def abandon_receive(self, reason: str) -> None:

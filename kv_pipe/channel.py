@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from kv_pipe import wire
-from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout, ProtocolError
 from kv_pipe.wire import Chunk, Kind
 
 logger = logging.getLogger(__name__)
@@ -240,16 +240,18 @@ class Inbound(Connection):
             return False
         return True
 
-    def next_frame(self, timeout: float) -> tuple[Kind, Any]:
+    def next_frame(self, timeout: float, rest: float | None = None) -> tuple[Kind, Any]:
         """Read the next frame and validate it; ``PipeTimeout`` if none starts within ``timeout`` (the connection
-        stays usable), any other error kills the connection (a half-read frame cannot be resynchronised)."""
+        stays usable). Once its first byte came, each wait for the rest of it may take ``rest`` seconds (default:
+        ``timeout``): a short poll never cuts a frame in half; ``PipeStalled`` if the rest does not come. Any error
+        but that bare ``PipeTimeout`` kills the connection (a half-read frame cannot be resynchronised)."""
         if self._dead.is_set():
             raise self.error or PeerDisconnected(f"peer {self.peer} disconnected")
-        deadline = time.monotonic() + timeout
+        rest = timeout if rest is None else rest
         try:
-            head = self._read(wire.HEADER.size, deadline, idle_ok=True)
+            head = self._read(wire.HEADER.size, time.monotonic() + timeout, idle_ok=True, rest=rest)
             kind, length = wire.decode_header(head)
-            payload = self._read(length, time.monotonic() + timeout, idle_ok=False) if length else b""
+            payload = self._read(length, time.monotonic() + rest, idle_ok=False, rest=rest) if length else b""
             if kind == Kind.TENSOR:
                 header = wire.decode_tensor(payload, self.max_tensor_size)
                 self.tensor_seq += 1
@@ -277,7 +279,8 @@ class Inbound(Connection):
                       else PeerDisconnected(f"peer {self.peer} disconnected: {e}"))
         raise self.error  # type: ignore[misc]
 
-    def _read(self, n: int, deadline: float, idle_ok: bool) -> bytearray:
+    def _read(self, n: int, deadline: float, idle_ok: bool, rest: float) -> bytearray:
+        """``n`` bytes by ``deadline``; once some came, each wait for more may take ``rest`` seconds."""
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -286,7 +289,7 @@ class Inbound(Connection):
             if remaining <= 0:
                 if idle_ok and got == 0:
                     raise _Idle
-                raise PipeTimeout(f"{self.peer} stalled in the middle of a frame ({got} of {n} bytes)")
+                raise PipeStalled(f"{self.peer} stalled in the middle of a frame ({got} of {n} bytes in {rest:.1f} s)")
             self.sock.settimeout(min(remaining, _POLL))
             try:
                 k = self.sock.recv_into(view[got:])
@@ -300,6 +303,7 @@ class Inbound(Connection):
                 where = "" if got == 0 else f" mid-frame ({got}/{n} bytes)"
                 raise ConnectionError(f"connection closed by peer{where}")
             got += k
+            deadline = max(deadline, time.monotonic() + rest)
         return buf
 
     def ack(self, end: int) -> None:

@@ -1,7 +1,8 @@
 """Exceptions raised by the pipe layer.
 
-Every failure a caller can see is one of these, so a caller can tell a slow peer (``PipeTimeout``) from a
-dead one (``PeerDisconnected``), a hostile or buggy one (``ProtocolError``) and a misconfiguration (``ConfigError``).
+Every failure a caller can see is one of these, so a caller can tell a slow peer (``PipeTimeout``; ``PipeStalled``
+if a tensor had begun to arrive) from a dead one (``PeerDisconnected``), a hostile or buggy one (``ProtocolError``)
+and a misconfiguration (``ConfigError``).
 """
 
 
@@ -15,6 +16,12 @@ class PipeError(RuntimeError):
 
 class PipeTimeout(PipeError, TimeoutError):
     """A blocking call did not complete within its timeout (a frozen, slow or absent peer)."""
+
+
+class PipeStalled(PipeTimeout):
+    """A tensor had begun to arrive (its header came) but the rest of it did not come within the timeout: it is lost,
+    with the connection that carried it (the peer's next send connects afresh). Unlike a bare ``PipeTimeout`` from
+    ``recv_tensor`` (nothing arrived: the pipe is as it was, call again), this is never mere idleness."""
 
 
 class PipeClosed(PipeError):

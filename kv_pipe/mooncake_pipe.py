@@ -45,7 +45,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
 from kv_pipe.endpoint import DEFAULT_CHANNEL, HANDSHAKE_TIMEOUT, PipeEndpoint
-from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout, ProtocolError
 from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
 from kv_pipe.scatter import Scatter, split, within
 from kv_pipe.wire import Chunk, DirectChunk, Kind, TensorHeader
@@ -359,8 +359,16 @@ class MooncakePipe(KVPipeBase):
         the ``meta`` device with the tensor's dtype and shape (the bytes are in the regions). If the tensor does not
         fill a whole number of leading regions (another size than expected), it is received into a new tensor,
         which is returned instead. With a Scatter, this call returns or raises only once no write of the sender can
-        land in the regions any more (after a failure mid-tensor it waits ``timeout`` + 5 s first)."""
+        land in the regions any more (after a failure mid-tensor it waits the configured timeout + 5 s first).
+
+        ``timeout`` bounds only the wait for the next tensor to *start* (its first frame: a caller may poll with a
+        short one). Once it started, each wait for the rest (the frame's own bytes, then each CHUNK/DCHUNK frame)
+        may take the configured ``timeout`` of the pipe, or ``timeout`` if larger: a tensor whose bytes come later
+        than a poll interval is received whole, never cut off. A bare ``PipeTimeout`` therefore always means that
+        nothing arrived (the pipe is as it was: call again); a tensor that began and then stopped coming raises
+        ``PipeStalled`` (a ``PipeTimeout``): it is lost, with the connection that carried it."""
         timeout = self.config.timeout if timeout is None else timeout
+        rest = max(timeout, self.config.timeout)  # each wait once a tensor has begun to arrive
         if isinstance(out, torch.Tensor) and (not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous tensor on {self.device}")
         deadline = time.monotonic() + timeout
@@ -370,7 +378,10 @@ class MooncakePipe(KVPipeBase):
                 self._quarantine.popleft()
             inbound = self._read_from = self._wait_inbound(deadline, timeout)
             try:
-                kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0))
+                kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0), rest)
+            except PipeStalled:
+                inbound.reported = True  # a frame broke off: the connection is dead
+                raise
             except PipeTimeout:
                 raise  # idle: nothing was half-received, the connection stays
             except PipeError:
@@ -392,9 +403,17 @@ class MooncakePipe(KVPipeBase):
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
                 self._receiving = True
                 if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
-                    return self._receive_scatter(inbound, item, timeout, out)
+                    return self._receive_scatter(inbound, item, rest, out)
                 result, mapped = self._result(item, out if isinstance(out, torch.Tensor) else None)
-                return self._receive(inbound, item, timeout, result, mapped)
+                return self._receive(inbound, item, rest, result, mapped)
+            except PipeTimeout as e:  # after the header: never idleness (e.g. an ACK the sender did not take)
+                stalled = e if isinstance(e, PipeStalled) else PipeStalled(
+                    f"a tensor from {self.peer} ({self.channel}) broke off: {e}")
+                inbound.fail(stalled)
+                inbound.reported = True
+                if stalled is e:
+                    raise
+                raise stalled from e
             except PipeError as e:
                 inbound.fail(e)  # a half-received tensor leaves the stream unusable
                 inbound.reported = True
@@ -481,7 +500,13 @@ class MooncakePipe(KVPipeBase):
         assert ring is not None  # registered before the peer could connect
         pos = 0
         while pos < nbytes:
-            kind, piece = inbound.next_frame(timeout)
+            try:
+                kind, piece = inbound.next_frame(timeout)
+            except PipeStalled:
+                raise
+            except PipeTimeout:
+                raise PipeStalled(f"a tensor of {nbytes} bytes from {self.peer} ({self.channel}) broke off: {pos} bytes "
+                                  f"came, then nothing for {timeout:.1f} s (the sender is frozen or far too slow)") from None
             missing = nbytes - pos
             if kind == Kind.CHUNK:
                 self._check_chunk(inbound, piece, missing, ring.numel())

@@ -316,3 +316,52 @@ def ask(cfg: dict[str, Any], queries: list[list[int]], timeout: float) -> list[t
                 what = f"{type(e).__name__}: {e}"
             out.append((what, time.monotonic() - start))
     return out
+
+
+# ----------------------------------------------------------------------------- long prompts (issue #24)
+LONG_TOKENS = 12_000  # int64: 96000 bytes, more than inline_max (64 KiB): a request's bytes follow its header
+
+
+def long_entry() -> Entry:
+    """An entry keyed by a 12k-token prompt."""
+    tokens = torch.arange(LONG_TOKENS, dtype=torch.int64) * 7 % 50_000
+    return tokens, None, torch.arange(4096, dtype=torch.float32).view(8, 512), torch.tensor([LONG_TOKENS]), None
+
+
+def ask_long(cfg: dict[str, Any], pause: float, paused: Any = None) -> tuple[str, float]:
+    """Consumer: drop_select ``long_entry``'s tokens, its request's bytes coming ``pause`` s after the request's
+    header (``pause_after_frames``; ``paused`` set then). How it ended ("hit" with the right entry, "miss", "wrong"
+    or the error) and how long it took."""
+    from tests.kv_pipe.peers import pause_after_frames, same
+
+    expected = long_entry()
+    with open_pipe(cfg, 1) as pipe:
+        buf = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
+        if pause:
+            pause_after_frames({"TENSOR"}, pause, times=1, paused=paused)
+        start = time.monotonic()
+        try:
+            got = buf.drop_select(expected[0], None, timeout=20)
+            what = ("miss" if got[2] is None else
+                    "hit" if all(same(a, b) for a, b in zip(got, expected, strict=True)) else "wrong")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            what = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
+        buf.close()
+    return what, took
+
+
+def produce_slowly(cfg: dict[str, Any], pause: float, done: Any) -> dict[str, Any]:
+    """Producer holding ``long_entry``; the bytes of the first tensor it sends (the header of its first answer: run
+    with ``inline_max`` 0, so that it goes through the ring) come ``pause`` s after that tensor's header. Reports its
+    stats."""
+    from tests.kv_pipe.peers import pause_after_frames
+
+    with open_pipe(cfg, 0) as pipe:
+        pause_after_frames({"TENSOR"}, pause, times=1)
+        buf = SimpleBuffer(pipe, pipe, 1 << 30)
+        buf.insert(*long_entry())
+        done.wait(60)
+        stats = dict(buf.stats)
+        buf.close()
+    return stats

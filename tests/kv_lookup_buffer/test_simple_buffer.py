@@ -466,3 +466,64 @@ def test_producers_serve_many_consumers_each_on_its_own_link(cfg):
     assert sum(c["hits"] for c in counts) == 120 + 1 and sum(c["misses"] for c in counts) == 2
     assert [x["stats"]["hits"] for x in left] == [60, 61]
     assert [x["entries"] for x in left] == [140, 139]
+
+
+def long_producer(pipe) -> SimpleBuffer:
+    buf = SimpleBuffer(pipe, pipe, 1 << 30)
+    buf.insert(*programs.long_entry())
+    return buf
+
+
+def test_a_long_query_whose_bytes_come_late_is_answered(cfg):
+    """Issue #24: a drop_select of 12k tokens (more than inline_max: its bytes follow the request's header) whose
+    bytes come 0.7 s after that header, longer than the serving thread's poll: the producer (this process) waits
+    for them and answers a hit with the right entry."""
+    with open_pipe(cfg, 0) as pipe:
+        buf = long_producer(pipe)
+        what, took = Peer(programs.ask_long, cfg, 0.7).result()
+        assert what == "hit" and took > 0.7, (what, took)
+        assert buf.stats["hits"] == 1 and buf.stats["requests_lost"] == 0 and len(buf) == 0
+        buf.close()
+
+
+def test_a_request_that_breaks_off_is_counted_and_serving_goes_on(caplog):
+    """A consumer freezes after the header of a long request (then it is killed): after the pipe's timeout the
+    producer logs a WARNING, counts the request as lost, and serves the next consumer's request (a hit)."""
+    cfg = make_config(timeout=1.5)
+    with open_pipe(cfg, 0) as pipe:
+        buf = long_producer(pipe)
+        frozen = ctx.Event()
+        stuck = Peer(programs.ask_long, cfg, 600.0, frozen)
+        try:
+            assert frozen.wait(60)
+            deadline = time.monotonic() + 10
+            while buf.stats["requests_lost"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert buf.stats["requests_lost"] == 1 and len(buf) == 1
+        finally:
+            stuck.kill()
+        assert any(r.levelname == "WARNING" and "broke off" in r.getMessage() for r in caplog.records), caplog.text
+        what, _ = Peer(programs.ask_long, cfg, 0.0).result()
+        assert what == "hit" and buf.stats["hits"] == 1 and buf.stats["requests_lost"] == 1
+        buf.close()
+
+
+def test_an_answer_whose_bytes_come_late_reaches_the_consumer():
+    """The consumer's side of issue #24: with inline_max 0 the answer's header itself goes through the ring, and its
+    bytes come 0.7 s after it, longer than the receiving thread's poll: the consumer (this process) still gets the
+    hit."""
+    cfg = make_config(inline_max=0)
+    done = ctx.Event()
+    producer = Peer(programs.produce_slowly, cfg, 0.7, done)
+    pipe, buf = consumer(cfg)
+    with pipe:
+        entry = programs.long_entry()
+        deadline = time.monotonic() + 60
+        while (got := buf.drop_select(entry[0], None))[2] is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # not inserted yet
+        assert all(same(a, b) for a, b in zip(got, entry, strict=True))
+        assert buf.stats["answers_lost"] == 0
+        done.set()
+        stats = producer.result()
+        buf.close()
+    assert stats["hits"] == 1 and stats["requests_lost"] == 0

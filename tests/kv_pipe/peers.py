@@ -345,3 +345,51 @@ def raw_handshake(sock: Any, hello: dict[str, Any], secret: bytes = b"", session
     proof = auth.proof(secret, "link", frame[wire.HEADER.size:], theirs, session)
     sock.sendall(wire.encode_json(Kind.AUTH, {"session": session, "proof": proof}))
     return wire.recv_frame(sock)
+
+
+# ----------------------------------------------------------------------------- a slow or frozen sender
+def pause_after_frames(kinds: set[str], seconds: float, times: int | None = None, paused: Any = None) -> None:
+    """Test-only, in a peer process: from now on every pipe sender of this process pauses ``seconds`` after it sent a
+    side-channel frame of one of ``kinds`` (``wire.Kind`` names, e.g. "TENSOR": the header of a tensor whose bytes
+    follow as CHUNK frames), ``times`` times at most (None: always), as a slow or frozen peer would. ``paused`` (an
+    Event) is set when the first pause begins. Only the sending side is changed: the receiver is the real one."""
+    import threading
+    import time
+
+    from kv_pipe import wire
+    from kv_pipe.channel import Outbound
+
+    send = Outbound.send
+    left = [times]
+    lock = threading.Lock()
+
+    def send_then_pause(self: Outbound, frame: bytes) -> None:
+        send(self, frame)
+        kind, _ = wire.decode_header(frame[:wire.HEADER.size])
+        with lock:
+            if kind.name not in kinds or left[0] == 0:
+                return
+            if left[0] is not None:
+                left[0] -= 1
+        if paused is not None:
+            paused.set()
+        time.sleep(seconds)
+
+    Outbound.send = send_then_pause  # type: ignore[method-assign]
+
+
+def send_late_bytes(cfg: dict[str, Any], kv_rank: int, nbytes: int, pause: float, frozen: Any) -> None:
+    """Send None (connected), then a tensor of ``nbytes`` (``late_tensor``) pausing ``pause`` s after its header and
+    after its first chunk; then the header of a second one, and freeze (``frozen`` is set): the test kills us."""
+    with open_pipe(cfg, kv_rank) as pipe:
+        pipe.send_tensor(None)
+        pause_after_frames({"TENSOR", "CHUNK"}, pause, times=2)
+        pipe.send_tensor(late_tensor(nbytes))
+        pause_after_frames({"TENSOR"}, 600.0, times=1, paused=frozen)
+        pipe.send_tensor(late_tensor(nbytes))
+
+
+def late_tensor(nbytes: int) -> Any:
+    import torch
+
+    return torch.arange(nbytes // 4, dtype=torch.int32) * 3 + 1

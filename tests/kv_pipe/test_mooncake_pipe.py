@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kv_pipe import PeerDisconnected, PipeClosed, PipeTimeout, ProtocolError, TransferError, wire
+from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
 from kv_pipe.mooncake_pipe import DIRECT_MIN
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
@@ -221,6 +221,44 @@ def test_frozen_peer_times_out_both_ways():
             assert time.monotonic() - start < max(timeout, 5.0) + 5.0  # the engine's own transfer timeout is >= 5 s
     finally:
         os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.kill()
+
+
+def poll(pipe, seconds: float, within: float = 20.0):
+    """``recv_tensor(timeout=seconds)`` until something arrives (a caller's poll loop): (what came, how long the
+    call that got it took); bare ``PipeTimeout``s are idleness and polled on."""
+    deadline = time.monotonic() + within
+    while True:
+        start = time.monotonic()
+        try:
+            return pipe.recv_tensor(timeout=seconds), time.monotonic() - start
+        except PipeStalled:
+            raise
+        except PipeTimeout:
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_a_short_poll_never_cuts_a_tensor_whose_bytes_come_late():
+    # Issue #24: the poll timeout bounds the wait for a tensor to start. Once its header came, its bytes may take
+    # up to the configured timeout per wait: here they come 0.7 s after the header and 0.7 s after the first chunk.
+    cfg = make_config(timeout=1.5, chunk_size=MiB)
+    frozen = peers.ctx().Event()
+    peer = Peer(peers.send_late_bytes, cfg, 0, 3 * MiB, 0.7, frozen)
+    try:
+        with open_pipe(cfg, 1) as pipe:
+            assert pipe.recv_tensor(timeout=120) is None  # the sender is connected
+            got, took = poll(pipe, 0.2)
+            assert same(got, peers.late_tensor(3 * MiB)) and took > 1.3
+            # The next one breaks off for real (the sender froze after its header): that is no idle poll.
+            start = time.monotonic()
+            with pytest.raises(PipeStalled, match="broke off"):
+                poll(pipe, 0.2)
+            assert frozen.is_set() and time.monotonic() - start < 1.5 + 2.0
+            with pytest.raises(PipeTimeout) as idle:  # the connection it came on is gone: nothing more arrives
+                pipe.recv_tensor(timeout=0.2)
+            assert not isinstance(idle.value, PipeStalled)
+    finally:
         peer.kill()
 
 
