@@ -74,7 +74,7 @@ class ConnectorWorker:
         # the peer a request without params goes to: the consumer (push) / producer (pull) named in mooncake.json
         default_peer = join_host_port(*self.mooncake.pipe_address(1 - kv_rank, rank))
         endpoint = PipeEndpoint(self.mooncake, host, port, kv_rank=kv_rank, local_rank=rank, link_idle=opts.link_idle,
-                                start=False)
+                                start=False, any_peer_rank=True)  # instances may run different TP sizes
         if not producer and layout.on_host:
             for layer in layout.layers:  # loads are received straight into the blocks they fill
                 endpoint.register_receive_region(layer)

@@ -46,6 +46,7 @@ BACKLOG = 128
 DEFAULT_CHANNEL = "kv"
 _CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 HELLO = {"kv_rank": int, "local_rank": int, "address": str, "channel": str, "nonce": str}
+MAX_PEER_RANKS = 1024
 AUTH = {"session": str, "proof": str}
 
 
@@ -57,19 +58,21 @@ def check_channel(channel: str) -> str:
 
 class PipeEndpoint:
     """See the module docstring. ``kv_rank`` 0 (producer) or 1 (consumer): links join a producer and a consumer with
-    the same ``local_rank`` (TP rank). ``peers``: the only peer endpoints (``host:port``) admitted, None for any.
+    the same ``local_rank`` (TP rank), or any ranks with ``any_peer_rank`` (instances of different TP sizes).
+    ``peers``: the only peer endpoints (``host:port``) admitted, None for any.
     ``link_idle``: seconds after which an unused link is closed (None: never). ``start=False``: accept nothing until
     ``start()``."""
 
     def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int, *, kv_rank: int, local_rank: int = 0,
                  device: str | torch.device = "cpu", peers: set[str] | None = None,
-                 link_idle: float | None = None, start: bool = True) -> None:
+                 link_idle: float | None = None, start: bool = True, any_peer_rank: bool = False) -> None:
         if kv_rank not in (0, 1):
             raise ConfigError(f"kv_rank must be 0 (producer) or 1 (consumer), got {kv_rank!r}")
         self.config = config
         self.host, self.port = host, port
         self.address = join_host_port(host, port)
         self.kv_rank, self.local_rank = kv_rank, local_rank
+        self.any_peer_rank = any_peer_rank
         self.device = torch.device(device)
         self.peers = None if peers is None else {self._normalize(p) for p in peers}
         self.link_idle = link_idle
@@ -280,7 +283,8 @@ class PipeEndpoint:
         if kind != Kind.HELLO:
             raise ProtocolError(f"expected HELLO, got {kind.name}")
         hello = wire.decode_json(payload, HELLO)
-        if hello["kv_rank"] != 1 - self.kv_rank or hello["local_rank"] != self.local_rank:
+        rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if self.any_peer_rank else hello["local_rank"] == self.local_rank
+        if hello["kv_rank"] != 1 - self.kv_rank or not rank_ok:
             raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
                                 f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
         try:

@@ -105,6 +105,21 @@ def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
         assert endpoint.links() == []
 
 
+def test_an_endpoint_for_any_peer_rank_admits_another_tp_rank(cfg):
+    """The connector's endpoints link TP ranks of instances with different TP sizes: any rank below 1024 is
+    admitted (the kv_rank must still be the other side's); a plain endpoint admits only its own rank."""
+    with open_endpoint(cfg, 1, _address(), any_peer_rank=True) as endpoint:
+        for rank, admitted in ((3, True), (5000, False)):
+            with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+                sock.sendall(_hello(endpoint, local_rank=rank))
+                kind, payload = wire.recv_frame(sock)
+            assert (kind != Kind.ERROR) == admitted, (rank, kind, payload)
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+            sock.sendall(_hello(endpoint, kv_rank=1, local_rank=3))
+            kind, payload = wire.recv_frame(sock)
+        assert kind == Kind.ERROR and b"kv_rank 1" in payload
+
+
 def test_a_stranger_is_not_told_who_the_configured_peers_are(cfg):
     """Before a peer proved that it knows the secret, an ERROR says what was wrong with its own HELLO, never what
     this endpoint is configured with."""
