@@ -1,5 +1,5 @@
-"""Long prompts, in pull and in push mode: 8k and 16k tokens (and 32k with ``MOONCAKE_TEST_LONG=32768``) of the `long`
-model (40k context), prefilled in chunks of 2048, loaded whole; also while both cores are kept busy by other
+"""Long prompts, in pull and in push mode: 8k, 16k and 32k tokens of the `long` model (40k context), prefilled in
+chunks of 2048, loaded whole; also while both cores are kept busy by other
 processes, so that the consumer's request (its 8k+ tokens ride in a Transfer Engine write, not inside the frame) and
 the KV arrive late. Every answer equals a fresh prefill on the producer, and the whole prompt's KV moved.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from tests.kv_connector.conftest import build_model, connector_config, kv_stats, mooncake_json, settled_stats
 from tests.servers import VllmServer, free_port, start_vllm
 
-LENGTHS = [8192, 16384] + ([int(os.environ["MOONCAKE_TEST_LONG"])] if os.environ.get("MOONCAKE_TEST_LONG") else [])
+LENGTHS = [8192, 16384, 32768]
 BLOCK = 128
 ROW_BYTES = 2 * 2 * 1 * BLOCK * 64 * 4  # 2 layers x (K, V) x 1 KV head x 128 tokens x head_dim 64, float32
 MAX_TOKENS = 8

@@ -30,6 +30,8 @@ def test_defaults():
     ({"allow_test_corruption": "yes"}, "allow_test_corruption: expected true or false"),
     ({"gil_switch_interval": 1}, "gil_switch_interval: expected seconds between 1e-6 and 0.1"),
     ({"gil_switch_interval": -0.001}, "gil_switch_interval: expected seconds"),
+    ({"recompute_tokens": -1}, "recompute_tokens: expected an integer from 1 to 4096"),
+    ({"recompute_tokens": True}, "recompute_tokens: expected an integer"),
     ([1], "must be a JSON object"),
 ])
 def test_bad_options(extra, message):
@@ -37,16 +39,21 @@ def test_bad_options(extra, message):
         ConnectorOptions.from_extra_config(extra)
 
 
-def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path):
+@pytest.mark.parametrize("extra, args, message", [
+    ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
+    ({}, ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: MooncakeConnector moves the KV cache in the model's own "
+                                      "dtype only"),
+], ids=["misspelled-option", "fp8-kv-cache"])
+def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path, extra, args, message):
     config = mooncake_json(tmp_path / "mooncake.json")
     server = VllmServer("bad-option", tiny_model, free_port(), 0, tmp_path,
-                        connector_config("kv_consumer", bufer_size=1), config, SERVE_ARGS)
+                        connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args])
     try:
         server.proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
         server.stop()
-        pytest.fail("vLLM kept running with a misspelled connector option")
+        pytest.fail("vLLM kept running with a connector configuration it must refuse")
     finally:
         server.stop()
     assert server.proc.returncode != 0
-    assert "kv_connector_extra_config: unknown key(s) bufer_size" in server.log_text()
+    assert message in server.log_text()
