@@ -3,13 +3,15 @@ instances run different TP sizes. Plain arithmetic (no torch, no vLLM), shared b
 
 vLLM splits a model's KV heads evenly over the TP ranks; with fewer KV heads than ranks each rank holds one head and
 several ranks hold the same one. An MLA model caches one latent per token, the same on every rank (``replicated``).
-Only the first rank holding a given span of heads (its first replica) saves it, and every consumer rank reads each
-span from that rank: replicated KV (MLA) is saved once per request, not once per rank.
+In pull mode only the first rank holding a given span of heads (its first replica) saves it, and every consumer rank
+reads each span from that rank: replicated KV (MLA) is saved once per request, not once per rank. (Push mode pushes
+rank to rank.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 def rank_heads(total: int, tp: int, rank: int, replicated: bool = False) -> tuple[int, int]:
@@ -31,8 +33,10 @@ def rank_heads(total: int, tp: int, rank: int, replicated: bool = False) -> tupl
 
 def first_replica(total: int, tp: int, rank: int, replicated: bool = False) -> bool:
     """Whether ``rank`` is the lowest rank holding its span of heads (the one that saves it)."""
-    span = rank_heads(total, tp, rank, replicated)
-    return all(rank_heads(total, tp, r, replicated) != span for r in range(rank))
+    rank_heads(total, tp, rank, replicated)  # validates
+    if replicated:
+        return rank == 0
+    return total >= tp or rank % (tp // total) == 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class Piece:
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
+
+
+@lru_cache(maxsize=256)
+def _plan(total: int, producer_tp: int, consumer_tp: int, rank: int, replicated: bool) -> tuple[Piece, ...]:
+    return tuple(plan(total, producer_tp, consumer_tp, rank, replicated))
 
 
 def plan(total: int, producer_tp: int, consumer_tp: int, rank: int, replicated: bool = False) -> list[Piece]:
@@ -91,7 +100,7 @@ class HeadSplit:
 
     def plan(self, producer_tp: int) -> list[Piece]:
         """Consumer: what this rank reads from a producer running TP ``producer_tp``."""
-        return plan(self.total, producer_tp, self.tp, self.rank, self.replicated)
+        return list(_plan(self.total, producer_tp, self.tp, self.rank, self.replicated))
 
     def producer_span(self, producer_tp: int, producer_rank: int) -> tuple[int, int]:
         return rank_heads(self.total, producer_tp, producer_rank, self.replicated)

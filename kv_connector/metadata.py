@@ -44,7 +44,8 @@ class PushStep:
     end: int
     prompt_len: int
     token_ids: list[int] | None = None
-    push_to: list[str] | None = None  # the consumer's pipe per TP rank (from the params); None: mooncake.json's
+    push_to: list[str] | None = None  # the consumer's pipe per TP rank (from the params); None: mooncake.json's;
+    # []: not pushed (the params named a consumer of another TP size): saved for pull
 
 
 @dataclass

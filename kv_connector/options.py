@@ -128,9 +128,10 @@ def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:
 
 
 def check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
-    """The KV moves as raw bytes checked against the model's dtype: a quantized KV cache (fp8) is refused up front."""
+    """The KV moves as raw bytes checked against its dtype: a quantized KV cache (fp8 and the like, whose scales are
+    not carried) is refused up front."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype != "auto":
+    if cache_dtype not in ("auto", "float16", "bfloat16", "float", "float32", "half"):
         raise ConfigError(f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves the KV cache in the model's own "
                           "dtype only (a quantized KV cache's scales are not carried or checked yet); serve both "
-                          "instances with --kv-cache-dtype auto")
+                          "instances with --kv-cache-dtype auto (or an unquantized dtype)")

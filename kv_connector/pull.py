@@ -20,6 +20,7 @@ saved by one producer rank only and read from it by every consumer rank.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from vllm.logger import init_logger
@@ -47,15 +48,20 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 class PullTransfer(KVTransfer):
     """``split``: this worker's TP rank and the KV heads it holds (a request's params name the producer's pipe per
-    rank); ``default_producers``: the producer's pipe per rank for requests without params (mooncake.json's)."""
+    rank); ``default_producers``: the producer's pipe per rank for requests without params (mooncake.json's, assuming
+    the producer runs this instance's TP size); ``rank_to_rank`` (push mode, whose pushes go rank to rank, and so
+    does what falls back to pull): every producer rank saves, and with equal TP sizes consumer rank r reads producer
+    rank r."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
                  split: HeadSplit, default_producers: list[str], corrupt_ok: bool = False,
-                 concurrency: int = 1) -> None:
+                 concurrency: int = 1, rank_to_rank: bool = False) -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.block_size = block_size
         self.split, self.default_producers = split, default_producers
         self.rank = split.rank
+        self.rank_to_rank = rank_to_rank
+        self._pieces: ThreadPoolExecutor | None = None  # a load's pieces from several producer ranks, in parallel
         self.corrupt_ok = corrupt_ok
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
@@ -65,7 +71,7 @@ class PullTransfer(KVTransfer):
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
         assert self.buffer is not None, "only a producer saves"
-        if not self.split.saves:  # another rank holds the same KV (MLA) and saves it
+        if not self.split.saves and not self.rank_to_rank:  # another rank holds the same KV (MLA) and saves it
             return
         start = time.perf_counter()
         nbytes = self.layout.kv_bytes(len(save.block_ids))
@@ -94,11 +100,23 @@ class PullTransfer(KVTransfer):
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
         producers = self.producers(req)
-        written, fetched, details = len(req.block_ids), 0, []
-        for piece in self.split.plan(len(producers)):
-            usable, nbytes, detail = self._load_piece(req, piece, producers, deadline)
-            written, fetched = min(written, usable), fetched + nbytes
-            details.append(detail)
+        if self.rank_to_rank and len(producers) == self.split.tp:
+            pieces = [Piece(self.rank, (0, self.split.span[1] - self.split.span[0]), 0, 1, True)]
+        else:
+            pieces = self.split.plan(len(producers))
+        if len(pieces) == 1:
+            results = [self._load_piece(req, pieces[0], producers, deadline)]
+        else:  # every piece runs to its end, so that no producer keeps a share nobody takes
+            if self._pieces is None:
+                self._pieces = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-kv-piece")
+            futures = [self._pieces.submit(self._load_piece, req, piece, producers, deadline) for piece in pieces]
+            errors = [f.exception() for f in futures]
+            if any(errors):
+                raise next(e for e in errors if e is not None)
+            results = [f.result() for f in futures]
+        written = min(usable for usable, _, _ in results)
+        fetched = sum(nbytes for _, nbytes, _ in results)
+        details = [detail for _, _, detail in results]
         seconds = time.perf_counter() - start
         return LoadResult(written, self.layout.kv_bytes(written), fetched, "pulled",
                           "; ".join(details) if len(details) == 1 else
@@ -185,3 +203,5 @@ class PullTransfer(KVTransfer):
 
     def close(self) -> None:
         """The buffers belong to the links (closed with them)."""
+        if self._pieces is not None:
+            self._pieces.shutdown(wait=False, cancel_futures=True)

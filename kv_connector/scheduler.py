@@ -4,8 +4,8 @@ and block ids, never touches KV.
 Producer: every prompt is saved in the step that completes its prefill (push mode also streams it step by step); a
 request that asked for remote decode finishes with params saying where its KV waits (``params``).
 Consumer: a request claims its prompt, except the blocks this instance already holds in its own prefix cache and
-the last token (vLLM recomputes that one), as one asynchronous load into exactly the blocks it lacks, from the
-producer its params name (else the configured one).
+its last ``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly
+the blocks it lacks, from the producer its params name (else the configured one).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class ConnectorScheduler:
                 except kv_params.ParamsError as e:
                     logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): its KV is kept for "
                                  "pull instead of pushed", request.request_id, e)
+                    self.push_to[request.request_id] = []  # no push: the worker saves it for pull
             return
         remote = self.remote.pop(request.request_id, None)
         if num_external_tokens <= 0:

@@ -88,7 +88,7 @@ class ConnectorWorker:
         endpoint.start()
         default_producers = [join_host_port(*self.mooncake.pipe_address(0, r)) for r in range(tp)]
         pull = PullTransfer(layout, self.links, self.stats, self.block_size, split, default_producers,
-                            opts.allow_test_corruption, opts.load_concurrency)
+                            opts.allow_test_corruption, opts.load_concurrency, rank_to_rank=self.push_mode)
         self.transfer = pull
         if self.push_mode:
             self.transfer = PushTransfer(layout, self.links, pull, self.stats, self.block_size, rank, default_peer,

@@ -45,7 +45,7 @@ from kv_pipe.scatter import Scatter
 
 logger = logging.getLogger(__name__)
 
-OP_DROP_SELECT, OP_CLOSE = 1, 2
+OP_DROP_SELECT, OP_CLOSE = 3, 4  # 1 and 2 were the ops of the 5-field request of older versions
 ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
 HIT, MISS, CLOSED = 0, 1, 2
 ANSWER_MAGIC = 0x4D4B5641  # "MKVA": starts every answer, so that leftovers of an answer that broke off are told apart
@@ -173,6 +173,8 @@ def _read_request(t: torch.Tensor | None) -> _Request:
                           f"shares, *tokens], got {desc}")
     op, seq, kind, start, stop, part_start, part_stop, shares, *query = t.tolist()
     if op not in (OP_DROP_SELECT, OP_CLOSE):
+        if op in (1, 2):  # its answers have the same form: a MISS tells it at once
+            raise _BadRequest(f"unknown op {op}: the consumer runs an older version of this project", seq)
         raise _BadRequest(f"unknown op {op}")
     if op == OP_CLOSE:
         return _Request(op, seq)

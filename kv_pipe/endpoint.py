@@ -285,8 +285,9 @@ class PipeEndpoint:
         hello = wire.decode_json(payload, HELLO)
         rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if self.any_peer_rank else hello["local_rank"] == self.local_rank
         if hello["kv_rank"] != 1 - self.kv_rank or not rank_ok:
+            ranks = f"below {MAX_PEER_RANKS}" if self.any_peer_rank else str(self.local_rank)
             raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
-                                f"{1 - self.kv_rank} local_rank {self.local_rank}: check kv_role and the URLs in mooncake.json")
+                                f"{1 - self.kv_rank} local_rank {ranks}: check kv_role and the URLs in mooncake.json")
         try:
             check_channel(hello["channel"])
             host, port = parse_host_port(hello["address"], "address")

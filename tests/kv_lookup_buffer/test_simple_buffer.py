@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
-from kv_lookup_buffer.simple_buffer import ANSWER_MAGIC
+from kv_lookup_buffer.simple_buffer import ANSWER_MAGIC, OP_DROP_SELECT
 from kv_pipe import PipeError
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
@@ -235,20 +235,22 @@ def test_malformed_requests_do_not_kill_the_producer(cfg):
         pipe.send_tensor(torch.tensor([1, 8], dtype=torch.int64))  # too short to be a request: skipped
         pipe.send_tensor(None)  # not a request at all: skipped
         # [op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]
-        pipe.send_tensor(torch.tensor([1, 7, 5, 0, -1, 0, -1, 1, 1, 2], dtype=torch.int64))  # DROP_SELECT, unknown kind
-        pipe.send_tensor(torch.tensor([1, 8, 0, 0, -1, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens
-        pipe.send_tensor(torch.tensor([1, 9, 1, 5, 2, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # rows [5, 2): not a range
-        pipe.send_tensor(torch.tensor([1, 10, 1, 0, -1, 3, 1, 1, 1, 2, 3], dtype=torch.int64))  # part [3, 1)
-        pipe.send_tensor(torch.tensor([1, 11, 1, 0, -1, 0, -1, 0, 1, 2, 3], dtype=torch.int64))  # 0 shares
-        pipe.send_tensor(torch.tensor([1, 12, 1, 0, -1, 0, -1, 1 << 40, 1, 2, 3], dtype=torch.int64))  # 2**40 shares
-        for seq in range(7, 13):
+        op = OP_DROP_SELECT
+        pipe.send_tensor(torch.tensor([op, 7, 5, 0, -1, 0, -1, 1, 1, 2], dtype=torch.int64))  # unknown kind
+        pipe.send_tensor(torch.tensor([op, 8, 0, 0, -1, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens
+        pipe.send_tensor(torch.tensor([op, 9, 1, 5, 2, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # rows [5, 2)
+        pipe.send_tensor(torch.tensor([op, 10, 1, 0, -1, 3, 1, 1, 1, 2, 3], dtype=torch.int64))  # part [3, 1)
+        pipe.send_tensor(torch.tensor([op, 11, 1, 0, -1, 0, -1, 0, 1, 2, 3], dtype=torch.int64))  # 0 shares
+        pipe.send_tensor(torch.tensor([op, 12, 1, 0, -1, 0, -1, 1 << 40, 1, 2, 3], dtype=torch.int64))  # 2**40 shares
+        pipe.send_tensor(torch.tensor([1, 13, 1, 0, -1, 1, 2, 3], dtype=torch.int64))  # an older version's request
+        for seq in range(7, 14):
             assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, seq]  # MISS for each
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)
         settle(buf)
         done.set()
         left = producer.result()
     assert got[0] is not None and same(got[2], programs.basic_entries()[0][2])
-    assert left["stats"]["malformed"] == 10 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
+    assert left["stats"]["malformed"] == 11 and left["stats"]["hits"] == 1 and left["stats"]["misses"] == 1  # settle()'s
 
 
 def test_key_part_and_shares_let_two_ranks_each_take_their_heads(cfg):
