@@ -6,8 +6,10 @@ float32, eager), and the colocated reference: the producer itself with its prefi
 colocated instance of the consumer's TP size. Six unique prompts of 150-1,500 tokens, one at a time, are prefilled on
 the producer and decoded (12 tokens, greedy) on the consumer. Columns: answers equal to the reference; KV bytes the
 consumer's loads wrote (moved) vs the bytes of the tokens it claimed (claimed: external prefix-cache hits x KV bytes
-per token); bytes fetched over the wire (pull); p50 load time from the connector's log (pull: request, transfer and
-copy; push: the wait for the push's commit plus the copy).
+per token; a TP 2 consumer's two ranks each write their own heads, an MLA consumer's each the whole latent); bytes
+fetched over the wire (pull); bytes the producer saved (the prefill's save plus the reference's: an MLA producer saves
+on one rank only); p50 load time from the connector's log (pull: request, transfer and copy; push: the wait for the
+push's commit plus the copy).
 
 Usage: .venv/bin/python benchmarks/bench_architectures.py [--only NAME ...] [--prompts N]   (~25 min for all)
 """
@@ -95,13 +97,14 @@ def run(preset: str, mode: str, ptp: int, ctp: int, work: Path, cases: list[list
         hits = consumer.metric("vllm:external_prefix_cache_hits_total")
         loaded = consumer.metric("vllm:mooncake_kv_loaded_bytes_total")
         fetched = consumer.metric("vllm:mooncake_kv_fetched_bytes_total")
+        saved = producer.metric("vllm:mooncake_kv_saved_bytes_total")
         times = [float(m.group(2)) for m in LOAD_LINE.finditer(consumer.log_text())]
     finally:
         for server in servers:
             server.stop()
     per_token = kv_bytes_per_token(path)
     return {"arch": preset, "mode": mode, "tp": f"{ptp} -> {ctp}", "equal": equal, "prompts": len(cases),
-            "claimed_bytes": hits * per_token, "loaded_bytes": loaded, "fetched_bytes": fetched,
+            "claimed_bytes": hits * per_token, "loaded_bytes": loaded, "fetched_bytes": fetched, "saved_bytes": saved,
             "loads": len(times), "load_ms_p50": statistics.median(times) if times else None}
 
 
@@ -121,14 +124,14 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
     lines = [common.header("Architectures x modes x TP sizes: answers and KV moved", "float32"), "",
-             "| architecture | mode | TP | answers = colocated | moved / claimed | fetched MiB | loads | "
-             "load p50 ms |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "| architecture | mode | TP | answers = colocated | moved / claimed | fetched MiB | saved MiB | loads | "
+             "load p50 ms |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["loaded_bytes"] / r["claimed_bytes"] if r["claimed_bytes"] else float("nan")
         p50 = f"{r['load_ms_p50']:.1f}" if r["load_ms_p50"] is not None else "-"
         lines.append(f"| {r['arch']} | {r['mode']} | {r['tp']} | {r['equal']}/{r['prompts']} | {ratio:.3f} "
                      f"({r['loaded_bytes'] / 2**20:.1f} / {r['claimed_bytes'] / 2**20:.1f} MiB) | "
-                     f"{r['fetched_bytes'] / 2**20:.1f} | {r['loads']} | {p50} |")
+                     f"{r['fetched_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} | {r['loads']} | {p50} |")
     table = "\n".join(lines) + "\n"
     print(table)
     common.write("bench_architectures", {"runs": rows}, table)
