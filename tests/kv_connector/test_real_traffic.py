@@ -61,7 +61,9 @@ def test_shared_system_prompt_moves_only_the_questions(pair, mode, reference):
         assert answer == reference.complete(tokens, MAX_TOKENS)
         local_hits.append(check_moved(mode, tokens, change_c))
         if mode == "push":  # the producer cannot know the consumer's cache: it pushes the whole prompt
-            assert change_p.get("pushed_bytes", 0) == blocks(len(tokens)) * ROW_BYTES
+            # (stats reach /metrics with the engine's next step: an earlier request's last pushed block, e.g.
+            # test_metrics' one-block pokes, may be counted in this window, and this one's in the next)
+            assert abs(change_p.get("pushed_bytes", 0) - blocks(len(tokens)) * ROW_BYTES) <= ROW_BYTES, change_p
     assert local_hits[0] == 0
     assert local_hits[1:4] == [4 * BLOCK] * 3  # the system prompt's 4 full blocks
     assert local_hits[4] == (len(prompts[4]) - 1) // BLOCK * BLOCK  # the repeat: all its full blocks
