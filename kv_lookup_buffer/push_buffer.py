@@ -107,7 +107,7 @@ class PushBuffer:
         self._closed = threading.Event()
         self.stats = {"begun": 0, "pushed_bytes": 0, "committed": 0, "push_failed": 0, "no_credit": 0,
                       "staged": 0, "taken": 0, "rejected": 0, "expired": 0, "pulled": 0, "aborted": 0, "malformed": 0,
-                      "lost": 0}  # lost: messages that broke off mid-way (PipeStalled)
+                      "lost": 0, "duplicates": 0}  # lost: messages that broke off mid-way (PipeStalled)
         # producer
         self._epoch = random.randrange(1, 1 << 62)
         self._sent_begins: deque[int] = deque()  # sizes of BEGINs not yet counted by the consumer's last credit
@@ -124,6 +124,9 @@ class PushBuffer:
         # consumer
         self._entries: dict[bytes, PushedEntry] = {}
         self._notices: dict[bytes, tuple[str, float]] = {}  # key -> ("pull" | "rejected" | "aborted", when)
+        # keys whose staged entry is complete while the producer pushes the same prompt again (a repeated prompt):
+        # the new push's messages are dropped and the staged copy kept
+        self._repeats: set[bytes] = set()
         self._free = capacity
         self._producer_epoch = 0
         self._begun = 0
@@ -352,11 +355,17 @@ class PushBuffer:
         if kind == HELLO:
             with self._cv:
                 self._producer_epoch, self._begun = a, 0
+                self._repeats.clear()
             self._send_credit()
         elif kind == BEGIN:
             with self._cv:
                 self._begun += 1
-                if key in self._entries or a > self._free or b <= 0 or c <= 0:
+                staged = self._entries.get(key)
+                self._repeats.discard(key)  # a repeat that never ended (its producer went away) ends here
+                if staged is not None and staged.committed:
+                    self._repeats.add(key)  # every message of the first push came before its COMMIT
+                    self.stats["duplicates"] += 1
+                elif staged is not None or a > self._free or b <= 0 or c <= 0:
                     self._notices[key] = ("rejected", time.monotonic())
                     self.stats["rejected"] += 1
                     self._cv.notify_all()
@@ -370,6 +379,8 @@ class PushBuffer:
         elif kind == DATA:
             blocks = self.pipe.recv_tensor()
             with self._cv:
+                if key in self._repeats:
+                    return  # the same bytes as the staged entry's
                 entry = self._entries.get(key)
                 if entry is None:
                     return  # refused, expired or aborted: drop the bytes
@@ -385,6 +396,9 @@ class PushBuffer:
         elif kind == COMMIT:
             meta = self.pipe.recv_tensor()
             with self._cv:
+                if key in self._repeats:
+                    self._repeats.discard(key)
+                    return
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.committed, entry.meta, entry.num_tokens = True, meta, a
@@ -392,7 +406,10 @@ class PushBuffer:
         elif kind in (PULL, ABORT):
             with self._cv:
                 self.stats["pulled" if kind == PULL else "aborted"] += 1
-                self._drop(key, "pull" if kind == PULL else "aborted")
+                if key in self._repeats:  # the repeat will not come: the staged copy stays
+                    self._repeats.discard(key)
+                else:
+                    self._drop(key, "pull" if kind == PULL else "aborted")
             self._send_credit()
         else:
             raise ValueError(f"unexpected {KIND_NAMES[kind]} from the producer")

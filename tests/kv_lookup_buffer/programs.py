@@ -164,10 +164,12 @@ def wait_begin(buf: Any, key: bytes, nbytes: int, timeout: float = 30.0) -> bool
     return False
 
 
-def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pieces: int | None = None) -> dict:
+def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pieces: int | None = None,
+                 pause: float = 0.0) -> dict:
     """Push each entry in two "steps" (blocks 0-2, then 3-4, layer by layer), commit it with a small meta tensor;
     an entry whose ``begin`` is refused goes by pull (``notify_pull``). With ``stop_after_pieces``, hang (for a
-    kill) after that many pieces of the first entry, without committing."""
+    kill) after that many pieces of the first entry, without committing. ``pause``: seconds between entries (as
+    between the prefills of two requests)."""
     from kv_lookup_buffer.push_buffer import PushBuffer, entry_key
 
     outcome: dict[str, Any] = {"pushed": [], "pulled": []}
@@ -189,6 +191,7 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
                         time.sleep(600)
             buf.commit(key, len(tokens), torch.tensor([seed, 7], dtype=torch.int64))
             outcome["pushed"].append(seed)
+            time.sleep(pause)
         done.wait(120)
         outcome["stats"] = dict(buf.stats)
         buf.close()

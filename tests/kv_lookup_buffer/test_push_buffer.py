@@ -68,6 +68,28 @@ def test_pushed_entries_arrive_exactly_and_are_taken_once(cfg):
     assert outcome["pushed"] == [1, 2, 3] and outcome["stats"]["push_failed"] == 0
 
 
+def test_a_prompt_pushed_again_while_staged_keeps_the_staged_copy(cfg):
+    """A repeated prompt prefilled twice before its decode: the second push of the same key must neither be taken
+    for the first one's pieces nor drop it (it did: 'DATA ... does not fit its entry: entry dropped')."""
+    done = ctx().Event()
+    producer = Peer(programs.push_entries, cfg, [1, 1, 2], done, None, 0.5)
+    with open_pipe(cfg, 1) as pipe:
+        buf = consumer_for(pipe, capacity=1 << 20)
+        try:
+            key2 = entry_key(programs.push_entry(2)[0])
+            second = take_once_begun(buf, key2)  # the last entry: every message before it has arrived
+            tokens, kv = programs.push_entry(1)
+            first = buf.take(entry_key(tokens), timeout=1.0)
+            assert first is not None and torch.equal(assemble(first), kv) and first.received == ENTRY_BYTES
+            assert second is not None and torch.equal(assemble(second), programs.push_entry(2)[1])
+            assert buf.stats["duplicates"] == 1 and buf.stats["malformed"] == 0 and buf.stats["aborted"] == 0
+        finally:
+            done.set()
+            outcome = producer.result()
+            buf.close()
+    assert outcome["pushed"] == [1, 1, 2]
+
+
 def test_no_room_means_pull_and_the_consumer_does_not_wait(cfg):
     done = ctx().Event()
     producer = Peer(programs.push_entries, cfg, [1, 2], done)
