@@ -212,13 +212,23 @@ def _rows(key: torch.Tensor | None, rows: tuple[int, int] | None) -> torch.Tenso
 
 def _part(key: torch.Tensor | None, part: tuple[int, int] | None) -> torch.Tensor | None:
     """A range of ``key``'s third dimension (clamped to what it has), as a contiguous copy; ``key`` itself if the
-    range is all of it (or ``key`` has no third dimension)."""
+    range is all of it (or ``key`` has no third dimension). On the host one memmove per (row, second index): a
+    strided ``contiguous()`` would fan out over the OpenMP pool of the process's main thread (see ``copy_bytes``)."""
     if key is None or part is None or key.dim() < 3:
         return key
     size = key.shape[2]
     start = min(part[0], size)
     stop = min(max(part[1], start), size)
-    return key if (start, stop) == (0, size) else key[:, :, start:stop].contiguous()
+    if (start, stop) == (0, size):
+        return key
+    src = key[:, :, start:stop]
+    if key.device.type != "cpu" or not key.is_contiguous() or src.numel() == 0:
+        return src.contiguous()
+    out = torch.empty(src.shape, dtype=key.dtype)
+    for r in range(src.shape[0]):
+        for i in range(src.shape[1]):
+            copy_bytes(out[r, i].reshape(-1).view(torch.uint8), src[r, i].reshape(-1).view(torch.uint8))
+    return out
 
 
 @dataclass
