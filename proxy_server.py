@@ -462,8 +462,9 @@ class ParamsProtocol:
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             log.debug("no push address from %s: %r", decode.url, error)  # it fails the decode too if it is down
             push_to = None
-        if push_to:
-            params[PUSH_TO] = push_to
+        # a decode instance that takes no push (or did not say) loads by pull: an empty list tells a push-mode
+        # producer to keep the KV for it instead of pushing it to the consumer in its own mooncake.json
+        params[PUSH_TO] = push_to or []
         return params
 
     async def decode_params(self, transfer: None, prefill: Upstream,

@@ -1,10 +1,10 @@
 """``kv_transfer_params``: what a request carries between the instances (vLLM's disaggregation protocol).
 
-The proxy sends the prefill with ``{"do_remote_decode": true}`` (push mode: plus ``"mooncake_push_to"``, the
-consumer's pipe address per TP rank). The producer's ``request_finished`` answers with ``producer_params``: where the
-KV waits. The proxy puts those on the decode request; the consumer loads from exactly that producer. A request
-without them (a proxy that forwards none, or prefill and decode sent by hand) loads from the producer named by
-mooncake.json's ``prefill_url``.
+The proxy sends the prefill with ``{"do_remote_decode": true}`` and ``"mooncake_push_to"``: the consumer's pipe
+address per TP rank if it takes pushed KV, else ``[]`` (a push-mode producer then keeps the KV for pull). The
+producer's ``request_finished`` answers with ``producer_params``: where the KV waits. The proxy puts those on the
+decode request; the consumer loads from exactly that producer. A request without them (a proxy that forwards none,
+or prefill and decode sent by hand) loads from the producer named by mooncake.json's ``prefill_url``.
 
 Params reach us from the network through the proxy: every field is checked (``ParamsError`` says which and why) and
 a request with bad params is recomputed, never loaded from a guessed place.
@@ -22,7 +22,7 @@ PIPE = "remote_pipe"  # the producer's pipe address per TP rank (rank i: element
 ENGINE = "remote_engine_id"
 TP_SIZE = "remote_tp_size"
 REQUEST = "remote_request_id"
-PUSH_TO = "mooncake_push_to"  # prefill, push mode: the consumer's pipe address per TP rank
+PUSH_TO = "mooncake_push_to"  # prefill, push mode: the consumer's pipe address per TP rank ([]: do not push)
 MAX_RANKS = 1024
 
 
@@ -77,7 +77,10 @@ def remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int) -> list[str] | None:
-    """Producer, push mode: the consumer the proxy chose for this request (None: the configured one)."""
+    """Producer, push mode: the consumer the proxy chose for this request (None: the configured one; an empty list:
+    no push, the request's consumer loads by pull)."""
     if not params or PUSH_TO not in params:
         return None
+    if params[PUSH_TO] == []:
+        return []
     return _addresses(params[PUSH_TO], PUSH_TO, tp_size)

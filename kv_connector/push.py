@@ -68,8 +68,8 @@ class PushTransfer(KVTransfer):
         self.step_pushes = []
         for step in meta.pushes:
             if step.token_ids is not None and step.push_to == []:
-                logger.info("MooncakeConnector: request %s is not pushed (its consumer runs another TP size): pull",
-                            step.req_id)
+                logger.info("MooncakeConnector: request %s is not pushed (its params ask for pull, or name a consumer "
+                            "of another TP size): pull", step.req_id)
             elif step.token_ids is not None:  # the request's first step: announce it if the consumer has room
                 key = entry_key(step.token_ids)
                 nblocks = -(-step.prompt_len // self.block_size)

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}  # what the proxy adds to every prefill
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "mooncake_push_to": []}  # what the proxy adds
+# to every prefill (no push target: these decode instances do not say they take pushed KV)
 COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
@@ -212,7 +213,8 @@ def endpoint_info(mode: str, pipes: str, role: str = "kv_consumer") -> str:
 
 def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
     """The decode instance is chosen first; one in push mode (its /metrics say so) gets its pipe addresses on the
-    prefill as mooncake_push_to; a pull-mode one and an instance without the info get none. /metrics is read once."""
+    prefill as mooncake_push_to; for a pull-mode one and an instance without the info the list is empty (a push-mode
+    producer keeps the KV for pull then). /metrics is read once."""
 
     async def test(env: Environment) -> None:
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100,10.0.0.5:17101")
@@ -222,7 +224,7 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
             assert (await env.post("/v1/completions", COMPLETION))[0] == 200
         assert all(r.body["kv_transfer_params"]["do_remote_decode"] is True for r in env.prefill[0].received)
         sent = [r.body["kv_transfer_params"].get("mooncake_push_to") for r in env.prefill[0].received]
-        assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], None, None] * 2
+        assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], [], []] * 2
         assert [len(d.received) for d in env.decode] == [2, 2, 2]
         assert [d.metrics_requests for d in env.decode] == [1, 1, 1]
         # the same at once: requests in flight while /metrics is read share one read
@@ -237,7 +239,7 @@ def test_push_address_answered_by_a_producer_or_garbage_is_ignored() -> None:
     async def test(env: Environment) -> None:
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17000", role="kv_producer") + "garbage{ 1\n"
         assert (await env.post("/v1/completions", COMPLETION))[0] == 200
-        assert "mooncake_push_to" not in env.prefill[0].received[0].body["kv_transfer_params"]
+        assert env.prefill[0].received[0].body["kv_transfer_params"]["mooncake_push_to"] == []
 
     run(test)
 

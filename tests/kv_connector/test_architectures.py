@@ -3,9 +3,13 @@ window), Gemma2 (sliding and global layers, softcapping, head_dim 128, tied embe
 latent per token and layer, blocks of 16), each a tiny random-weight model from scripts/build_tiny_model.py. (The
 Llama layout is what every other connector test serves.)
 
-Per architecture and mode, one producer/consumer pair. The colocated reference is the producer itself with its
-prefix cache emptied first (vLLM's dev endpoint): a fresh prefill of the whole prompt, as a colocated instance
-computes it, which also leaves the prompt's KV for the consumer. The consumer keeps its own prefix cache, so shared
+Per architecture, one producer/consumer pair in push mode serves both modes: the pull half sends each prefill with
+``mooncake_push_to: []`` (what the proxy sends for a decode instance that takes no push), so the producer keeps the
+prompt for pull and the consumer pulls it, through the same save and load code as a pull-mode pair (push mode only
+adds its own path beside it). One pair instead of two halves the vLLM start-ups, which dominate the suite's time.
+The colocated reference is the producer itself with its prefix cache emptied first (vLLM's dev endpoint): a fresh
+prefill of the whole prompt, as a colocated instance computes it, which also leaves the prompt's KV for the
+consumer. The consumer keeps its own prefix cache, so shared
 prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the connector's stats show
 exactly those blocks moved. (MLA: text is compared for prompts sent one at a time only. For the three sent at once the
 consumer's text differed from the producer's answers to each alone, and in one experiment a colocated MLA instance
@@ -54,23 +58,22 @@ class Layout:
         return -(-(length - self.recompute) // self.block) - local // self.block
 
 
-@pytest.fixture(scope="module", params=[(a, m) for a in ARCHITECTURES for m in ("pull", "push")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=ARCHITECTURES)
 def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, str, Layout, VllmServer, VllmServer]]:
-    arch, mode = request.param
+             ) -> Iterator[tuple[str, Layout, VllmServer, VllmServer]]:
+    arch = request.param
     model = build_model(arch)
     layout = Layout(model)
-    work = tmp_path_factory.mktemp(f"{arch}-{mode}")
+    work = tmp_path_factory.mktemp(arch)
     config = mooncake_json(work / "mooncake.json")
     args = serve_args(layout.mla)
-    producer = VllmServer(f"{arch}-{mode}-producer", model, free_port(), 0, work,
-                          connector_config("kv_producer", transfer_mode=mode), config, args,
+    producer = VllmServer(f"{arch}-producer", model, free_port(), 0, work,
+                          connector_config("kv_producer", transfer_mode="push"), config, args,
                           env={"VLLM_SERVER_DEV_MODE": "1"})
-    consumer = VllmServer(f"{arch}-{mode}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", transfer_mode=mode), config, args)
+    consumer = VllmServer(f"{arch}-consumer", model, free_port(), 1, work,
+                          connector_config("kv_consumer", transfer_mode="push"), config, args)
     start_vllm(producer, consumer)
-    yield arch, mode, layout, producer, consumer
+    yield arch, layout, producer, consumer
     producer.stop()
     consumer.stop()
 
@@ -82,10 +85,12 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, 5999) for _ in range(length)]
 
 
-def reference(producer: VllmServer, tokens: list[int]) -> str:
-    """The colocated answer: a fresh prefill of the whole prompt on the producer (which also saves its KV)."""
+def reference(producer: VllmServer, tokens: list[int], mode: str) -> str:
+    """The colocated answer: a fresh prefill of the whole prompt on the producer, which also pushes its KV to the
+    consumer (push) or keeps it for the consumer to pull (pull)."""
     producer.post("/reset_prefix_cache", {})
-    return producer.complete(tokens, MAX_TOKENS)
+    extra = {"kv_transfer_params": {"mooncake_push_to": []}} if mode == "pull" else {}
+    return producer.complete(tokens, MAX_TOKENS, **extra)
 
 
 def check(layout: Layout, mode: str, tokens: list[int], change: dict[str, float]) -> int:
@@ -98,16 +103,20 @@ def check(layout: Layout, mode: str, tokens: list[int], change: dict[str, float]
     return len(tokens) - layout.recompute - claimed
 
 
-def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair, mode):
     """A long unique prompt (chunked prefill where the model allows it), a shared system prompt with three
-    questions, a repeat; then three unique prompts at once."""
-    arch, mode, layout, producer, consumer = zoo_pair
-    system = prompt(1, 3 * layout.block + 40 if not layout.mla else 300)
-    prompts = [prompt(2, 1300), *(system + prompt(10 + i, 30 + 25 * i) for i in range(3)), system + prompt(10, 30)]
+    questions, a repeat; then three unique prompts at once. Each mode has prompts of its own (the consumer's
+    prefix cache holds the other mode's)."""
+    arch, layout, producer, consumer = zoo_pair
+    seed = 0 if mode == "pull" else 1000
+    system = prompt(seed + 1, 3 * layout.block + 40 if not layout.mla else 300)
+    prompts = [prompt(seed + 2, 1300), *(system + prompt(seed + 10 + i, 30 + 25 * i) for i in range(3)),
+               system + prompt(seed + 10, 30)]
     local_hits = []
     for tokens in prompts:
         before = kv_stats(consumer)
-        expected = reference(producer, tokens)
+        expected = reference(producer, tokens, mode)
         answer = consumer.complete(tokens, MAX_TOKENS)
         change = settled_stats(consumer, before, 1)
         assert answer == expected, f"{arch} {mode}: a {len(tokens)}-token prompt"
@@ -119,8 +128,8 @@ def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair):
     else:
         assert local_hits == [0] * len(prompts)
 
-    batch = [prompt(100 + i, 200 + 150 * i) for i in range(3)]
-    expected = [reference(producer, tokens) for tokens in batch]
+    batch = [prompt(seed + 100 + i, 200 + 150 * i) for i in range(3)]
+    expected = [reference(producer, tokens, mode) for tokens in batch]
     before = kv_stats(consumer)
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
         answers = list(pool.map(lambda t: consumer.complete(t, MAX_TOKENS), batch))

@@ -2,6 +2,8 @@
 chunks of 2048, loaded whole; also while both cores are kept busy by other
 processes, so that the consumer's request (its 8k+ tokens ride in a Transfer Engine write, not inside the frame) and
 the KV arrive late. Every answer equals a fresh prefill on the producer, and the whole prompt's KV moved.
+
+One pair in push mode serves both modes: a pull prefill carries ``mooncake_push_to: []`` (see test_architectures).
 """
 
 from __future__ import annotations
@@ -25,20 +27,18 @@ ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "40960", "--
         str(160 << 20), "--max-num-batched-tokens", "2048"]
 
 
-@pytest.fixture(scope="module", params=["pull", "push"])
-def long_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[tuple[str, VllmServer, VllmServer]]:
-    mode = request.param
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     model = build_model("long")
-    work = tmp_path_factory.mktemp(f"long-{mode}")
+    work = tmp_path_factory.mktemp("long")
     config = mooncake_json(work / "mooncake.json", timeout=30)
-    producer = VllmServer(f"long-{mode}-producer", model, free_port(), 0, work,
-                          connector_config("kv_producer", transfer_mode=mode), config, ARGS,
+    producer = VllmServer("long-producer", model, free_port(), 0, work,
+                          connector_config("kv_producer", transfer_mode="push"), config, ARGS,
                           env={"VLLM_SERVER_DEV_MODE": "1"})
-    consumer = VllmServer(f"long-{mode}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", transfer_mode=mode, load_timeout=60), config, ARGS)
+    consumer = VllmServer("long-consumer", model, free_port(), 1, work,
+                          connector_config("kv_consumer", transfer_mode="push", load_timeout=60), config, ARGS)
     start_vllm(producer, consumer)
-    yield mode, producer, consumer
+    yield producer, consumer
     producer.stop()
     consumer.stop()
 
@@ -66,7 +66,8 @@ def busy_cpu(seconds: float) -> Iterator[None]:
 def check_long(mode: str, producer: VllmServer, consumer: VllmServer, length: int, seed: int) -> None:
     tokens = [random.Random(seed).randrange(3, 5999) for _ in range(length)]
     producer.post("/reset_prefix_cache", {})
-    expected = producer.complete(tokens, MAX_TOKENS, timeout=300)  # a fresh prefill, which also leaves the KV
+    extra = {"kv_transfer_params": {"mooncake_push_to": []}} if mode == "pull" else {}
+    expected = producer.complete(tokens, MAX_TOKENS, timeout=300, **extra)  # a fresh prefill, which also leaves the KV
     before = kv_stats(consumer)
     assert consumer.complete(tokens, MAX_TOKENS, timeout=300) == expected, f"{mode}, {length} tokens"
     change = settled_stats(consumer, before, 1, timeout=30)
@@ -76,13 +77,18 @@ def check_long(mode: str, producer: VllmServer, consumer: VllmServer, length: in
     assert change.get("fetched_bytes", 0) == (rows * ROW_BYTES if mode == "pull" else 0), change
 
 
+MODES = pytest.mark.parametrize("mode", ["pull", "push"])
+
+
+@MODES
 @pytest.mark.parametrize("length", LENGTHS)
-def test_long_prompt(long_pair, length):
-    mode, producer, consumer = long_pair
-    check_long(mode, producer, consumer, length, seed=length)
+def test_long_prompt(long_pair, mode, length):
+    producer, consumer = long_pair
+    check_long(mode, producer, consumer, length, seed=length + (mode == "push"))
 
 
-def test_long_prompt_with_the_cpu_busy(long_pair):
-    mode, producer, consumer = long_pair
+@MODES
+def test_long_prompt_with_the_cpu_busy(long_pair, mode):
+    producer, consumer = long_pair
     with busy_cpu(120):
-        check_long(mode, producer, consumer, LENGTHS[-1], seed=7)
+        check_long(mode, producer, consumer, LENGTHS[-1], seed=7 + (mode == "push"))

@@ -39,21 +39,28 @@ def test_bad_options(extra, message):
         ConnectorOptions.from_extra_config(extra)
 
 
-@pytest.mark.parametrize("extra, args, message", [
-    ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
-    ({}, ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: MooncakeConnector moves the KV cache in the model's own "
-                                      "dtype only"),
-], ids=["misspelled-option", "fp8-kv-cache"])
-def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path, extra, args, message):
+BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say)
+    "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
+    "fp8-kv-cache": ({}, ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: MooncakeConnector moves the KV cache in "
+                                                      "the model's own dtype only"),
+}
+
+
+def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path):
+    """Each on a core of its own, at once (a refused start-up still imports vLLM: ~30 s)."""
     config = mooncake_json(tmp_path / "mooncake.json")
-    server = VllmServer("bad-option", tiny_model, free_port(), 0, tmp_path,
-                        connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args])
+    servers = {name: VllmServer(f"bad-option-{name}", tiny_model, free_port(), core, tmp_path,
+                                connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args])
+               for core, (name, (extra, args, _)) in enumerate(BAD_STARTS.items())}
     try:
-        server.proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        server.stop()
-        pytest.fail("vLLM kept running with a connector configuration it must refuse")
+        for name, server in servers.items():
+            try:
+                server.proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name}: vLLM kept running with a connector configuration it must refuse")
     finally:
-        server.stop()
-    assert server.proc.returncode != 0
-    assert message in server.log_text()
+        for server in servers.values():
+            server.stop()
+    for name, server in servers.items():
+        assert server.proc.returncode != 0, name
+        assert BAD_STARTS[name][2] in server.log_text(), name

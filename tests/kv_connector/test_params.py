@@ -43,5 +43,6 @@ def test_push_targets_must_match_this_instances_tp_size():
     assert kv_params.push_targets({"mooncake_push_to": ["127.0.0.1:1", "127.0.0.1:2"]}, 2) == \
         ["127.0.0.1:1", "127.0.0.1:2"]
     assert kv_params.push_targets({}, 2) is None
+    assert kv_params.push_targets({"mooncake_push_to": []}, 2) == []  # no push: kept for pull
     with pytest.raises(kv_params.ParamsError, match="same tensor_parallel_size"):
         kv_params.push_targets({"mooncake_push_to": ["127.0.0.1:1"]}, 2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
 
-ctx = mp.get_context("spawn")
+ctx = peers.ctx()
 
 
 @pytest.fixture
