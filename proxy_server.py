@@ -14,7 +14,7 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 3. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
    false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
    same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.
-4. Decode: the original request, with the protocol's ``kv_transfer_params`` merged into its own, goes to the chosen
+4. Decode: the original request, with the protocol's ``kv_transfer_params`` in place of any of its own, goes to the chosen
    decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is.
 
 Protocols (``--protocol``):
@@ -41,7 +41,11 @@ role. Unreachable -> 502, timed out (``--timeout``) -> 504, both with a JSON err
 or ``decode``). A client that disconnects cancels its upstream requests (their connections are closed).
 
 ``GET /health`` probes every upstream's ``/health`` (200 if at least one prefill and one decode instance are
-healthy, else 503, with a per-instance report); ``GET /v1/models`` is passed through from a decode instance.
+healthy, else 503, with a per-instance report); ``GET /v1/models`` is passed through from a decode instance;
+``GET /metrics`` is the proxy's own Prometheus text.
+
+A client's own ``kv_transfer_params`` are dropped (and counted on /metrics): only the proxy says where KV comes from
+and goes to.
 
 One ``aiohttp.ClientSession`` (with a bounded connection pool) is created when serving starts and closed at
 shutdown. ``create_app(config)`` builds the Quart app (used by ``main()`` and the tests); it is served by
@@ -65,6 +69,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from quart import Quart, Response, g, request
 
@@ -80,6 +85,7 @@ SSE_CONTENT_TYPE = "text/event-stream"
 PROTOCOLS = ("params", "bootstrap")
 ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # our connector's instance info on /metrics
 PUSH_TO = "mooncake_push_to"  # prefill params, push mode: the consumer's pipe address per TP rank
+PUSH_PROOF = "mooncake_push_proof"  # prefill params: the consumer's proof of that address (fleets with a secret)
 DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
 
@@ -268,11 +274,6 @@ class RelayedError(Exception):
         return Response(self.body, status=self.status, content_type=self.content_type)
 
 
-def client_kv_params(payload: dict[str, Any]) -> dict[str, Any]:
-    params = payload.get("kv_transfer_params")
-    return dict(params) if isinstance(params, dict) else {}
-
-
 def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill copy: one token, not streamed, with the protocol's kv_transfer_params; everything else
     unchanged."""
@@ -282,13 +283,13 @@ def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, An
         copy["max_completion_tokens"] = 1
     copy["stream"] = False
     copy.pop("stream_options", None)
-    copy["kv_transfer_params"] = {**client_kv_params(payload), **kv_params}
+    copy["kv_transfer_params"] = dict(kv_params)
     return copy
 
 
 def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
     """The original request plus the protocol's kv_transfer_params (where the KV waits)."""
-    return {**payload, "kv_transfer_params": {**client_kv_params(payload), **kv_params}}
+    return {**payload, "kv_transfer_params": dict(kv_params)}
 
 
 def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
@@ -301,15 +302,22 @@ def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) else None
 
 
-def push_address(metrics: str) -> list[str] | None:
-    """A decode instance's pipe addresses if its /metrics text says it runs our connector as a push-mode consumer."""
+def push_target(metrics: str) -> tuple[list[str], str] | None:
+    """A decode instance's pipe addresses and their proof ("" without a secret) if its /metrics text says it runs
+    our connector as a push-mode consumer."""
     lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             labels = sample.labels
             if labels.get("kv_role") == "kv_consumer" and labels.get("transfer_mode") == "push" and labels.get("pipes"):
-                return labels["pipes"].split(",")
+                return labels["pipes"].split(","), labels.get("push_proof", "")
     return None
+
+
+def push_address(metrics: str) -> list[str] | None:
+    """The pipe addresses of ``push_target``."""
+    target = push_target(metrics)
+    return None if target is None else target[0]
 
 
 def bootstrap_engine_id(answer: Any) -> str:
@@ -458,24 +466,26 @@ class ParamsProtocol:
     async def prefill_params(self, transfer: None, decode: Upstream) -> dict[str, Any]:
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         try:
-            push_to = await self.proxy.learn(decode, self._push_address)
+            target = await self.proxy.learn(decode, self._push_target)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             log.debug("no push address from %s: %r", decode.url, error)  # it fails the decode too if it is down
-            push_to = None
+            target = None
         # a decode instance that takes no push (or did not say) loads by pull: an empty list tells a push-mode
         # producer to keep the KV for it instead of pushing it to the consumer in its own mooncake.json
-        params[PUSH_TO] = push_to or []
+        params[PUSH_TO] = target[0] if target else []
+        if target and target[1]:
+            params[PUSH_PROOF] = target[1]
         return params
 
     async def decode_params(self, transfer: None, prefill: Upstream,
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:
         return answer
 
-    async def _push_address(self, decode: Upstream) -> list[str] | None:
-        addresses = push_address(await self.proxy.get_text(decode.url + "/metrics"))
-        if addresses:
-            log.info("decode instance %s takes pushed KV at %s", decode.url, addresses)
-        return addresses
+    async def _push_target(self, decode: Upstream) -> tuple[list[str], str] | None:
+        target = push_target(await self.proxy.get_text(decode.url + "/metrics"))
+        if target:
+            log.info("decode instance %s takes pushed KV at %s", decode.url, target[0])
+        return target
 
 
 class BootstrapProtocol:
@@ -523,6 +533,9 @@ class Proxy:
         self.config = config
         self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown)
         self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown)
+        self.metrics = CollectorRegistry()
+        self._dropped = Counter("mooncake_proxy_client_kv_params_dropped", "Requests whose client-supplied "
+                                "kv_transfer_params the proxy dropped (only the proxy sets them).", registry=self.metrics)
         seconds = config.timeout
         connect = config.connect_timeout
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
@@ -651,6 +664,14 @@ class Proxy:
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         payload = parse_json_object(raw)
         streaming = validate(payload, path == CHAT_COMPLETIONS)
+        if "kv_transfer_params" in payload:
+            # Only the fields the protocol sets reach the instances: a client must not steer where KV comes from or
+            # goes to (nor set test switches).
+            payload = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
+            raw = json.dumps(payload).encode()
+            self._dropped.inc()
+            log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)",
+                     headers[REQUEST_ID_HEADER])
         decode = self.decode_balancer.reserve()
         try:
             transfer = self.protocol.new_transfer()
@@ -773,6 +794,10 @@ def create_app(config: ProxyConfig) -> Quart:
             return await proxy.models(forwarded_headers(g.request_id))
         except ProxyError as error:
             return error.response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics), content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

@@ -35,7 +35,7 @@ class ConnectorScheduler:
     ``recompute``: consumer: how many of a prompt's last tokens it computes itself (at least the last one)."""
 
     def __init__(self, is_producer: bool, block_size: int, push: bool = False, pipes: list[str] | None = None,
-                 engine_id: str = "", recompute: int = 1) -> None:
+                 engine_id: str = "", recompute: int = 1, secret: bytes = b"") -> None:
         self.is_producer = is_producer
         self.block_size = block_size
         self.push = push
@@ -43,6 +43,7 @@ class ConnectorScheduler:
         self.tp_size = max(len(self.pipes), 1)
         self.engine_id = engine_id
         self.recompute = max(recompute, 1)
+        self.secret = secret  # params are signed and checked with it (see kv_connector/params.py)
         self.push_to: dict[str, list[str] | None] = {}  # producer, push mode: the consumer each request goes to
         self.remote: dict[str, kv_params.RemotePrefill | None] = {}  # consumer: the producer each claim loads from
         self.prompts: dict[str, list[int]] = {}  # producer: prompts still prefilling
@@ -61,7 +62,7 @@ class ConnectorScheduler:
         if claim <= 0 or request.request_id in self.claimed:
             return 0, False
         try:
-            self.remote[request.request_id] = kv_params.remote_prefill(request.kv_transfer_params)
+            self.remote[request.request_id] = kv_params.remote_prefill(request.kv_transfer_params, self.secret)
         except kv_params.ParamsError as e:
             logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): recomputing its prompt",
                          request.request_id, e)
@@ -75,7 +76,8 @@ class ConnectorScheduler:
             self.prompts[request.request_id] = list(request.prompt_token_ids or ())
             if self.push:
                 try:
-                    self.push_to[request.request_id] = kv_params.push_targets(request.kv_transfer_params, self.tp_size)
+                    self.push_to[request.request_id] = kv_params.push_targets(request.kv_transfer_params, self.tp_size,
+                                                                                   self.secret)
                 except kv_params.ParamsError as e:
                     logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): its KV is kept for "
                                  "pull instead of pushed", request.request_id, e)
@@ -135,4 +137,4 @@ class ConnectorScheduler:
         params = request.kv_transfer_params or {}
         if not saved or not params.get("do_remote_decode") or not self.pipes:
             return None
-        return kv_params.producer_params(self.pipes, self.engine_id, req_id)
+        return kv_params.producer_params(self.pipes, self.engine_id, req_id, self.secret)

@@ -81,7 +81,7 @@ class SimpleConnector(KVConnectorBase_V1):
             pipes = pipe_addresses(vllm_config, mooncake, is_producer)
             recompute = recompute_tokens(vllm_config, options)
             self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "",
-                                                 recompute)
+                                                 recompute, mooncake.secret)
             if not is_producer and recompute > 1:
                 logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
                             "(recompute_tokens%s)", recompute, "" if options.recompute_tokens else

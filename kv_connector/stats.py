@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
+from kv_connector import params as kv_params
 from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
 
 if TYPE_CHECKING:
@@ -127,12 +128,16 @@ class StatsRecorder:
 
 
 def endpoint_info(vllm_config: VllmConfig) -> dict[str, str]:
-    """What a proxy needs to know about this instance: role, transfer mode, pipe address per TP rank, engine id."""
+    """What a proxy needs to know about this instance: role, transfer mode, pipe address per TP rank, engine id, and
+    (a consumer, with a secret) the proof of its pipe addresses that a producer checks before pushing there."""
     transfer = vllm_config.kv_transfer_config
     options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-    pipes = pipe_addresses(vllm_config, load_mooncake_config(options), transfer.kv_role == "kv_producer")
+    mooncake = load_mooncake_config(options)
+    is_producer = transfer.kv_role == "kv_producer"
+    pipes = pipe_addresses(vllm_config, mooncake, is_producer)
     return {"kv_role": transfer.kv_role, "transfer_mode": options.transfer_mode, "pipes": ",".join(pipes),
-            "kv_engine_id": transfer.engine_id or ""}
+            "kv_engine_id": transfer.engine_id or "",
+            "push_proof": "" if is_producer else kv_params.push_proof(mooncake.secret, pipes)}
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):

@@ -65,6 +65,16 @@ def parse_host_port(value: Any, field: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` is this machine only: 127.0.0.0/8, ::1 or "localhost"."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -198,6 +208,7 @@ class MooncakeTransferEngineConfig:
     result_pool_size: int = dataclasses.field(default_factory=default_result_pool_size)
     timeout: float = 30.0
     auth_secret: str = dataclasses.field(default="", repr=False)
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -215,7 +226,7 @@ class MooncakeTransferEngineConfig:
             raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)} "
                               "(the engine would silently fall back to TCP); set \"protocol\": \"tcp\" or \"rdma\"")
         object.__setattr__(self, "protocol", self.protocol.lower())
-        for flag in ("huge_pages", "zero_copy_send", "zero_copy_recv"):
+        for flag in ("huge_pages", "zero_copy_send", "zero_copy_recv", "allow_unauthenticated"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: expected true or false, got {getattr(self, flag)!r}")
         names = self.device_name if isinstance(self.device_name, list) else [self.device_name]
@@ -243,7 +254,15 @@ class MooncakeTransferEngineConfig:
         if not isinstance(secret, str) or (secret and len(secret) < MIN_SECRET):
             raise ConfigError(f"auth_secret: expected a string of at least {MIN_SECRET} characters (or \"\" for none), "
                               f"e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`")
-        self.secret  # noqa: B018 - validates MOONCAKE_KV_SECRET up front too
+        has_secret = bool(self.secret)  # validates MOONCAKE_KV_SECRET up front too
+        exposed = [h for h in (p_host, d_host) if not is_loopback(h)]
+        if exposed and not has_secret and not self.allow_unauthenticated:
+            raise ConfigError(
+                f"prefill_url/decode_url: the pipe listens on {exposed[0]}, beyond this host, and no secret is set: "
+                f"anyone who reaches it could read or plant KV. Set the same \"auth_secret\" (32+ characters, e.g. "
+                f"`python -c 'import secrets; print(secrets.token_hex(32))'`) in every instance's mooncake.json or "
+                f"{SECRET_ENV} in their environment; or, on a network where every host is trusted, set "
+                f"\"allow_unauthenticated\": true")
         object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30", MAX_TIMEOUT))
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "

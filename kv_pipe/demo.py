@@ -13,13 +13,14 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import sys
 import time
 
 import torch
 
 from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
-from kv_pipe.config import CONFIG_ENV
+from kv_pipe.config import CONFIG_ENV, SECRET_ENV
 
 KV_HEADS, HEAD_DIM = 4, 128
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         config = MooncakeTransferEngineConfig.load_from_env()
         source = os.environ[CONFIG_ENV]
     else:
+        # a fresh shared secret for the two processes (the child inherits it), as a deployment sets one
+        os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
         config = MooncakeTransferEngineConfig()
         source = "the embedded default (set MOONCAKE_CONFIG_PATH to use your mooncake.json)"
     print(f"config: {source}")

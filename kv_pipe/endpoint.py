@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_pipe import auth, wire
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.memory import ResultPool
 from kv_pipe.scatter import Region
@@ -45,7 +45,7 @@ HELLO_TIMEOUT = 3.0  # a peer sends its HELLO as soon as it connected: a silent 
 BACKLOG = 128
 DEFAULT_CHANNEL = "kv"
 _CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-HELLO = {"kv_rank": int, "local_rank": int, "address": str, "channel": str, "nonce": str}
+HELLO = {"kv_rank": int, "local_rank": int, "address": str, "to": str, "channel": str, "nonce": str}
 MAX_PEER_RANKS = 1024
 AUTH = {"session": str, "proof": str}
 
@@ -110,6 +110,11 @@ class PipeEndpoint:
             self.start()
         logger.info("pipe endpoint kv_rank=%d local_rank=%d listening on %s, engine session %s", kv_rank, local_rank,
                     self.address, self.engine.session)
+        if not config.secret:
+            logger.warning("pipe endpoint %s runs WITHOUT a secret: any process that reaches %s can link to it and "
+                           "read or plant KV (and the Transfer Engine's ports listen on every interface). Set "
+                           "auth_secret in mooncake.json or MOONCAKE_KV_SECRET (see the README, Security)%s",
+                           self.address, host, "" if is_loopback(host) else "; allow_unauthenticated is set")
 
     def start(self) -> None:
         """Start accepting peers (``start=False`` defers it, e.g. until a link made outside was adopted)."""
@@ -204,6 +209,10 @@ class PipeEndpoint:
         if ring is not None:
             self.engine.release(ring)
 
+    def _is_me(self, host: str, port: int) -> bool:
+        """``host:port`` names this endpoint: our port, and our host or a name of it."""
+        return port == self.port and (host == self.host or bool(_addresses_of(host) & _addresses_of(self.host)))
+
     @staticmethod
     def _normalize(address: str) -> str:
         return join_host_port(*parse_host_port(address, "peer address"))
@@ -285,14 +294,20 @@ class PipeEndpoint:
         hello = wire.decode_json(payload, HELLO)
         rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if self.any_peer_rank else hello["local_rank"] == self.local_rank
         if hello["kv_rank"] != 1 - self.kv_rank or not rank_ok:
+            # what this pipe expects goes to our log only: the connecting side has proved nothing yet
             ranks = f"below {MAX_PEER_RANKS}" if self.any_peer_rank else str(self.local_rank)
-            raise ProtocolError(f"peer is kv_rank {hello['kv_rank']} local_rank {hello['local_rank']}, expected kv_rank "
-                                f"{1 - self.kv_rank} local_rank {ranks}: check kv_role and the URLs in mooncake.json")
+            logger.warning("a side-channel connection from %s says kv_rank %s local_rank %s; this pipe takes kv_rank "
+                           "%d local_rank %s", source, hello["kv_rank"], hello["local_rank"], 1 - self.kv_rank, ranks)
+            raise ProtocolError(f"kv_rank {hello['kv_rank']} local_rank {hello['local_rank']} is not taken here: check "
+                                "kv_role and the URLs in mooncake.json (this pipe's log says what it takes)")
         try:
             check_channel(hello["channel"])
             host, port = parse_host_port(hello["address"], "address")
+            to = parse_host_port(hello["to"], "to")
         except (ValueError, ConfigError) as e:
             raise ProtocolError(f"HELLO: {e}") from None
+        if not self._is_me(*to):
+            raise ProtocolError(f"the HELLO is meant for the pipe at {hello['to']}, not this one (a relayed handshake?)")
         auth.check_nonce(hello["nonce"], "HELLO")
         address = join_host_port(host, port)
         if self.peers is not None and address not in self.peers:
@@ -349,6 +364,18 @@ class PipeEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _addresses_of(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses ``host`` (an IP or a hostname) stands for; empty if it does not resolve."""
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        return {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+        return set()
 
 
 def _same_host(claimed: str, source: str) -> bool:

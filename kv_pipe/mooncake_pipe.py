@@ -299,8 +299,10 @@ class MooncakePipe(KVPipeBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(handshake_timeout)
         ours = auth.nonce()
+        # "to": the endpoint we dialed. Both proofs cover it, so a handshake relayed to another endpoint fails there.
         hello = wire.encode_json(Kind.HELLO, {"kv_rank": self.kv_rank, "local_rank": self.local_rank,
-                                              "address": self.endpoint.address, "channel": self.channel, "nonce": ours})
+                                              "address": self.endpoint.address, "to": self.peer,
+                                              "channel": self.channel, "nonce": ours})
         sock.sendall(hello)
         hello_payload = hello[wire.HEADER.size:]
         payload = self._expect(sock, Kind.CHALLENGE)

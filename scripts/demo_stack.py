@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -118,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     config = logs / "mooncake.json"
     config.write_text((REPO / "mooncake.json.example").read_text())
     vllm = str(Path(sys.executable).parent / "vllm")
+    # a fresh shared secret for this demo's pipes, as a deployment sets one (README, Security)
+    secret = os.environ.get("MOONCAKE_KV_SECRET") or secrets.token_hex(32)
     env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(config), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               MC_LOG_LEVEL="WARNING")
+               MC_LOG_LEVEL="WARNING", MOONCAKE_KV_SECRET=secret)
     print(f"logs and mooncake.json in {logs}")
     print("starting the producer (core 0, port 8100) and the consumer (core 1, port 8200); vLLM takes ~30-60 s ...")
     procs: list[subprocess.Popen] = []

@@ -185,18 +185,26 @@ def test_kv_transfer_params_forwarded_to_decode() -> None:
     run(test)
 
 
-def test_the_clients_kv_transfer_params_are_kept_on_both_requests() -> None:
-    """The prefill asks for a remote decode on top of the client's params; the decode gets the client's params with
-    the producer's answer merged in (the producer's win)."""
-    params = {"do_remote_prefill": True, "remote_engine_id": "e1"}
-    client = {"custom": 7, "remote_engine_id": "stale"}
+def test_the_clients_kv_transfer_params_are_dropped_and_counted() -> None:
+    """Finding 2: the proxy merged a client's kv_transfer_params into both requests (the prefill got the client's
+    remote_pipe, mooncake_push_to and test switches; when the prefill answered without params the decode got the
+    client's remote_pipe), so a client could make a consumer load KV from a host of its choosing. Only the
+    protocol's own fields go upstream now; each drop is counted on the proxy's /metrics."""
+    client = {"remote_pipe": ["6.6.6.6:1"], "mooncake_push_to": ["6.6.6.6:2"], "mooncake_test_corrupt": True,
+              "do_remote_prefill": True, "custom": 7}
+    params = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_pipe": ["127.0.0.1:9"]}
 
     async def test(env: Environment) -> None:
         env.prefill[0].kv_params = params
-        status, _, _ = await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client})
-        assert status == 200
-        assert env.prefill[0].received[0].body["kv_transfer_params"] == {**client, **REMOTE_DECODE}
-        assert env.decode[0].received[0].body["kv_transfer_params"] == {**client, **params}
+        assert (await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client}))[0] == 200
+        env.prefill[0].kv_params = None  # a prefill that answers without params
+        assert (await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client}))[0] == 200
+        assert [r.body["kv_transfer_params"] for r in env.prefill[0].received] == [REMOTE_DECODE] * 2
+        assert env.decode[0].received[0].body["kv_transfer_params"] == params
+        assert "kv_transfer_params" not in env.decode[0].received[1].body
+        async with env.client.get(env.url + "/metrics") as response:
+            text = await response.text()
+        assert "mooncake_proxy_client_kv_params_dropped_total 2.0" in text, text
 
     run(test)
 
@@ -233,6 +241,18 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         assert [s[0] for s in statuses] == [200] * 9 and env.decode[0].metrics_requests == 2
 
     run(test, 1, 3)
+
+
+def test_a_push_address_goes_with_its_proof() -> None:
+    """With a secret, a consumer publishes a proof of its push address; the proxy passes it on to the producer."""
+    async def test(env: Environment) -> None:
+        env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100").replace(
+            'transfer_mode="push"', 'push_proof="ab12",transfer_mode="push"')
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        params = env.prefill[0].received[0].body["kv_transfer_params"]
+        assert params["mooncake_push_to"] == ["10.0.0.5:17100"] and params["mooncake_push_proof"] == "ab12"
+
+    run(test)
 
 
 def test_push_address_answered_by_a_producer_or_garbage_is_ignored() -> None:

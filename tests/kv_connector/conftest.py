@@ -81,10 +81,15 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     consumer.stop()
 
 
+PUSH_PAIR_SECRET = "push-pair-secret-" + "7" * 32
+
+
 @pytest.fixture(scope="session")
 def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens)."""
-    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push")
+    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), and a shared secret
+    (``PUSH_PAIR_SECRET``): its params are signed."""
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push",
+                                    auth_secret=PUSH_PAIR_SECRET)
     yield producer, consumer
     producer.stop()
     consumer.stop()

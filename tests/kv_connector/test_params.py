@@ -46,3 +46,31 @@ def test_push_targets_must_match_this_instances_tp_size():
     assert kv_params.push_targets({"mooncake_push_to": []}, 2) == []  # no push: kept for pull
     with pytest.raises(kv_params.ParamsError, match="same tensor_parallel_size"):
         kv_params.push_targets({"mooncake_push_to": ["127.0.0.1:1"]}, 2)
+
+
+SECRET = b"s" * 40
+
+
+def test_with_a_secret_params_load_only_with_the_producers_proof():
+    params = kv_params.producer_params(["127.0.0.1:5000", "127.0.0.1:5001"], "e1", "r1", SECRET)
+    assert kv_params.remote_prefill(params, SECRET).pipes == ["127.0.0.1:5000", "127.0.0.1:5001"]
+    assert kv_params.remote_prefill(params).pipes  # a consumer without a secret does not check
+    for forged in ({**params, "remote_pipe": ["6.6.6.6:1", "127.0.0.1:5001"]}, {**params, "remote_request_id": "r2"},
+                   {**params, "remote_engine_id": "e2"}, {k: v for k, v in params.items() if k != kv_params.PROOF},
+                   {**params, kv_params.PROOF: 7}):
+        with pytest.raises(kv_params.ParamsError, match="mooncake_proof.*not proven to come from an instance"):
+            kv_params.remote_prefill(forged, SECRET)
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        kv_params.remote_prefill(params, b"t" * 40)  # another fleet's secret
+
+
+def test_with_a_secret_push_targets_need_the_consumers_proof():
+    pipes = ["127.0.0.1:6000"]
+    proof = kv_params.push_proof(SECRET, pipes)
+    assert kv_params.push_targets({"mooncake_push_to": pipes, "mooncake_push_proof": proof}, 1, SECRET) == pipes
+    assert kv_params.push_targets({"mooncake_push_to": []}, 1, SECRET) == []  # pull needs no proof
+    with pytest.raises(kv_params.ParamsError, match="mooncake_push_proof: missing"):
+        kv_params.push_targets({"mooncake_push_to": pipes}, 1, SECRET)
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        kv_params.push_targets({"mooncake_push_to": ["127.0.0.1:6001"], "mooncake_push_proof": proof}, 1, SECRET)
+    assert kv_params.push_proof(b"", pipes) == ""

@@ -403,3 +403,16 @@ def late_tensor(nbytes: int) -> Any:
     import torch
 
     return torch.arange(nbytes // 4, dtype=torch.int32) * 3 + 1
+
+
+def link_once(cfg: dict[str, Any], address: str, server: str) -> str:
+    """A consumer endpoint at ``address`` sends one tensor to the endpoint it believes listens at ``server``;
+    returns "sent", or the error's type and message."""
+    import torch
+
+    with open_endpoint(cfg, 1, address) as endpoint:
+        try:
+            endpoint.link(server).send_tensor(torch.ones(4), timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - the test asserts on what it was
+            return f"{type(e).__name__}: {e}"
+    return "sent"

@@ -76,7 +76,8 @@ def test_malformed_url_names_the_field(field, url, message, tmp_path):
 
 
 def test_accepted_url_forms():
-    cfg = MooncakeTransferEngineConfig(prefill_url="[::1]:13003", decode_url="decode-host.example:14000")
+    cfg = MooncakeTransferEngineConfig(prefill_url="[::1]:13003", decode_url="decode-host.example:14000",
+                                       auth_secret="s" * 40)
     assert cfg.pipe_address(0, 1) == ("::1", 13004)
     assert cfg.pipe_address(1, 0) == ("decode-host.example", 14000)
 
@@ -239,3 +240,27 @@ def test_ranks_are_checked():
         cfg.pipe_address(2, 0)
     with pytest.raises(ConfigError, match="local_rank must be an int >= 0"):
         cfg.pipe_address(0, -1)
+
+
+@pytest.mark.parametrize("urls", [{"prefill_url": "10.0.0.5:13003"}, {"decode_url": "node7:13103"},
+                                  {"prefill_url": "[2001:db8::5]:13003"}])
+def test_no_secret_beyond_loopback_is_refused_unless_allowed(monkeypatch, urls):
+    """Finding 1: a pipe listening beyond this host ran without authentication, and nothing said so."""
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="beyond this host, and no secret is set.*allow_unauthenticated"):
+        MooncakeTransferEngineConfig(**urls)
+    MooncakeTransferEngineConfig(**urls, auth_secret="s" * 40)
+    MooncakeTransferEngineConfig(**urls, allow_unauthenticated=True)
+    monkeypatch.setenv("MOONCAKE_KV_SECRET", "e" * 40)
+    MooncakeTransferEngineConfig(**urls)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.4.5", "localhost", "[::1]"])
+def test_no_secret_on_loopback_is_allowed(monkeypatch, host):
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+    MooncakeTransferEngineConfig(prefill_url=f"{host}:13003", decode_url=f"{host}:13103")
+
+
+def test_allow_unauthenticated_must_be_a_bool():
+    with pytest.raises(ConfigError, match="allow_unauthenticated: expected true or false"):
+        MooncakeTransferEngineConfig(allow_unauthenticated="yes")

@@ -3,7 +3,9 @@ processes, each with its own Transfer Engine."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 
 import pytest
@@ -86,7 +88,8 @@ def test_links_only_to_admitted_peers_and_never_to_itself(cfg):
 
 
 def _hello(endpoint, **fields) -> bytes:
-    hello = {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "channel": "kv", "nonce": auth.nonce(), **fields}
+    hello = {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "to": endpoint.address, "channel": "kv",
+             "nonce": auth.nonce(), **fields}
     return wire.encode_json(Kind.HELLO, hello)
 
 
@@ -130,6 +133,21 @@ def test_a_stranger_is_not_told_who_the_configured_peers_are(cfg):
             kind, payload = wire.recv_frame(sock)
     assert kind == Kind.ERROR and b"127.0.0.1:1 is not a configured peer" in payload, payload
     assert allowed.encode() not in payload and allowed.split(":")[1].encode() not in payload
+
+
+@pytest.mark.parametrize("fields", [{"kv_rank": 1}, {"local_rank": 3}])
+def test_a_stranger_is_not_told_which_ranks_this_pipe_takes(cfg, caplog, fields):
+    """Finding 8: a HELLO of the wrong role or rank was told "expected kv_rank 0 local_rank 0" before proving
+    anything; only this pipe's log says what it takes."""
+    with open_endpoint(cfg, 1, _address()) as endpoint:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+            sock.sendall(_hello(endpoint, **fields))
+            kind, payload = wire.recv_frame(sock)
+    claimed = {"kv_rank": 0, "local_rank": 0, **fields}
+    # only what the stranger said itself comes back
+    assert payload.startswith(f"kv_rank {claimed['kv_rank']} local_rank {claimed['local_rank']} is not taken here".encode())
+    assert kind == Kind.ERROR and b"expected" not in payload and b"takes" not in payload.split(b"(")[0], payload
+    assert "this pipe takes kv_rank 0 local_rank 0" in caplog.text
 
 
 def _real_peer_round_trip(cfg, endpoint, server: str) -> None:
@@ -200,3 +218,57 @@ def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
         finally:
             for sock in silent:
                 sock.close()
+
+
+def test_an_endpoint_without_a_secret_says_so(monkeypatch, caplog):
+    """Finding 1: with no secret nothing said that anyone reaching the port could join."""
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+    with caplog.at_level("WARNING"), open_endpoint(make_config(), 0, _address()):
+        pass
+    assert "runs WITHOUT a secret" in caplog.text and "auth_secret" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"), open_endpoint(make_config(auth_secret="s" * 40), 0, _address()):
+        pass
+    assert "WITHOUT a secret" not in caplog.text
+
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+def _relay(listener: socket.socket, target: tuple[str, int], stop: threading.Event) -> None:
+    """An intruder: every connection made to ``listener`` is forwarded to ``target``, bytes both ways."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        up = socket.create_connection(target, timeout=5)
+        for a, b in ((conn, up), (up, conn)):
+            threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+
+def test_a_relayed_handshake_is_refused(caplog):
+    """Finding 3: an intruder on the consumer's host that got a secret-holding consumer to link to it relayed the
+    handshake to the real producer and got WELCOME (then injected its own frames). The HELLO now names the endpoint
+    it was meant for, under both proofs: the producer refuses a HELLO meant for the relay."""
+    cfg = make_config(auth_secret="r" * 40)
+    with socket.create_server(("127.0.0.1", 0)) as relay, open_endpoint(cfg, 0, _address()) as producer:
+        stop = threading.Event()
+        threading.Thread(target=_relay, args=(relay, (producer.host, producer.port), stop), daemon=True).start()
+        try:
+            outcome = Peer(peers.link_once, cfg, _address(), f"127.0.0.1:{relay.getsockname()[1]}").result()
+        finally:
+            stop.set()
+        assert outcome != "sent" and "meant for the pipe at" in outcome, outcome
+        assert producer.links() == []
+    assert "a relayed handshake" in caplog.text

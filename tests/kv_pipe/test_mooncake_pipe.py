@@ -400,7 +400,8 @@ def _raw_connect(pipe) -> socket.socket:
 
 def _hello_fields(pipe, **fields) -> dict:
     """A valid HELLO from the pipe's configured peer, with ``fields`` changed (a nonce is added when sent)."""
-    return {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "address": pipe.peer, "channel": "kv", **fields}
+    return {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "address": pipe.peer,
+            "to": pipe.endpoint.address, "channel": "kv", **fields}
 
 
 def _handshake(sock: socket.socket, pipe) -> dict:

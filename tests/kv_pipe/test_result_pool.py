@@ -220,7 +220,8 @@ def test_a_failed_direct_receive_takes_its_slot_out_of_the_pool():
                 errors.append(e)
 
         with socket.create_connection(("127.0.0.1", pipe.port), timeout=5.0) as sock:
-            hello = {"kv_rank": 0, "local_rank": 0, "address": pipe.peer, "channel": "kv"}
+            hello = {"kv_rank": 0, "local_rank": 0, "address": pipe.peer, "to": pipe.endpoint.address,
+                     "channel": "kv"}
             kind, _ = peers.raw_handshake(sock, hello)
             assert kind == Kind.WELCOME
             receiver = threading.Thread(target=receive)
