@@ -24,6 +24,18 @@ from kv_pipe.wire import Chunk, Kind
 logger = logging.getLogger(__name__)
 
 _POLL = 0.25  # how often a blocked wait re-checks for close(); wake-ups on events are immediate
+KEEPALIVE = (30, 10, 3)  # idle seconds, probe interval, probes: a peer host gone without a FIN is noticed in ~60 s
+
+
+def tune(sock: socket.socket) -> None:
+    """A side-channel socket: no Nagle delay; TCP keepalive, so that a peer whose host vanished does not hold its
+    link (and lock out its own restart) until ``link_idle``."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = KEEPALIVE
+    for option, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class Connection:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_pipe import auth, wire
+from kv_pipe.channel import tune
 from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.memory import ResultPool
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_HANDSHAKES = 64  # connections being handshaken at once; more are closed at once (a flood must not pile up threads)
-MAX_HANDSHAKES_PER_HOST = 16  # of them from one host: one host's flood leaves room for the others
+MAX_HANDSHAKES = 64  # unfinished handshakes at once; a newer connection closes the oldest (see _handshake_begins)
+MAX_HANDSHAKES_PER_HOST = 16  # of them from one host group
 HELLO_TIMEOUT = 3.0  # a peer sends its HELLO as soon as it connected: a silent connection frees its slot soon
 BACKLOG = 128
 DEFAULT_CHANNEL = "kv"
@@ -80,7 +81,7 @@ class PipeEndpoint:
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], MooncakePipe] = {}
         self._on_link: Callable[[MooncakePipe], None] | None = None
-        self._handshakes: dict[str, int] = {}  # handshakes under way by source host (under _lock)
+        self._handshakes: dict[str, list[socket.socket]] = {}  # unfinished handshakes by host group, oldest first
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
         self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
@@ -230,39 +231,48 @@ class PipeEndpoint:
                 time.sleep(0.05)
                 continue
             host, who = str(addr[0]), join_host_port(str(addr[0]), addr[1])
-            refused = self._handshake_begins(host)
-            if refused:
-                logger.warning("closed a side-channel connection from %s: %s", who, refused)
-                sock.close()
-                continue
+            for evicted in self._handshake_begins(sock, host):
+                logger.warning("closed an unfinished side-channel handshake to make room for a newer connection "
+                               "(too many at once from %s)", _host_group(host))
+                _shut(evicted)
             try:
                 threading.Thread(target=self._handshake, args=(sock, host, who), daemon=True,
                                  name=f"kv-pipe-hello-{self.port}").start()
             except RuntimeError:  # no thread to be had: refuse this one, keep accepting
-                self._handshake_ended(host)
+                self._handshake_ended(sock, host)
                 sock.close()
 
-    def _handshake_begins(self, host: str) -> str:
-        """Count a handshake from ``host`` in, or say why not (a flood must not pile up threads, and one host's
-        flood must leave room for the others)."""
+    def _handshake_begins(self, sock: socket.socket, host: str) -> list[socket.socket]:
+        """Count a handshake from ``host`` in; returns the unfinished handshakes to close to make room for it: the
+        oldest of its host group when the group has ``MAX_HANDSHAKES_PER_HOST`` (one host's flood leaves room for
+        the others: all of 127/8 or an IPv6 /64 is one host), else the oldest of all at ``MAX_HANDSHAKES`` (a flood
+        must not pile up threads). A real peer finishes in milliseconds, so only a silent or slow one loses its
+        place, and a flood cannot hold a place for long."""
+        group = _host_group(host)
         with self._lock:
-            if sum(self._handshakes.values()) >= MAX_HANDSHAKES:
-                return f"{MAX_HANDSHAKES} handshakes already under way"
-            if self._handshakes.get(host, 0) >= MAX_HANDSHAKES_PER_HOST:
-                return f"{MAX_HANDSHAKES_PER_HOST} handshakes already under way from that host"
-            self._handshakes[host] = self._handshakes.get(host, 0) + 1
-            return ""
+            pending = self._handshakes.setdefault(group, [])
+            evict = [pending.pop(0)] if len(pending) >= MAX_HANDSHAKES_PER_HOST else []
+            if not evict and sum(map(len, self._handshakes.values())) >= MAX_HANDSHAKES:
+                fullest = max(self._handshakes.values(), key=len)
+                evict = [fullest.pop(0)]
+            pending.append(sock)
+            return evict
 
-    def _handshake_ended(self, host: str) -> None:
+    def _handshake_ended(self, sock: socket.socket, host: str) -> None:
+        """``sock``'s handshake is over (either way): it no longer takes a place. Idempotent."""
+        group = _host_group(host)
         with self._lock:
-            left = self._handshakes.pop(host, 1) - 1
-            if left > 0:
-                self._handshakes[host] = left
+            pending = self._handshakes.get(group, [])
+            if sock in pending:
+                pending.remove(sock)
+            if not pending:
+                self._handshakes.pop(group, None)
 
     def _handshake(self, sock: socket.socket, source: str, who: str) -> None:
         """One incoming connection, start to end of its handshake; any failure closes this connection only."""
         try:
             hello, peer, session = self._authenticate(sock, source)
+            self._handshake_ended(sock, source)  # proved: its place is free for the next one
             with self._lock:
                 if self.closed.is_set():
                     raise PipeError("the endpoint is closing")
@@ -281,12 +291,12 @@ class PipeEndpoint:
                 pass
             sock.close()
         finally:
-            self._handshake_ended(source)
+            self._handshake_ended(sock, source)
 
     def _authenticate(self, sock: socket.socket, source: str) -> tuple[dict[str, Any], str, str]:
         """The peer's checked HELLO, the endpoint address it names (normalized) and its engine session, once it
         proved that it knows the secret (see ``kv_pipe.auth``); nothing about memory is sent before."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT, self.config.timeout)
         kind, payload = wire.recv_frame(sock, deadline=min(deadline, time.monotonic() + HELLO_TIMEOUT))
         if kind != Kind.HELLO:
@@ -321,7 +331,8 @@ class PipeEndpoint:
         sock.settimeout(max(deadline - time.monotonic(), 0.01))
         sock.sendall(wire.encode_json(Kind.CHALLENGE, {"nonce": ours,
                                                        "proof": auth.proof(secret, "endpoint", payload, ours)}))
-        kind, answer = wire.recv_frame(sock, deadline=deadline)
+        # a real peer answers the CHALLENGE at once: a silent one must not keep its place for the whole deadline
+        kind, answer = wire.recv_frame(sock, deadline=min(deadline, time.monotonic() + HELLO_TIMEOUT))
         if kind != Kind.AUTH:
             raise ProtocolError(f"expected AUTH, got {kind.name}")
         proved = wire.decode_json(answer, AUTH)
@@ -364,6 +375,27 @@ class PipeEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host_group(host: str) -> str:
+    """The flood limit's unit: one IPv4 address; all of 127.0.0.0/8 (one machine); an IPv6 /64."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if ip.version == 4:
+        return "127.0.0.0/8" if ip.is_loopback else str(ip)
+    if ip.ipv4_mapped is not None:
+        return _host_group(str(ip.ipv4_mapped))
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection another thread is reading: its read fails at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _addresses_of(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:

@@ -42,7 +42,7 @@ import torch
 
 from kv_pipe import auth, wire
 from kv_pipe.base import KVPipeBase
-from kv_pipe.channel import Inbound, Outbound
+from kv_pipe.channel import Inbound, Outbound, tune
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
 from kv_pipe.endpoint import DEFAULT_CHANNEL, HANDSHAKE_TIMEOUT, PipeEndpoint
 from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout, ProtocolError
@@ -296,7 +296,7 @@ class MooncakePipe(KVPipeBase):
                 raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
 
     def _handshake_out(self, sock: socket.socket, handshake_timeout: float, timeout: float) -> Outbound:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         sock.settimeout(handshake_timeout)
         ours = auth.nonce()
         # "to": the endpoint we dialed. Both proofs cover it, so a handshake relayed to another endpoint fails there.
@@ -554,8 +554,14 @@ class MooncakePipe(KVPipeBase):
         ring is (registered on its first connection), and make it this link's inbound connection."""
         with self._state:
             self._check_open()
-            if self._inbound is not None and self._inbound.probe_alive():
-                raise PipeError(f"the link to {self.peer} ({self.channel}) already has a live connection from it")
+            old = self._inbound
+            if old is not None and old.probe_alive():
+                # The new connection proved what the old one did (the peer's address and host, the secret): the old
+                # one is stale (the peer restarted, or its host vanished without a FIN) or was an impostor's; keeping
+                # it would lock the peer out.
+                logger.warning("pipe %s <- %s (%s): the peer connected again from %s; its older connection from %s "
+                               "is closed", self.endpoint.address, self.peer, self.channel, who, old.peer)
+                old.fail(PeerDisconnected(f"peer {self.peer} connected again: its older connection was closed"))
             if self._ring is None:
                 self._ring = self.endpoint.take_ring()
             sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))

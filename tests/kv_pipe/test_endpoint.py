@@ -150,9 +150,10 @@ def test_a_stranger_is_not_told_which_ranks_this_pipe_takes(cfg, caplog, fields)
     assert "this pipe takes kv_rank 0 local_rank 0" in caplog.text
 
 
-def _real_peer_round_trip(cfg, endpoint, server: str) -> None:
-    """A real peer process links to ``endpoint`` (at ``server``) and a tensor goes each way."""
-    client = Peer(peers.endpoint_client, cfg, _address(), [server], 1.0, 1)
+def _real_peer_round_trip(cfg, endpoint, server: str, address: str | None = None) -> None:
+    """A real peer process (listening at ``address``) links to ``endpoint`` (at ``server``) and a tensor goes each
+    way."""
+    client = Peer(peers.endpoint_client, cfg, address or _address(), [server], 1.0, 1)
     start, link = time.monotonic(), None
     while link is None and time.monotonic() - start < 30:
         link = next(iter(endpoint.links()), None)
@@ -197,8 +198,8 @@ def _closed_by_the_endpoint(sock: socket.socket) -> bool:
 def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
     """Hardening: 70 connections from one host (127.0.0.2) that send nothing: 16 are held (the per-host cap), 54
     closed at once (with the overall cap of 64 alone, 64 would be held and nobody else could start a handshake);
-    a real peer from another host (127.0.0.1) links; the held ones are closed within seconds (a HELLO is due as
-    soon as a peer connected)."""
+    a real peer (127.0.0.1: the same machine, so it takes the place of the oldest silent one) links; the held ones
+    are closed within seconds (a HELLO is due as soon as a peer connected)."""
     server = _address()
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
@@ -272,3 +273,47 @@ def test_a_relayed_handshake_is_refused(caplog):
         assert outcome != "sent" and "meant for the pipe at" in outcome, outcome
         assert producer.links() == []
     assert "a relayed handshake" in caplog.text
+
+
+def test_a_flood_from_many_loopback_addresses_and_silent_hellos_do_not_lock_a_peer_out(cfg, caplog):
+    """Finding 5: one process using 127.0.0.2-5 counted as four hosts and took all 64 places, each with a valid
+    HELLO and then silence, which held its place for the whole 10 s handshake deadline: a real peer waited
+    4.6-8.3 s instead of 0.2 s. Now all of 127/8 is one host group whose newest connection takes the place of its
+    oldest unfinished handshake, and an AUTH is due within 3 s of the CHALLENGE."""
+    server = _address()
+    with open_endpoint(cfg, 0, server, start=False) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        endpoint.start()
+        flood = []
+        for i in range(64):
+            source = f"127.0.0.{2 + i % 4}"
+            sock = socket.create_connection((endpoint.host, endpoint.port), source_address=(source, 0))
+            sock.sendall(_hello(endpoint, address=f"{source}:1"))
+            flood.append(sock)
+        try:
+            time.sleep(0.5)  # every HELLO was answered with a CHALLENGE; the flood stays silent
+            start = time.monotonic()
+            _real_peer_round_trip(cfg, endpoint, server)
+            waited = time.monotonic() - start
+            assert waited < 3.0, f"the real peer waited {waited:.1f} s"
+        finally:
+            for sock in flood:
+                sock.close()
+    assert "to make room for a newer connection (too many at once from 127.0.0.0/8)" in caplog.text
+
+
+def test_a_connection_naming_a_peer_does_not_lock_the_real_peer_out(cfg, caplog):
+    """Finding 5: a process that handshook first naming the real consumer's address held the link's inbound
+    connection, and the real consumer was refused ("already has a live connection from it"); so was a peer whose
+    host vanished without a FIN, until link_idle. A newer connection that proved the same now replaces the older."""
+    server, consumer = _address(), _address()
+    with open_endpoint(cfg, 0, server, start=False) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        endpoint.start()
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as impostor:
+            kind, _ = peers.raw_handshake(impostor, {"kv_rank": 1, "local_rank": 0, "address": consumer,
+                                                     "to": endpoint.address, "channel": "kv"})
+            assert kind == Kind.WELCOME  # no secret here: the impostor got in, and stays silent
+            _real_peer_round_trip(cfg, endpoint, server, address=consumer)
+            assert _closed_by_the_endpoint(impostor)
+    assert "its older connection from" in caplog.text
