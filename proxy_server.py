@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -69,6 +70,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from quart import Quart, Response, g, request
@@ -84,6 +86,8 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 SSE_CONTENT_TYPE = "text/event-stream"
 PROTOCOLS = ("params", "bootstrap")
 ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # our connector's instance info on /metrics
+BACKLOG = 2048  # the listening socket's queue of connections not yet accepted
+MAX_COUNT = 2**31 - 1  # max_tokens, n: vLLM fails on larger ones only after the prefill ran
 PUSH_TO = "mooncake_push_to"  # prefill params, push mode: the consumer's pipe address per TP rank
 PUSH_PROOF = "mooncake_push_proof"  # prefill params: the consumer's proof of that address (fleets with a secret)
 DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
@@ -126,6 +130,8 @@ class ProxyConfig:
     cooldown: float = 5.0  # seconds an instance that failed is skipped
     health_timeout: float = 2.0  # seconds for each upstream's /health probe
     max_connections: int = 1024  # the shared client pool, all upstreams together
+    max_clients: int = 1024  # client connections at once (see ClientGate)
+    client_timeout: float = 30.0  # seconds a client may take for a request's head, and for its body
     max_body_bytes: int = 64 * 1024 * 1024
     protocol: str = "params"  # see the module docstring
     bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
@@ -138,14 +144,14 @@ class ProxyConfig:
             if len(set(urls)) != len(urls):
                 raise ConfigError(f"duplicate --{role} URL in {list(urls)}")
             object.__setattr__(self, role, urls)
-        for name in ("timeout", "health_timeout", "connect_timeout"):
+        for name in ("timeout", "health_timeout", "connect_timeout", "client_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value <= 86400):
                 raise ConfigError(f"{name} must be seconds > 0 (and at most a day), got {value!r}")
         if not self.cooldown >= 0:
             raise ConfigError(f"cooldown must be >= 0, got {self.cooldown!r}")
-        if self.max_connections < 1 or self.max_body_bytes < 1:
-            raise ConfigError("max_connections and max_body_bytes must be positive")
+        if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_clients < 1:
+            raise ConfigError("max_connections, max_clients and max_body_bytes must be positive")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.protocol not in PROTOCOLS:
@@ -172,6 +178,7 @@ class Upstream:
 
     url: str
     role: str
+    index: int = 0  # its place among the instances of its role (--prefill/--decode order): what clients are told
     outstanding: int = 0  # requests sent and not finished (a stream counts until its last byte)
     down_until: float = 0.0  # time.monotonic() before which the instance is skipped
     failures: int = 0
@@ -179,6 +186,11 @@ class Upstream:
     learned: Any = None  # what the instance said about itself (push address, engine id), see Proxy.learn
     learned_at: float | None = None
     learning: asyncio.Future[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        """How clients hear of it: role and index, never its URL (an internal address)."""
+        return f"{self.role} instance {self.index}"
 
     def cooling_down(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.down_until
@@ -195,7 +207,7 @@ class Balancer:
 
     @classmethod
     def from_urls(cls, role: str, urls: Iterable[str], cooldown: float) -> Balancer:
-        return cls(role, [Upstream(url, role) for url in urls], cooldown)
+        return cls(role, [Upstream(url, role, i) for i, url in enumerate(urls)], cooldown)
 
     def pick(self, exclude: Iterable[Upstream] = ()) -> Upstream | None:
         """The best instance not in ``exclude``; cooling-down ones only if nothing else is left. None if none."""
@@ -242,12 +254,14 @@ class Balancer:
 class ProxyError(Exception):
     """Ends a request with ``status`` and a JSON error body (OpenAI style, plus the stage and the upstream)."""
 
-    def __init__(self, status: int, kind: str, message: str, stage: str | None = None, upstream: str | None = None):
+    def __init__(self, status: int, kind: str, message: str, stage: str | None = None, upstream: str | None = None,
+                 detail: str = ""):
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.stage = stage
-        self.upstream = upstream
+        self.upstream = upstream  # the instance's name (Upstream.name), never its URL
+        self.detail = detail  # for the proxy's log only: URLs and the underlying error
 
     def payload(self) -> dict[str, Any]:
         error: dict[str, Any] = {"message": str(self), "type": self.kind, "code": self.status}
@@ -368,8 +382,9 @@ def _positive_int(payload: dict[str, Any], field: str) -> None:
         number = int(value)
     elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         number = int(value.strip())
-    if number is None or number < 1:
-        raise ProxyError(400, "invalid_request_error", f"{field} must be an integer >= 1, got {value!r:.100}")
+    if number is None or not 1 <= number <= MAX_COUNT:
+        raise ProxyError(400, "invalid_request_error", f"{field} must be an integer from 1 to {MAX_COUNT}, got "
+                         f"{value!r:.100}")
 
 
 def validate(payload: dict[str, Any], chat: bool) -> bool:
@@ -517,9 +532,9 @@ class BootstrapProtocol:
         try:
             return await self.proxy.learn(prefill, self._engine_id)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
-            raise ProxyError(502, "upstream_error", f"the bootstrap server {bootstrap} of prefill instance "
-                             f"{prefill.url} did not say its engine id ({error!r}); check --bootstrap",
-                             PREFILL, prefill.url) from None
+            raise ProxyError(502, "upstream_error", f"the bootstrap server of {prefill.name} did not say its engine "
+                             "id", PREFILL, prefill.name,
+                             f"{bootstrap} ({error!r}) for {prefill.url}; check --bootstrap") from None
 
     async def _engine_id(self, prefill: Upstream) -> str:
         text = await self.proxy.get_text(self.proxy.config.bootstrap_url(prefill.url) + "/query")
@@ -588,8 +603,8 @@ class Proxy:
             except TimeoutError:
                 balancer.release(upstream)
                 balancer.mark_failed(upstream, "timeout")
-                raise ProxyError(504, "upstream_timeout", f"{balancer.role} instance {upstream.url} timed out",
-                                 balancer.role, upstream.url) from None
+                raise ProxyError(504, "upstream_timeout", f"{upstream.name} timed out", balancer.role, upstream.name,
+                                 upstream.url) from None
             except aiohttp.ClientConnectorError as error:  # never reached the instance: try another one
                 balancer.release(upstream)
                 balancer.mark_failed(upstream, str(error))
@@ -597,15 +612,15 @@ class Proxy:
             except aiohttp.ClientError as error:
                 balancer.release(upstream)
                 balancer.mark_failed(upstream, repr(error))
-                raise ProxyError(502, "upstream_error", f"{balancer.role} instance {upstream.url} failed: {error!r}",
-                                 balancer.role, upstream.url) from None
+                raise ProxyError(502, "upstream_error", f"{upstream.name} failed", balancer.role, upstream.name,
+                                 f"{upstream.url}: {error!r}") from None
             except BaseException:
                 balancer.release(upstream)
                 raise
             return upstream, response
-        urls = ", ".join(u.url for u in tried)
-        raise ProxyError(502, "upstream_unreachable", f"no {balancer.role} instance reachable (tried {urls})",
-                         balancer.role, tried[-1].url if tried else None)
+        raise ProxyError(502, "upstream_unreachable", f"no {balancer.role} instance reachable (tried "
+                         f"{len(tried)})", balancer.role, tried[-1].name if tried else None,
+                         "tried " + ", ".join(u.url for u in tried))
 
     async def read_body(self, balancer: Balancer, upstream: Upstream, response: aiohttp.ClientResponse) -> bytes:
         """The whole body; releases the instance and the connection whatever happens (closed unless complete)."""
@@ -616,12 +631,12 @@ class Proxy:
             return data
         except TimeoutError:
             balancer.mark_failed(upstream, "timeout")
-            raise ProxyError(504, "upstream_timeout", f"{balancer.role} instance {upstream.url} timed out",
-                             balancer.role, upstream.url) from None
+            raise ProxyError(504, "upstream_timeout", f"{upstream.name} timed out", balancer.role, upstream.name,
+                             upstream.url) from None
         except aiohttp.ClientError as error:
             balancer.mark_failed(upstream, repr(error))
-            raise ProxyError(502, "upstream_error", f"{balancer.role} instance {upstream.url} failed: {error!r}",
-                             balancer.role, upstream.url) from None
+            raise ProxyError(502, "upstream_error", f"{upstream.name} failed", balancer.role, upstream.name,
+                             f"{upstream.url}: {error!r}") from None
         finally:
             if complete:
                 response.release()
@@ -723,7 +738,7 @@ class Proxy:
 
     async def probe(self, upstream: Upstream) -> dict[str, Any]:
         """One upstream's health: its /health status (or the error) and the proxy's bookkeeping."""
-        report: dict[str, Any] = {"url": upstream.url, "outstanding": upstream.outstanding,
+        report: dict[str, Any] = {"instance": upstream.index, "outstanding": upstream.outstanding,
                                   "cooling_down": upstream.cooling_down(), "failures": upstream.failures}
         try:
             async with self.session.get(upstream.url + "/health", timeout=self.health_timeout) as response:
@@ -732,7 +747,8 @@ class Proxy:
         except TimeoutError:
             report.update(healthy=False, error="timeout")
         except aiohttp.ClientError as error:
-            report.update(healthy=False, error=str(error) or repr(error))
+            log.info("%s (%s) is unhealthy: %r", upstream.name, upstream.url, error)
+            report.update(healthy=False, error=type(error).__name__)  # its text names the URL
         return report
 
     async def health(self) -> tuple[int, dict[str, Any]]:
@@ -756,7 +772,7 @@ def forwarded_headers(request_id: str) -> dict[str, str]:
 def create_app(config: ProxyConfig) -> Quart:
     """The Quart app of the proxy; its ``Proxy`` state is ``app.extensions["proxy"]``."""
     app = Quart(__name__)
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=config.timeout, MAX_CONTENT_LENGTH=config.max_body_bytes)
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=config.client_timeout, MAX_CONTENT_LENGTH=config.max_body_bytes)
     proxy = Proxy(config)
     app.extensions["proxy"] = proxy
     app.before_serving(proxy.start)
@@ -777,7 +793,7 @@ def create_app(config: ProxyConfig) -> Quart:
             return await proxy.completion(path, await request.get_data(), forwarded_headers(g.request_id))
         except (ProxyError, RelayedError) as error:
             if isinstance(error, ProxyError) and error.status >= 500:
-                log.warning("[%s] %s: %s", g.request_id, error.status, error)
+                log.warning("[%s] %s: %s (%s)", g.request_id, error.status, error, error.detail)
             return error.response()
 
     @app.post(COMPLETIONS)
@@ -807,15 +823,150 @@ def create_app(config: ProxyConfig) -> Quart:
     return app
 
 
-def hypercorn_config(config: ProxyConfig) -> HypercornConfig:
-    server = HypercornConfig()
-    server.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
-    server.backlog = 2048
-    server.accesslog = None
-    server.errorlog = logging.getLogger("hypercorn.error")  # through this process's logging set-up, no own handler
-    server.graceful_timeout = 5.0
-    server.keep_alive_timeout = 75.0
-    return server
+class _Client(socket.socket):
+    """An accepted client connection, counted by its gate until closed."""
+
+    gate: ClientGate | None = None
+    in_flight = 0  # requests of it the app is handling (a streamed answer counts until its end)
+    last_active = 0.0
+    evicted = False  # shut down to make room; closed once its transport sees the end
+
+    def close(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.closed(self)
+        super().close()
+
+
+class _Listener(socket.socket):
+    """The proxy's listening socket: asyncio calls its ``accept``, which asks the gate."""
+
+    gate: ClientGate
+
+    def accept(self) -> tuple[socket.socket, Any]:  # type: ignore[override]
+        if not self.gate.room():
+            raise BlockingIOError  # asyncio accepts again when the listener is readable again: the connection waits
+        fd, address = self._accept()  # type: ignore[attr-defined]
+        client = _Client(self.family, self.type, self.proto, fileno=fd)
+        if not self.gate.admit(client, address):
+            client.close()
+            raise ConnectionAbortedError  # asyncio goes on accepting
+        return client, address
+
+
+class ClientGate:
+    """Who may hold a connection to the proxy: at most ``max_clients`` at once, so slow clients cannot exhaust the
+    proxy's file descriptors (a new one takes the place of the oldest with no request under way, or is closed if
+    every one has a request under way), and a connection with no request under way is closed after
+    ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles
+    its headers, or sits idle, gives its place up; the body has as long, see BODY_TIMEOUT). The app sees requests
+    only once their head is complete, so it marks what a connection is doing (``wrap``)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.limit, self.idle = config.max_clients, config.client_timeout
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        self.listener = _Listener(family, socket.SOCK_STREAM)
+        self.listener.gate = self
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.listener.bind((config.host, config.port))
+        except OSError as error:
+            self.listener.close()
+            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
+        self.listener.listen(BACKLOG)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.clients: dict[tuple[str, int], _Client] = {}  # by peer address: what the app's requests name
+        self.open = 0  # connections accepted and not closed yet (evicted ones included): file descriptors held
+        self.closing = 0  # of them, evicted and not closed yet
+        self.crowded = 0  # times the limit was reached
+
+    def room(self) -> bool:
+        """Whether a new connection may be accepted now. At the limit the oldest connection with no request under way
+        (idle, or still sending its head: a real client sends its request at once) is shut down to make room, and
+        the new one waits in the listen queue until it is closed; if every one has a request under way the new one
+        is accepted and closed at once (``admit``)."""
+        if self.open < self.limit:
+            return True
+        if self.closing:
+            return False
+        idle = [c for c in self.clients.values() if c.in_flight == 0]
+        self.crowded += 1
+        if self.crowded in (1, 10, 100) or self.crowded % 1000 == 0:
+            log.warning("%d client connections open (--max-clients): %s (%d times so far)", self.limit,
+                        "closing the oldest idle one" if idle else "refusing a new one", self.crowded)
+        if not idle:
+            return True
+        oldest = min(idle, key=lambda c: c.last_active)
+        oldest.evicted = True
+        self.closing += 1
+        del self.clients[next(a for a, c in self.clients.items() if c is oldest)]
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)  # its transport sees the end and closes it
+        return False
+
+    def admit(self, client: _Client, address: Any) -> bool:
+        if self.open >= self.limit:
+            return False
+        client.gate, client.last_active = self, time.monotonic()
+        self.clients[address[:2]] = client
+        self.open += 1
+        return True
+
+    def closed(self, client: _Client) -> None:
+        self.open -= 1
+        if client.evicted:
+            self.closing -= 1
+        for address, known in list(self.clients.items()):
+            if known is client:
+                del self.clients[address]
+
+    def wrap(self, app: Any) -> Callable[..., Awaitable[None]]:
+        """The ASGI app, marking each request on its connection while the app handles it."""
+        async def gated(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+            client = self.clients.get(tuple(scope.get("client") or ())[:2]) if scope["type"] == "http" else None
+            if client is None:
+                await app(scope, receive, send)
+                return
+            client.in_flight += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                client.in_flight -= 1
+                client.last_active = time.monotonic()
+        return gated
+
+    async def sweep(self) -> None:
+        """Close, every fraction of ``client_timeout``, the connections idle (or still sending a head) for longer."""
+        while True:
+            await asyncio.sleep(min(1.0, self.idle / 4))
+            cutoff = time.monotonic() - self.idle
+            for client in list(self.clients.values()):
+                if client.in_flight == 0 and client.last_active < cutoff:
+                    with contextlib.suppress(OSError):
+                        client.shutdown(socket.SHUT_RDWR)  # its transport sees the end and closes it
+
+    async def serve(self, app: Quart, shutdown_trigger: Callable[..., Awaitable[Any]] | None = None) -> None:
+        """Serve ``app`` with Hypercorn on this gate's socket until ``shutdown_trigger`` (default: SIGINT/SIGTERM)."""
+        gate = self
+
+        class _Config(HypercornConfig):
+            def create_sockets(self) -> Sockets:
+                return Sockets([], [gate.listener], [])
+
+        server = _Config()
+        server.backlog = BACKLOG
+        server.accesslog = None
+        server.errorlog = logging.getLogger("hypercorn.error")  # through this process's logging set-up, no own handler
+        server.graceful_timeout = 5.0
+        server.keep_alive_timeout = self.idle
+        server.read_timeout = self.idle
+        sweeper = asyncio.create_task(self.sweep())
+        try:
+            await serve(self.wrap(app), server, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+        finally:
+            sweeper.cancel()
+            self.listener.close()
 
 
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:
@@ -834,6 +985,12 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
     parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    parser.add_argument("--max-clients", type=int, default=1024,
+                        help="client connections at once (default 1024; keep it below the process's open-file "
+                             "limit): a new one takes the place of the oldest with no request under way")
+    parser.add_argument("--client-timeout", type=float, default=30.0,
+                        help="seconds a client may take to send a request's head, and its body; an idle client "
+                             "connection is closed after as long (default 30)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="params",
                         help="how the instances are told where the KV goes: params (this project's "
                              "MooncakeConnector; default) or bootstrap (vLLM's built-in MooncakeConnector)")
@@ -847,7 +1004,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
         return ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
                            timeout=args.timeout, connect_timeout=args.connect_timeout, cooldown=args.cooldown,
                            health_timeout=args.health_timeout,
-                           max_connections=args.max_connections, protocol=args.protocol,
+                           max_connections=args.max_connections, max_clients=args.max_clients,
+                           client_timeout=args.client_timeout, protocol=args.protocol,
                            bootstrap=tuple(args.bootstrap))
     except ConfigError as error:
         parser.error(str(error))
@@ -855,8 +1013,9 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    log.info("listening on http://%s:%d", config.host, config.port)
-    asyncio.run(serve(create_app(config), hypercorn_config(config)))
+    gate = ClientGate(config)
+    log.info("listening on http://%s:%d", config.host, gate.port)
+    asyncio.run(gate.serve(create_app(config)))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -17,11 +18,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
 from multidict import CIMultiDict
 
-from proxy_server import Proxy, ProxyConfig, create_app
+from proxy_server import ClientGate, Proxy, ProxyConfig, create_app
 
 HOST = "127.0.0.1"
 
@@ -183,18 +182,13 @@ class RunningProxy:
 
 @contextlib.asynccontextmanager
 async def serve_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
-    """Serve ``create_app(config)`` with Hypercorn on 127.0.0.1 (a free port) in this event loop."""
+    """Serve ``create_app(config)`` as ``main`` does (behind its ``ClientGate``) on 127.0.0.1, a free port unless
+    ``config.port`` names one, in this event loop."""
     app = create_app(config)
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    port = sock.getsockname()[1]
-    server = Config()
-    server.bind = [f"fd://{sock.detach()}"]
-    server.accesslog = None
-    server.backlog = 1024
-    server.graceful_timeout = 1.0
+    gate = ClientGate(dataclasses.replace(config, host=HOST))
+    port = gate.port
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(app, server, shutdown_trigger=stop.wait))
+    task = asyncio.create_task(gate.serve(app, shutdown_trigger=stop.wait))
     try:
         for _ in range(500):
             if task.done():

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import resource
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -117,6 +120,76 @@ def test_main_serves_in_a_subprocess() -> None:
             if process.returncode is None:
                 process.terminate()
         assert await asyncio.wait_for(process.wait(), 10) == 0
+
+    run(test)
+
+
+def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> None:
+    """Finding 6: with no cap on client connections and slow bodies allowed --timeout (300 s), 300 slow clients
+    under a 256-file limit made normal requests time out and logged 110,450 accept errors in 10 s. Now at most
+    --max-clients connections are open, a new one takes the place of the oldest with no request under way, and a
+    request head must arrive within --client-timeout."""
+
+    async def test(env: Environment) -> None:
+        port = unused_port()
+        url = f"http://127.0.0.1:{port}"
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
+            "--decode", env.decode[0].url, "--port", str(port), "--max-clients", "100", "--client-timeout", "3",
+            cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+        slow: list[socket.socket] = []
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                assert process.returncode is None and time.monotonic() < deadline
+                try:
+                    async with env.client.get(url + "/health") as response:
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            for _ in range(300):  # a head that never ends
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+                slow.append(sock)
+            await asyncio.sleep(0.5)
+            fds = len(os.listdir(f"/proc/{process.pid}/fd"))
+            assert fds < 200, f"the proxy holds {fds} files"
+            start = time.monotonic()
+            for _ in range(5):
+                async with env.client.post(url + "/v1/completions", json=COMPLETION) as response:
+                    assert response.status == 200
+            assert time.monotonic() - start < 5.0  # at once, not after the slow clients' deadline
+            await asyncio.sleep(4.0)  # --client-timeout: every slow head is closed by now
+            assert all(_closed(sock) for sock in slow)
+        finally:
+            for sock in slow:
+                sock.close()
+            if process.returncode is None:
+                process.terminate()
+        _, err = await process.communicate()
+        assert err.count(b"Too many open files") == 0 and err.count(b"accept") < 10, err[-2000:]
+
+    run(test)
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 16) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("value", [1e30, 2**31, "99999999999999999999"])
+def test_absurd_counts_are_refused_before_the_prefill(value: Any) -> None:
+    """Finding 6: max_tokens of 1e30 passed the proxy's checks; vLLM refused it only after the prefill ran."""
+    async def test(env: Environment) -> None:
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "max_tokens": value})
+        assert status == 400 and "max_tokens must be an integer from 1 to 2147483647" in body["error"]["message"]
+        assert not env.prefill[0].received
 
     run(test)
 
@@ -290,7 +363,8 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
         # the engine id is asked before the prefill, so no prefilled KV waits for a decode that never comes
         env.proxy.proxy.prefill_balancer.upstreams[0].learned_at = None
         status, _, body = await env.post("/v1/completions", COMPLETION)
-        assert status == 502 and bootstrap.url in body["error"]["message"] and body["error"]["stage"] == "prefill"
+        assert status == 502 and "bootstrap server of prefill instance 0" in body["error"]["message"]
+        assert body["error"]["stage"] == "prefill" and bootstrap.url not in json.dumps(body)  # internal addresses
         assert len(env.prefill[0].received) == 2 and len(env.decode[0].received) == 2
         assert_idle(env)
 
@@ -347,7 +421,8 @@ def test_health_and_models() -> None:
             report = await response.json()
             assert response.status == 200 and report["status"] == "ok"
         assert [r["healthy"] for r in report["prefill"] + report["decode"]] == [True, False, True]  # the dead decode
-        assert report["decode"][0]["url"] == dead and "error" in report["decode"][0]
+        assert report["decode"][0]["instance"] == 0 and "error" in report["decode"][0]
+        assert dead not in json.dumps(report)  # finding 6: /health named internal upstream URLs
         env.decode[0].health_status = 503
         async with env.client.get(env.url + "/health") as response:
             report = await response.json()
@@ -383,7 +458,8 @@ def test_unreachable_upstream_is_502_naming_the_stage(stage: str) -> None:
 
     async def test(env: Environment) -> None:
         status, _, body = await env.post("/v1/completions", COMPLETION)
-        assert status == 502 and body["error"]["stage"] == stage and body["error"]["upstream"] == dead
+        assert status == 502 and body["error"]["stage"] == stage and body["error"]["upstream"] == f"{stage} instance 0"
+        assert dead.split("//")[1] not in json.dumps(body)  # finding 6: the 502 named the internal URL
         if stage == "prefill":
             assert not env.decode[0].received
         assert_idle(env)
