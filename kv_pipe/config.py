@@ -32,6 +32,7 @@ METADATA_BACKENDS = ("etcd", "http", "redis")
 DECODE_PORT_OFFSET = 100  # Mooncake's guide: same URL for both roles -> decode listens 100 ports higher
 MiB = 1 << 20
 MAX_INLINE = 1 << 20  # the wire protocol's cap on a tensor carried inside its frame
+EPHEMERAL = (32768, 60999)  # the Transfer Engine falls back to its default ports for a range touching these
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
@@ -209,6 +210,7 @@ class MooncakeTransferEngineConfig:
     timeout: float = 30.0
     auth_secret: str = dataclasses.field(default="", repr=False)
     allow_unauthenticated: bool = False
+    engine_ports: list[int] | None = None  # [first, last]: the Transfer Engine's listening ports (for a firewall)
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -264,6 +266,16 @@ class MooncakeTransferEngineConfig:
                 f"{SECRET_ENV} in their environment; or, on a network where every host is trusted, set "
                 f"\"allow_unauthenticated\": true")
         object.__setattr__(self, "timeout", _positive(self.timeout, "timeout", float, "seconds, e.g. 30", MAX_TIMEOUT))
+        if self.engine_ports is not None:
+            ports = self.engine_ports
+            if (not isinstance(ports, (list, tuple)) or len(ports) != 2
+                    or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+                    or not 1024 <= ports[0] < ports[1] <= 65535
+                    or any(EPHEMERAL[0] <= p <= EPHEMERAL[1] for p in ports)):
+                raise ConfigError(f"engine_ports: expected [first, last], two ports from 1024 to 65535 with first < "
+                                  f"last, outside {EPHEMERAL[0]}-{EPHEMERAL[1]} (the engine ignores such a range), "
+                                  f"e.g. [15000, 15999]; got {ports!r}")
+            object.__setattr__(self, "engine_ports", [int(ports[0]), int(ports[1])])
         if self.chunk_size * 2 > self.staging_buffer_size:
             raise ConfigError(f"chunk_size ({self.chunk_size}) must be at most half of staging_buffer_size "
                               f"({self.staging_buffer_size}) so that a chunk always fits; "

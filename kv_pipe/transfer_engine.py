@@ -40,10 +40,14 @@ class MooncakeEngine:
     """
 
     def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int, local_rank: int = 0) -> None:
-        # Both are read when the engine is created: make the engine's own transfer timeout follow ours (it
-        # never goes below 5 s), and make it advertise the configured host rather than the first NIC it finds.
+        # Read when the engine is created: its own transfer timeout follows ours (it never goes below 5 s); with a
+        # metadata server it advertises the configured host rather than the first NIC it finds (this binds nothing:
+        # the engine's two ports listen on every interface whatever is set, see docs/deployment.md, Security); and
+        # engine_ports pins both ports into a range a firewall can name.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(config.timeout))))
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+        if config.engine_ports is not None:
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = map(str, config.engine_ports)
         engine_cls = _import_engine()
         self._engine = engine_cls()
         self._lock = threading.Lock()

@@ -416,3 +416,13 @@ def link_once(cfg: dict[str, Any], address: str, server: str) -> str:
         except Exception as e:  # noqa: BLE001 - the test asserts on what it was
             return f"{type(e).__name__}: {e}"
     return "sent"
+
+
+def listening_sockets(cfg: dict[str, Any], address: str) -> list[tuple[str, int]]:
+    """Every TCP socket this process listens on while a pipe endpoint at ``address`` is open (its side channel and
+    its Transfer Engine's ports): (ip, port)."""
+    import psutil
+
+    with open_endpoint(cfg, 0, address):
+        return sorted((c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN)

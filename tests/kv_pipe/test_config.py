@@ -264,3 +264,9 @@ def test_no_secret_on_loopback_is_allowed(monkeypatch, host):
 def test_allow_unauthenticated_must_be_a_bool():
     with pytest.raises(ConfigError, match="allow_unauthenticated: expected true or false"):
         MooncakeTransferEngineConfig(allow_unauthenticated="yes")
+
+
+@pytest.mark.parametrize("ports", [[17000], [100, 2000], [16000, 15000], [40000, 41000], "15000-16000", [True, 2000]])
+def test_bad_engine_ports_are_refused(ports):
+    with pytest.raises(ConfigError, match="engine_ports: expected \\[first, last\\]"):
+        MooncakeTransferEngineConfig(engine_ports=ports)

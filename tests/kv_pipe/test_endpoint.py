@@ -317,3 +317,18 @@ def test_a_connection_naming_a_peer_does_not_lock_the_real_peer_out(cfg, caplog)
             _real_peer_round_trip(cfg, endpoint, server, address=consumer)
             assert _closed_by_the_endpoint(impostor)
     assert "its older connection from" in caplog.text
+
+
+def test_the_engine_ports_stay_in_the_configured_range():
+    """Finding 7: the Transfer Engine's two ports listen on every interface whatever host is configured (the engine
+    has no option to bind one address: docs/deployment.md says what to firewall); ``engine_ports`` pins them into a
+    range a firewall rule can name. The side channel binds the configured host only."""
+    address = _address()
+    # outside the engine's default range (15000-17000) and the ports tests hand out (20000-32000)
+    got = Peer(peers.listening_sockets, make_config(engine_ports=[17100, 17200]), address).result()
+    side = [s for s in got if s[1] == int(address.split(":")[1])]
+    engine = [s for s in got if s not in side]
+    assert side == [("127.0.0.1", int(address.split(":")[1]))], got
+    assert len(engine) == 2 and all(17100 <= port <= 17200 for _, port in engine), got
+    assert all(ip in ("0.0.0.0", "::") for ip, _ in engine), (
+        f"the engine now binds {engine}: update docs/deployment.md (Security) and the README")
