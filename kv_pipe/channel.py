@@ -11,6 +11,7 @@ straddles the end of the ring (the sender skips to the start instead), so each c
 
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import threading
@@ -48,7 +49,14 @@ class Connection:
         self._closed = closed  # the owning pipe's close flag
         self._send_lock = threading.Lock()
         self._dead = threading.Event()
-        self.error: PipeError | None = None
+        self._error: PipeError | None = None
+
+    @property
+    def error(self) -> PipeError | None:
+        """What killed the connection, as a new exception each time. The one kept carries no traceback: raising or
+        keeping one that does would keep the frames it went through alive with the connection, and with them
+        whatever they held (a failed receive's result: hundreds of MiB)."""
+        return None if self._error is None else copy.copy(self._error)
 
     @property
     def alive(self) -> bool:
@@ -71,7 +79,7 @@ class Connection:
         """Mark the connection dead with ``error`` (the first error wins) and close the socket."""
         if self._dead.is_set():
             return
-        self.error = error
+        self._error = copy.copy(error)  # a copy: ``error`` itself goes on with its traceback
         self._dead.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

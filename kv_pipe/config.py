@@ -211,6 +211,7 @@ class MooncakeTransferEngineConfig:
     auth_secret: str = dataclasses.field(default="", repr=False)
     allow_unauthenticated: bool = False
     engine_ports: list[int] | None = None  # [first, last]: the Transfer Engine's listening ports (for a firewall)
+    max_links: int = 32  # links of one endpoint holding a staging ring (staging_buffer_size each) at once
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -242,6 +243,8 @@ class MooncakeTransferEngineConfig:
         _positive(self.staging_buffer_size, "staging_buffer_size", int, size_hint, MAX_STAGING)
         _positive(self.chunk_size, "chunk_size", int, size_hint, MAX_STAGING // 2)
         _positive(self.max_chunks_in_flight, "max_chunks_in_flight", int, "e.g. 4", 1024)
+        _positive(self.max_links, "max_links", int, "e.g. 32 (each link a peer sends on holds staging_buffer_size "
+                  "bytes)", 4096)
         _positive(self.max_tensor_size, "max_tensor_size", int, f"{size_hint}; at most this machine's RAM",
                   physical_memory())
         pool = self.result_pool_size

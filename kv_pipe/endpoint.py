@@ -182,9 +182,24 @@ class PipeEndpoint:
             raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
         self.regions.append(((region.data_ptr(), nbytes), region))
 
-    def take_ring(self) -> torch.Tensor:
-        """A registered, prefaulted staging ring for the inbound direction of a link: the spare one, made again in
-        the background for the next link (an endpoint open to any peer; one with a fixed peer links once)."""
+    def take_ring(self, pipe: MooncakePipe) -> torch.Tensor:
+        """A registered, prefaulted staging ring for the inbound direction of ``pipe``: the spare one, made again in
+        the background for the next link (an endpoint open to any peer; one with a fixed peer links once). At most
+        ``max_links`` links hold one: beyond that the least recently used link not in use is closed first (its ring
+        freed; either side makes the link again when needed), and if every one is in use the new link is refused."""
+        with self._lock:
+            holding = [p for p in self._links.values() if p.has_ring and p is not pipe and not p.closed]
+            victim = None
+            if len(holding) >= self.config.max_links:
+                idle = [p for p in holding if not p.busy]
+                if not idle:
+                    raise PipeError(f"{len(holding)} links of {self.address} are in use (max_links): try again later")
+                victim = min(idle, key=lambda p: p.last_used)
+        if victim is not None:
+            logger.info("closing the link %s -> %s (%s), unused for %.1f s, to make room for a new one (max_links %d)",
+                        self.address, victim.peer, victim.channel, time.monotonic() - victim.last_used,
+                        self.config.max_links)
+            victim.close()
         with self._lock:
             ring, self._spare = self._spare, None
         if ring is None:

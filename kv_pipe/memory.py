@@ -36,6 +36,11 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def mapped(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor on an anonymous mapping of its own, unmapped once the tensor and its views are gone."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 def prefault(region: torch.Tensor) -> None:
     """Fault in the pages of a host byte region before it is written (best effort; no-op for device memory).
 

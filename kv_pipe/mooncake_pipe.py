@@ -123,6 +123,11 @@ class MooncakePipe(KVPipeBase):
         return self._closed.is_set()
 
     @property
+    def has_ring(self) -> bool:
+        """A peer connected to send to us: this link holds a staging ring."""
+        return self._ring is not None
+
+    @property
     def busy(self) -> bool:
         """A tensor is being sent (or the link opened for it) or received on this link."""
         return self._send_lock.locked() or self._receiving
@@ -563,7 +568,7 @@ class MooncakePipe(KVPipeBase):
                                "is closed", self.endpoint.address, self.peer, self.channel, who, old.peer)
                 old.fail(PeerDisconnected(f"peer {self.peer} connected again: its older connection was closed"))
             if self._ring is None:
-                self._ring = self.endpoint.take_ring()
+                self._ring = self.endpoint.take_ring(self)
             sock.settimeout(min(HANDSHAKE_TIMEOUT, self.config.timeout))
             sock.sendall(wire.encode_json(Kind.WELCOME, {
                 "session": self._engine.session, "ring_addr": self._ring.data_ptr(), "ring_size": self._ring.numel(),

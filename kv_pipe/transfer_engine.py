@@ -17,7 +17,7 @@ import torch
 
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
 from kv_pipe.errors import ConfigError, TransferError
-from kv_pipe.memory import advise_huge_pages, prefault
+from kv_pipe.memory import advise_huge_pages, mapped, prefault
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class MooncakeEngine:
         first passes made the copies in and out of it several times slower (measured: ~1.5 GB/s memmoves into fresh
         staging memory). Huge pages only for RDMA (fewer pages to pin): asking for them makes the kernel compact
         memory first, which made each new link ~10x slower to set up over TCP."""
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        # host memory of its own mapping: it goes back to the system when released (from the allocator's heap, freed
+        # rings stayed resident: links made and closed one after another kept growing the process)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else mapped(nbytes)
         if not pin:
             if self.protocol == "rdma":
                 advise_huge_pages(buf)

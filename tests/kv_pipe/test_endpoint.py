@@ -153,10 +153,11 @@ def test_a_stranger_is_not_told_which_ranks_this_pipe_takes(cfg, caplog, fields)
 def _real_peer_round_trip(cfg, endpoint, server: str, address: str | None = None) -> None:
     """A real peer process (listening at ``address``) links to ``endpoint`` (at ``server``) and a tensor goes each
     way."""
-    client = Peer(peers.endpoint_client, cfg, address or _address(), [server], 1.0, 1)
+    address = address or _address()
+    client = Peer(peers.endpoint_client, cfg, address, [server], 1.0, 1)
     start, link = time.monotonic(), None
     while link is None and time.monotonic() - start < 30:
-        link = next(iter(endpoint.links()), None)
+        link = next((p for p in endpoint.links() if p.peer == address and p.has_ring), None)
         time.sleep(0.01)
     assert link is not None and float(link.recv_tensor(timeout=20)[0]) == 1.0
     link.send_tensor(torch.tensor([2.0]))
@@ -281,6 +282,7 @@ def test_a_flood_from_many_loopback_addresses_and_silent_hellos_do_not_lock_a_pe
     4.6-8.3 s instead of 0.2 s. Now all of 127/8 is one host group whose newest connection takes the place of its
     oldest unfinished handshake, and an AUTH is due within 3 s of the CHALLENGE."""
     server = _address()
+    assert Peer(peers.ready).result()  # the forkserver is up: what is timed below is the link
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
         endpoint.start()
@@ -288,14 +290,14 @@ def test_a_flood_from_many_loopback_addresses_and_silent_hellos_do_not_lock_a_pe
         for i in range(64):
             source = f"127.0.0.{2 + i % 4}"
             sock = socket.create_connection((endpoint.host, endpoint.port), source_address=(source, 0))
-            sock.sendall(_hello(endpoint, address=f"{source}:1"))
+            sock.sendall(_hello(endpoint, kv_rank=1, address=f"{source}:1"))
             flood.append(sock)
         try:
             time.sleep(0.5)  # every HELLO was answered with a CHALLENGE; the flood stays silent
             start = time.monotonic()
             _real_peer_round_trip(cfg, endpoint, server)
             waited = time.monotonic() - start
-            assert waited < 3.0, f"the real peer waited {waited:.1f} s"
+            assert waited < 4.0, f"the real peer waited {waited:.1f} s"  # its start-up and link: ~1 s
         finally:
             for sock in flood:
                 sock.close()
@@ -314,8 +316,16 @@ def test_a_connection_naming_a_peer_does_not_lock_the_real_peer_out(cfg, caplog)
             kind, _ = peers.raw_handshake(impostor, {"kv_rank": 1, "local_rank": 0, "address": consumer,
                                                      "to": endpoint.address, "channel": "kv"})
             assert kind == Kind.WELCOME  # no secret here: the impostor got in, and stays silent
-            _real_peer_round_trip(cfg, endpoint, server, address=consumer)
-            assert _closed_by_the_endpoint(impostor)
+            client = Peer(peers.endpoint_client, cfg, consumer, [server], 1.0, 1)
+            deadline = time.monotonic() + 30
+            while not _closed_by_the_endpoint(impostor):  # the real consumer's connection took its place
+                assert time.monotonic() < deadline, "the real consumer was locked out"
+                time.sleep(0.05)
+            link = next(p for p in endpoint.links() if p.peer == consumer)
+            assert float(link.recv_tensor(timeout=20)[0]) == 1.0
+            link.send_tensor(torch.tensor([2.0]))
+            assert link.recv_tensor(timeout=20) is None
+            assert client.result() == [2.0]
     assert "its older connection from" in caplog.text
 
 
@@ -332,3 +342,27 @@ def test_the_engine_ports_stay_in_the_configured_range():
     assert len(engine) == 2 and all(17100 <= port <= 17200 for _, port in engine), got
     assert all(ip in ("0.0.0.0", "::") for ip, _ in engine), (
         f"the engine now binds {engine}: update docs/deployment.md (Security) and the README")
+
+
+def test_many_links_do_not_pin_a_ring_each(caplog):
+    """Finding 4: each new (address, channel) got a fresh, prefaulted staging ring, kept until link_idle: 40
+    handshakes in 1.2 s took RSS from 334 to 662 MB with 8 MiB rings (~2.5 GiB with the 64 MiB default). At most
+    ``max_links`` links hold a ring now; beyond that the least recently used one not in use is closed."""
+    import psutil
+
+    mib = 1 << 20
+    cfg = make_config(staging_buffer_size=8 * mib, chunk_size=2 * mib, max_links=8)
+    server = _address()
+    with open_endpoint(cfg, 0, server, start=False) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        endpoint.start()
+        base = psutil.Process().memory_info().rss
+        for _ in range(40):
+            with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+                kind, _ = peers.raw_handshake(sock, {"kv_rank": 1, "local_rank": 0, "address": _address(),
+                                                     "to": endpoint.address, "channel": "kv"})
+                assert kind == Kind.WELCOME
+        grown = (psutil.Process().memory_info().rss - base) / mib
+        assert sum(p.has_ring for p in endpoint.links()) <= 8 and grown < 120, f"{grown:.0f} MiB"
+        _real_peer_round_trip(cfg, endpoint, server)
+    assert "to make room for a new one (max_links 8)" in caplog.text
