@@ -33,8 +33,15 @@ class ServerUnavailable(RuntimeError):
     """A server binary is missing or would not start; the message says what to do."""
 
 
-_PORTS = (20000, 32000)  # below the kernel's ephemeral range: a port picked here is not handed out meanwhile to
-# another process's outgoing connection or to a server binding port 0 (vLLM's own sockets do)
+def _port_range() -> tuple[int, int]:
+    """Below the kernel's ephemeral range: a port picked here is not handed out meanwhile to another process's outgoing
+    connection or to a server binding port 0 (vLLM's own sockets do). ``MKV_TEST_PORTS=first-last`` narrows it, so
+    that test runs side by side (scripts/test.sh) never pick the same port."""
+    first, last = os.environ.get("MKV_TEST_PORTS", "20000-31999").split("-")
+    return int(first), int(last) + 1
+
+
+_PORTS = _port_range()
 
 
 _handed_out: set[int] = set()

@@ -95,25 +95,31 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid upstream URL 'a:1'" in capsys.readouterr().err
 
 
+async def start_main(env: Environment, *args: str, **options: Any) -> tuple[asyncio.subprocess.Process, str]:
+    """``proxy_server.main()`` in a subprocess in front of ``env``'s first instances, with ``args``; returns it and
+    its URL once its /health answers."""
+    port = unused_port()
+    url = f"http://127.0.0.1:{port}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
+        "--decode", env.decode[0].url, "--port", str(port), *args, cwd=ROOT, **options)
+    deadline = time.monotonic() + 20
+    while True:
+        assert process.returncode is None and time.monotonic() < deadline
+        try:
+            async with env.client.get(url + "/health") as response:
+                assert response.status == 200
+                return process, url
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)
+
+
 def test_main_serves_in_a_subprocess() -> None:
     """The console script's entry point: serves on --host/--port, and exits cleanly on SIGTERM."""
 
     async def test(env: Environment) -> None:
-        port = unused_port()
-        url = f"http://127.0.0.1:{port}"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
-            "--decode", env.decode[0].url, "--port", str(port), "--log-level", "WARNING", cwd=ROOT)
+        process, url = await start_main(env, "--log-level", "WARNING")
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                assert process.returncode is None and time.monotonic() < deadline
-                try:
-                    async with env.client.get(url + "/health") as response:
-                        assert response.status == 200
-                        break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
             async with env.client.post(url + "/v1/completions", json=COMPLETION) as response:
                 assert response.status == 200 and (await response.json())["served_by"] == "D0"
         finally:
@@ -131,23 +137,12 @@ def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> 
     request head must arrive within --client-timeout."""
 
     async def test(env: Environment) -> None:
-        port = unused_port()
-        url = f"http://127.0.0.1:{port}"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
-            "--decode", env.decode[0].url, "--port", str(port), "--max-clients", "100", "--client-timeout", "3",
-            cwd=ROOT, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+        process, url = await start_main(env, "--max-clients", "100", "--client-timeout", "3",
+                                        stderr=asyncio.subprocess.PIPE,
+                                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+        port = int(url.rsplit(":", 1)[1])
         slow: list[socket.socket] = []
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                assert process.returncode is None and time.monotonic() < deadline
-                try:
-                    async with env.client.get(url + "/health") as response:
-                        break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
             for _ in range(300):  # a head that never ends
                 sock = socket.create_connection(("127.0.0.1", port))
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")

@@ -37,7 +37,9 @@ def settle(buf: SimpleBuffer) -> None:
 
 def test_exact_round_trip(cfg):
     done = ctx.Event()
-    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done)
+    full = ctx.Event()
+    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done, None, full)
+    assert full.wait(60)  # every entry is in: a query cannot race its insert
     pipe, buf = consumer(cfg)
     with pipe:
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)
@@ -53,7 +55,9 @@ def test_exact_round_trip(cfg):
 
 def test_key_out_receives_the_key_in_place(cfg):
     done = ctx.Event()
-    producer = Peer(programs.produce, cfg, "large", 1 << 30, done)
+    full = ctx.Event()
+    producer = Peer(programs.produce, cfg, "large", 1 << 30, done, None, full)
+    assert full.wait(60)  # every entry is in: a query cannot race its insert
     pipe, buf = consumer(cfg)
     expected = programs.large_entries()
     with pipe:
@@ -226,7 +230,9 @@ def test_entry_larger_than_the_buffer_is_refused_at_once(cfg):
 
 def test_malformed_requests_do_not_kill_the_producer(cfg):
     done = ctx.Event()
-    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done)
+    full = ctx.Event()
+    producer = Peer(programs.produce, cfg, "basic", 1 << 20, done, None, full)
+    assert full.wait(60)  # every entry is in: a query cannot race its insert
     pipe, buf = consumer(cfg)
     with pipe:
         pipe.send_tensor(torch.tensor([3.0, 1.0, 0.0]))  # wrong dtype: skipped
@@ -376,7 +382,9 @@ def test_a_dead_receiving_thread_fails_requests_at_once_and_a_new_buffer_is_serv
     fail at once with a clear error instead of waiting for their timeout, ``healthy`` says so, and a new buffer on
     the same link is served (what was left of the broken answer is skipped)."""
     done = ctx.Event()
-    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done)
+    full = ctx.Event()
+    producer = Peer(programs.produce, cfg, "prefix", 1 << 20, done, None, full)
+    assert full.wait(60)  # every entry is in: a query cannot race its insert
     entries = programs.prefix_entries()
     pipe, buf = consumer(cfg)
     with pipe:
