@@ -212,6 +212,7 @@ class MooncakeTransferEngineConfig:
     allow_unauthenticated: bool = False
     engine_ports: list[int] | None = None  # [first, last]: the Transfer Engine's listening ports (for a firewall)
     max_links: int = 32  # links of one endpoint holding a staging ring (staging_buffer_size each) at once
+    receive_budget: int = dataclasses.field(default_factory=default_max_tensor_size)  # bytes all links may be receiving
 
     def __post_init__(self) -> None:
         p_host, p_port = parse_host_port(self.prefill_url, "prefill_url")
@@ -246,6 +247,8 @@ class MooncakeTransferEngineConfig:
         _positive(self.max_links, "max_links", int, "e.g. 32 (each link a peer sends on holds staging_buffer_size "
                   "bytes)", 4096)
         _positive(self.max_tensor_size, "max_tensor_size", int, f"{size_hint}; at most this machine's RAM",
+                  physical_memory())
+        _positive(self.receive_budget, "receive_budget", int, f"{size_hint}; at most this machine's RAM",
                   physical_memory())
         pool = self.result_pool_size
         if isinstance(pool, bool) or not isinstance(pool, int) or not 0 <= pool <= physical_memory():

@@ -27,7 +27,7 @@ import torch
 
 from kv_pipe import auth, wire
 from kv_pipe.channel import tune
-from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port, physical_memory
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.memory import ResultPool
 from kv_pipe.scatter import Region
@@ -81,6 +81,7 @@ class PipeEndpoint:
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], MooncakePipe] = {}
         self._on_link: Callable[[MooncakePipe], None] | None = None
+        self._receiving = 0  # bytes of the tensors being received by the links now (see reserve)
         self._handshakes: dict[str, list[socket.socket]] = {}  # unfinished handshakes by host group, oldest first
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
@@ -360,12 +361,31 @@ class PipeEndpoint:
     def _reap_loop(self) -> None:
         assert self.link_idle is not None
         while not self.closed.wait(min(self.link_idle / 4, 5.0)):
-            cutoff = time.monotonic() - self.link_idle
+            # memory short: links unused for a tenth of link_idle give their rings back
+            idle = self.link_idle / 10 if memory_short() else self.link_idle
+            cutoff = time.monotonic() - idle
             for pipe in self.links():
                 if pipe.last_used < cutoff and not pipe.busy:
-                    logger.info("closing the idle link %s -> %s (%s; unused for %.0f s)", self.address, pipe.peer,
-                                pipe.channel, time.monotonic() - pipe.last_used)
+                    logger.info("closing the idle link %s -> %s (%s; unused for %.0f s%s)", self.address, pipe.peer,
+                                pipe.channel, time.monotonic() - pipe.last_used,
+                                "; memory is short" if idle < self.link_idle else "")
                     pipe.close()
+
+    # ------------------------------------------------------------------ receive budget
+    def reserve(self, nbytes: int, peer: str) -> None:
+        """Count ``nbytes`` of a tensor about to be received against ``receive_budget`` (what all the links of this
+        endpoint may be receiving at once: a result's pages are mapped as its bytes arrive, so peers announcing
+        large tensors together could otherwise commit far more than any one may send); ``ProtocolError`` if it
+        does not fit. ``release`` it when the receive ended, either way."""
+        with self._lock:
+            if self._receiving + nbytes > self.config.receive_budget:
+                raise ProtocolError(f"{peer} announces a {nbytes}-byte tensor while this endpoint is receiving "
+                                    f"{self._receiving} bytes (receive_budget {self.config.receive_budget})")
+            self._receiving += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._receiving -= nbytes
 
     def close(self) -> None:
         """Close every link, the listener and the engine. Idempotent."""
@@ -390,6 +410,16 @@ class PipeEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def memory_short(fraction: float = 0.1) -> bool:
+    """Less than ``fraction`` of this machine's RAM is available (Linux's MemAvailable; False if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 < fraction * physical_memory()
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def _host_group(host: str) -> str:

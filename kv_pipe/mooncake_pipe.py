@@ -394,6 +394,7 @@ class MooncakePipe(KVPipeBase):
             except PipeError:
                 inbound.reported = True
                 raise
+            reserved = 0
             try:
                 if kind == Kind.NONE:
                     return None
@@ -408,6 +409,8 @@ class MooncakePipe(KVPipeBase):
                     return result
                 if kind != Kind.TENSOR:
                     raise ProtocolError(f"expected a TENSOR or NONE frame, got {kind.name}")
+                self.endpoint.reserve(item.nbytes, self.peer)
+                reserved = item.nbytes
                 self._receiving = True
                 if isinstance(out, Scatter) and item.nbytes and out.prefix(item.nbytes):
                     return self._receive_scatter(inbound, item, rest, out)
@@ -426,6 +429,8 @@ class MooncakePipe(KVPipeBase):
                 inbound.reported = True
                 raise
             finally:
+                if reserved:
+                    self.endpoint.release(reserved)
                 self._receiving = False
                 self.last_used = time.monotonic()
 

@@ -366,3 +366,26 @@ def test_many_links_do_not_pin_a_ring_each(caplog):
         assert sum(p.has_ring for p in endpoint.links()) <= 8 and grown < 120, f"{grown:.0f} MiB"
         _real_peer_round_trip(cfg, endpoint, server)
     assert "to make room for a new one (max_links 8)" in caplog.text
+
+
+def test_idle_links_are_closed_sooner_when_memory_is_short(monkeypatch):
+    """Finding 4: a link's ring was held until link_idle whatever the memory left. When less than a tenth of the RAM
+    is available, links unused for a tenth of link_idle are closed (their rings freed)."""
+    from kv_pipe import endpoint as endpoint_module
+
+    cfg = make_config()
+    server = _address()
+    with open_endpoint(cfg, 0, server, start=False, link_idle=8.0) as endpoint:
+        endpoint.on_link(lambda pipe: None)
+        endpoint.start()
+        _real_peer_round_trip(cfg, endpoint, server)
+        time.sleep(2.5)
+        assert endpoint.links(), "closed before link_idle with memory to spare"
+        monkeypatch.setattr(endpoint_module, "memory_short", lambda: True)
+        deadline = time.monotonic() + 5
+        while endpoint.links() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not endpoint.links()
+    monkeypatch.undo()
+    # the real reading: some RAM is available on this machine, and less than all of it
+    assert endpoint_module.memory_short(fraction=1.0) and not endpoint_module.memory_short(fraction=0.0)

@@ -624,3 +624,18 @@ def test_failed_receives_free_their_memory():
         gc.collect()
         grown = (_rss() - base) / MiB
         assert _large_tensors(size) == tensors and grown < 96, f"{grown:.0f} MiB more than before"
+
+
+def test_tensors_announced_together_stay_within_the_receive_budget():
+    """Finding 4: a result's pages are mapped as its chunks arrive, so several links announcing large tensors at once
+    could make an endpoint commit up to max_tensor_size each. All links of an endpoint may be receiving at most
+    ``receive_budget`` bytes at once: a tensor announced beyond it is refused (its connection dropped) before any of
+    its memory is touched, and the pipe goes on serving."""
+    cfg = make_config(receive_budget=64 * MiB, zero_copy_recv=False, timeout=5.0)
+    with open_pipe(cfg, 1) as pipe:
+        with _raw_connect(pipe) as sock:
+            _handshake(sock, pipe)
+            sock.sendall(wire.encode_tensor(torch.uint8, (65 * MiB,), 65 * MiB))
+            with pytest.raises(ProtocolError, match=r"announces a 68157440-byte tensor .*receive_budget 67108864"):
+                pipe.recv_tensor(timeout=10)
+        _assert_still_serves(cfg, pipe)
