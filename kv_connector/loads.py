@@ -81,6 +81,8 @@ class Loads:
             self.stats.gauge("loads_in_flight", -1)
         seconds = time.perf_counter() - start
         self.stats.count("loaded")
+        if req.producers is not None:
+            self.stats.count("param_loads")
         self.stats.count("loaded_bytes", result.loaded_bytes)
         self.stats.count("fetched_bytes", result.fetched_bytes)
         pushed = result.source == "pushed"

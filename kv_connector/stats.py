@@ -36,6 +36,8 @@ COUNTERS = {  # name -> help text
     "pushed": "Prompts whose KV the producer pushed to the consumer in full (push mode).",
     "loaded": "Loads that wrote the producer's KV into this instance's cache.",
     "push_loaded": "Loads served from KV the producer had pushed (push mode).",
+    "param_loads": "Loads from the producer the request's params named (verified against the secret if one is set); "
+                   "the others load from mooncake.json's prefill_url.",
     "partial_loads": "Loads that got only some of the blocks they claimed (the rest is recomputed).",
     "load_misses": "Loads for which the producer held no KV (recomputed).",
     "load_failures": "Loads that failed (peer down, timeout, layout mismatch; recomputed).",

@@ -4,10 +4,13 @@ A request sent straight to an instance with params naming another host is served
 
 from __future__ import annotations
 
+import shutil
 import socket
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from kv_connector import params as kv_params
 from proxy_server import push_target
 from tests.kv_connector.conftest import PUSH_PAIR_SECRET, diff, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.servers import OpenAIClient, free_port, http_ok, spawn, stop, wait_ready
 
 
 class Intruder:
@@ -63,7 +67,7 @@ def test_the_producer_signs_its_params_and_the_consumer_loads_with_them(push_pai
     before = kv_stats(consumer)
     assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == reference.complete(tokens, MAX_TOKENS)
     change = settled_stats(consumer, before, 1)
-    assert change.get("loaded") == 1 and change.get("loaded_bytes", 0) > 0, change
+    assert change.get("loaded") == change.get("param_loads") == 1 and change.get("loaded_bytes", 0) > 0, change
 
 
 @pytest.mark.parametrize("proof", [None, "0" * 64, "signed for another pipe"])
@@ -108,3 +112,29 @@ def test_the_consumer_publishes_the_proof_of_its_push_address(push_pair):
     assert target is not None
     pipes, proof = target
     assert proof == kv_params.push_proof(PUSH_PAIR_SECRET.encode(), pipes)
+
+
+def test_vllm_router_in_front_of_a_fleet_with_a_secret(push_pair, reference, tmp_path):
+    """vLLM's own router passes the producer's params through unchanged, proof included: with a secret, requests
+    through it still load the KV the producer pushed (none is recomputed for want of a proof)."""
+    producer, consumer = push_pair
+    router = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    assert router, "vllm-router is not installed: scripts/setup.sh installs it with the test extras"
+    port = free_port()
+    cmd = [router, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+           "--prefill", producer.url, "--decode", consumer.url]
+    log = tmp_path / "router.log"
+    proc = spawn(cmd, log)
+    try:
+        wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "vllm-router", 60)
+        client = OpenAIClient(f"http://127.0.0.1:{port}", consumer.model)
+        prompts = [prompt(2400 + i, 250 + 60 * i) for i in range(3)]
+        before, mark = kv_stats(consumer), len(consumer.log_text())
+        assert [client.complete(t, MAX_TOKENS) for t in prompts] == [reference.complete(t, MAX_TOKENS) for t in prompts]
+        change = settled_stats(consumer, before, len(prompts))
+        # each load named its producer by params (verified: with a secret unproven params never reach a load)
+        assert change.get("loaded") == change.get("param_loads") == len(prompts), change
+        assert not change.get("load_failures"), change
+        assert "is not proven to come from" not in consumer.log_text()[mark:]
+    finally:
+        stop(proc)
