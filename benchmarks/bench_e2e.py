@@ -392,10 +392,10 @@ def kv_kib(dtype: str) -> int:
 
 def plot(rows: list[Row], lengths: list[int], path: Path, dtype: str) -> None:
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
@@ -507,7 +507,7 @@ def main() -> int:
     plot(rows, args.lengths, args.out_dir / "bench_e2e.png", dtype)
     print(f"wrote {args.out_dir / 'bench_e2e.json'}, bench_e2e.md, bench_e2e.png")
     if not args.keep_logs:
-        import shutil  # noqa: PLC0415
+        import shutil
 
         shutil.rmtree(work, ignore_errors=True)
     return 0

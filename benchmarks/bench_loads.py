@@ -151,17 +151,17 @@ def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: rando
 
 # ----------------------------------------------------------------------------- the bare pipe
 def _pipe_config(base: dict[str, Any]) -> Any:
-    from kv_pipe import MooncakeTransferEngineConfig  # noqa: PLC0415
+    from kv_pipe import MooncakeTransferEngineConfig
 
     return MooncakeTransferEngineConfig.from_dict(base)
 
 
 def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any, core: int | None) -> None:
-    import os  # noqa: PLC0415
+    import os
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
 
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -177,12 +177,12 @@ def _bare_sender(cfg: dict[str, Any], sizes: list[int], ready: Any, core: int | 
 
 def bare_pipe_round(cfg: dict[str, Any], sizes: list[int], pinned: bool) -> dict[str, Any]:
     """The sizes through a bare pipe; ``pinned``: sender on core 0, receiver (this process, meanwhile) on core 1."""
-    import os  # noqa: PLC0415
+    import os
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
-    from kv_pipe.memory import WarmPool  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
+    from kv_pipe.memory import WarmPool
 
     cfg = {**cfg, "prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}"}
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -212,11 +212,11 @@ def bare_pipe_round(cfg: dict[str, Any], sizes: list[int], pinned: bool) -> dict
 
 def _bare_server(cfg: dict[str, Any], largest: int, ready: Any, core: int) -> None:
     """A bare-pipe sender that stays up: sends a tensor of each size it is asked for (0: stop)."""
-    import os  # noqa: PLC0415
+    import os
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
 
     os.sched_setaffinity(0, {core})
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -236,12 +236,12 @@ def _bare_receiver(cfg: dict[str, Any], largest: int, conn: Any, core: int) -> N
     the consumer's worker): times each size ``conn`` asks for, from asking the sender to the bytes being in a reused,
     mapped buffer registered once as a receive region, as the consumer's KV cache is (so the sender writes straight
     into it); answers the seconds (0 stops it)."""
-    import os  # noqa: PLC0415
+    import os
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
-    from kv_pipe.scatter import Scatter  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
+    from kv_pipe.scatter import Scatter
 
     os.sched_setaffinity(0, {core})
     sys.setswitchinterval(SWITCH_INTERVAL)

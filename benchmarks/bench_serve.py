@@ -351,10 +351,10 @@ def summary(checks: list[dict[str, Any]]) -> str:
 
 def plot(points: list[Point], lengths: list[int], path: Path, dtype: str) -> None:
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
@@ -511,7 +511,7 @@ def main() -> int:
     if args.keep_logs or failures:
         print(f"logs kept in {work}")
     else:
-        import shutil  # noqa: PLC0415
+        import shutil
 
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 SIZE = 4096
 REPLY = 16
@@ -115,7 +115,7 @@ def socket_sender(port: int, n: int, out: Any, core: int | None) -> None:
 
 # ----------------------------------------------------------------------------- zmq
 def zmq_receiver(port: int, senders: int, ready: Any, core: int | None, keys: dict[str, bytes] | None) -> None:
-    import zmq  # noqa: PLC0415
+    import zmq
 
     _setup(core)
     ctx = zmq.Context()
@@ -139,7 +139,7 @@ def zmq_receiver(port: int, senders: int, ready: Any, core: int | None, keys: di
 
 
 def zmq_sender(port: int, n: int, out: Any, core: int | None, keys: dict[str, bytes] | None) -> None:
-    import zmq  # noqa: PLC0415
+    import zmq
 
     _setup(core)
     ctx = zmq.Context()
@@ -165,15 +165,15 @@ def zmq_sender(port: int, n: int, out: Any, core: int | None, keys: dict[str, by
 
 # ----------------------------------------------------------------------------- MooncakePipe
 def _pipe_config(ports: tuple[int, int]) -> Any:
-    from kv_pipe import MooncakeTransferEngineConfig  # noqa: PLC0415
+    from kv_pipe import MooncakeTransferEngineConfig
 
     return MooncakeTransferEngineConfig(prefill_url=f"127.0.0.1:{ports[0]}", decode_url=f"127.0.0.1:{ports[1]}")
 
 
 def pipe_receiver(ports: tuple[int, int], n: int, ready: Any, core: int | None) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
 
     _setup(core)
     with MooncakePipe(kv_rank=1, config=_pipe_config(ports)) as pipe:
@@ -186,9 +186,9 @@ def pipe_receiver(ports: tuple[int, int], n: int, ready: Any, core: int | None) 
 
 
 def pipe_sender(ports: tuple[int, int], n: int, out: Any, core: int | None) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kv_pipe import MooncakePipe  # noqa: PLC0415
+    from kv_pipe import MooncakePipe
 
     _setup(core)
     with MooncakePipe(kv_rank=0, config=_pipe_config(ports)) as pipe:
@@ -206,14 +206,14 @@ def pipe_sender(ports: tuple[int, int], n: int, out: Any, core: int | None) -> N
 
 # ----------------------------------------------------------------------------- run
 def run(kind: str, senders: int, n: int, pin: bool) -> list[float]:
-    from tests.servers import free_port  # noqa: PLC0415
+    from tests.servers import free_port
 
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
     rcore, score = (1, 0) if pin else (None, None)
     keys = None
     if kind == "zmq_curve":
-        import zmq  # noqa: PLC0415
+        import zmq
 
         public, secret = zmq.curve_keypair()
         keys = {"server_public": public, "server_secret": secret}

@@ -93,7 +93,7 @@ from typing import Any
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -187,7 +187,7 @@ def pipe_config(spec: Spec, own: str, peer: str) -> Any:
     """mooncake.json for one process: P2PHANDSHAKE, TCP, timeout, staging_buffer_size and huge_pages from the command
     line, the defaults otherwise (the endpoint's address is given to ``PipeEndpoint`` itself; the URLs only have to be
     valid)."""
-    from kv_pipe import MooncakeTransferEngineConfig  # noqa: PLC0415
+    from kv_pipe import MooncakeTransferEngineConfig
 
     return MooncakeTransferEngineConfig(prefill_url=own, decode_url=peer, metadata_server="P2PHANDSHAKE",
                                         protocol="tcp", timeout=spec.pipe_timeout, staging_buffer_size=spec.staging_bytes,
@@ -202,8 +202,8 @@ def split_address(address: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------- stack: ours
 class OursProducer:
     def __init__(self, spec: Spec, index: int) -> None:
-        from kv_lookup_buffer import SimpleBuffer  # noqa: PLC0415
-        from kv_pipe.endpoint import PipeEndpoint  # noqa: PLC0415
+        from kv_lookup_buffer import SimpleBuffer
+        from kv_pipe.endpoint import PipeEndpoint
 
         self.spec = spec
         host, port = split_address(spec.producers[index])
@@ -238,7 +238,7 @@ class OursProducer:
 
 class OursConsumer:
     def __init__(self, spec: Spec, index: int) -> None:
-        from kv_pipe.endpoint import PipeEndpoint  # noqa: PLC0415
+        from kv_pipe.endpoint import PipeEndpoint
 
         self.spec = spec
         host, port = split_address(spec.consumers[index])
@@ -246,7 +246,7 @@ class OursConsumer:
         self.buffers: list[Any] = [None] * len(spec.producers)
 
     def connect(self, p: int, info: dict[str, Any]) -> None:
-        from kv_lookup_buffer import SimpleBuffer  # noqa: PLC0415
+        from kv_lookup_buffer import SimpleBuffer
 
         pipe = self.endpoint.link(self.spec.producers[p], "kv")
         self.buffers[p] = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer", timeout=self.spec.pipe_timeout)
@@ -273,7 +273,7 @@ class OursConsumer:
 
 # ----------------------------------------------------------------------------- stack: raw Transfer Engine
 def start_engine(address: str) -> Any:
-    from mooncake.engine import TransferEngine  # noqa: PLC0415
+    from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
     if engine.initialize(address, "P2PHANDSHAKE", "tcp", "") != 0:
@@ -590,7 +590,7 @@ def set_up_links(side: Any, infos: list[dict[str, Any]], timeout: float) -> list
         def run() -> None:
             try:
                 link(p)
-            except Exception as e:  # noqa: BLE001 - reported below with the producer it concerns
+            except Exception as e:  # reported below with the producer it concerns
                 errors.append(f"link to producer {p}: {type(e).__name__}: {e}")
         return run
 
@@ -633,7 +633,7 @@ def fetch_all(side: Any, spec: Spec, c: int) -> tuple[list[Record], list[str]]:
             start = time.monotonic()
             try:
                 record = Record(p, i, start, 0.0, side.fetch(p, i, spec.uid(p, c, i)))
-            except Exception as e:  # noqa: BLE001 - counted as a failed request, the others go on
+            except Exception as e:  # counted as a failed request, the others go on
                 record = Record(p, i, start, 0.0, None, f"entry {i} from producer {p}: {type(e).__name__}: {e}")
             record.end = time.monotonic()
             with lock:
@@ -892,13 +892,13 @@ def script_state() -> str:
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]], load: tuple[list[float], list[float]]) -> str:
-    import mooncake  # noqa: PLC0415 - only for its version
+    import mooncake  # only for its version
 
     try:
-        from importlib.metadata import version  # noqa: PLC0415
+        from importlib.metadata import version
 
         te_version = version("mooncake-transfer-engine-non-cuda")
-    except Exception:  # noqa: BLE001
+    except Exception:
         te_version = getattr(mooncake, "__version__", "unknown")
     lines = [common.header("XpYd at the pipe/buffer layer: P producers x C consumers on 127.0.0.1 (bench_xpyd.py)"),
              f"Python {sys.version.split()[0]}, torch {torch.__version__}, Mooncake Transfer Engine {te_version}; "

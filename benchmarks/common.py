@@ -48,7 +48,7 @@ def cpu() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    import os  # noqa: PLC0415
+    import os
 
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in _FLAGS if f in flags]}
 

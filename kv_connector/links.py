@@ -85,7 +85,7 @@ class PeerLinks:
         def run() -> None:
             try:
                 self.pull_buffer(producer).drop_select(torch.tensor([-1]), None, timeout=timeout)
-            except Exception as e:  # noqa: BLE001 - e.g. no producer there (XpYd): the first load links on its own
+            except Exception as e:  # e.g. no producer there (XpYd): the first load links on its own
                 logger.debug("MooncakeConnector: no link to %s made in advance: %s", producer, e)
 
         threading.Thread(target=run, name="mooncake-kv-warm-up", daemon=True).start()

@@ -122,7 +122,7 @@ def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:
     """How many of a prompt's last tokens a consumer computes itself (see ``ConnectorOptions.recompute_tokens``)."""
     if options.recompute_tokens:
         return options.recompute_tokens
-    from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM's platform is known only inside vLLM
+    from vllm.platforms import current_platform  # vLLM's platform is known only inside vLLM
 
     return 2 if vllm_config.model_config.use_mla and current_platform.is_cpu() else 1
 

@@ -172,7 +172,7 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
 
         try:
             info = endpoint_info(vllm_config)
-        except Exception as e:  # noqa: BLE001 - the connector itself reports a bad config; metrics go on without
+        except Exception as e:  # the connector itself reports a bad config; metrics go on without
             logger.warning("MooncakeConnector: no %s on /metrics: %s", ENDPOINT_INFO, e)
         else:
             gauge = self._gauge_cls(name=ENDPOINT_INFO, documentation="This instance's MooncakeConnector endpoint: "

@@ -49,7 +49,7 @@ class ConnectorWorker:
         self.layout_checked = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         interval = self.options.gil_switch_interval
         if interval and interval < sys.getswitchinterval():
@@ -105,7 +105,7 @@ class ConnectorWorker:
                     layout.block_dim, split.span[0], split.span[1] - 1, split.total,
                     " (alike on every rank)" if split.replicated else "", endpoint.address, default_peer)
 
-    def _load(self, req, deadline):  # noqa: ANN001, ANN202 - Loads' callback
+    def _load(self, req, deadline):  # Loads' callback
         assert self.transfer is not None
         result = self.transfer.load(req, deadline)
         if not self.layout_checked:

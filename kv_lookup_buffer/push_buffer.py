@@ -230,7 +230,7 @@ class PushBuffer:
                         self.stats["committed"] += 1
             except PipeClosed:
                 return
-            except Exception as e:  # noqa: BLE001 - a PipeError, or a bug: this entry fails, the sending goes on
+            except Exception as e:  # a PipeError, or a bug: this entry fails, the sending goes on
                 if not isinstance(e, PipeError):
                     logger.exception("push channel: sending failed unexpectedly")
                 if is_hello and isinstance(e, PipeError):  # retried, less and less often (XpYd: it may not run)

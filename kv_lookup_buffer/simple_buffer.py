@@ -436,12 +436,12 @@ class SimpleBuffer(KVLookupBufferBase):
                     self._died = "serving"
                 try:  # its requests in flight fail at once (the consumer may not have heard from us yet)
                     data_pipe.send_tensor(_message(CLOSED, -1), timeout=1.0)
-                except Exception as e:  # noqa: BLE001 - telling it is best effort here
+                except Exception as e:  # telling it is best effort here
                     logger.info("could not tell the consumer: %s", e)
                 for pipe in {id(signal_pipe): signal_pipe, id(data_pipe): data_pipe}.values():
                     try:
                         pipe.close()
-                    except Exception:  # noqa: BLE001 - closing is best effort here
+                    except Exception:  # closing is best effort here
                         logger.exception("closing the link failed")
 
     def _serve(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase) -> None:
@@ -639,7 +639,7 @@ class SimpleBuffer(KVLookupBufferBase):
                 else:
                     try:
                         result = self._receive_entry(pending.key_out if pending is not None else None)
-                    except Exception as e:  # noqa: BLE001 - whatever broke it, the rest of the entry is still coming
+                    except Exception as e:  # whatever broke it, the rest of the entry is still coming
                         self.data_pipe.abandon_receive(f"answer {seq} broke off: {e}")
                         raise _AnswerBrokeOff(f"the answer to drop_select request {seq} broke off: {e}") from e
                     if pending is None:

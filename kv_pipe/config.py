@@ -88,7 +88,7 @@ def engine_has_redis_plugin() -> bool:
     so we look for the hiredis client symbols in the engine's shared objects instead of trying.
     """
     try:
-        import mooncake  # noqa: PLC0415 - optional at config time
+        import mooncake  # optional at config time
     except ImportError:
         return False
     for so in Path(mooncake.__file__).parent.rglob("*.so*"):

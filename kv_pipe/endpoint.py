@@ -142,7 +142,7 @@ class PipeEndpoint:
 
     def _link_locked(self, peer: str, channel: str) -> tuple[MooncakePipe, bool]:
         """(the link, whether it was made now); under the lock."""
-        from kv_pipe.mooncake_pipe import MooncakePipe  # noqa: PLC0415 - the pipe module builds on this one
+        from kv_pipe.mooncake_pipe import MooncakePipe  # the pipe module builds on this one
 
         pipe = self._links.get((peer, channel))
         if pipe is not None and not pipe.closed:
@@ -217,7 +217,7 @@ class PipeEndpoint:
             return
         try:
             ring: torch.Tensor | None = self._allocate_ring()
-        except Exception as e:  # noqa: BLE001 - e.g. the endpoint closed meanwhile: the next link allocates its own
+        except Exception as e:  # e.g. the endpoint closed meanwhile: the next link allocates its own
             logger.debug("no spare ring made: %s", e)
             return
         with self._lock:
@@ -296,7 +296,7 @@ class PipeEndpoint:
             if new and self._on_link is not None:
                 self._on_link(pipe)
             pipe.attach_inbound(sock, who, session)
-        except Exception as e:  # noqa: BLE001 - whatever a stranger sends, this connection ends and we go on
+        except Exception as e:  # whatever a stranger sends, this connection ends and we go on
             logger.warning("rejected a side-channel connection from %s: %s", who, e)
             # our own errors describe what the peer sent; anything else stays in our log
             said = str(e) if isinstance(e, PipeError) else f"the handshake failed here ({type(e).__name__}): see its log"

@@ -296,7 +296,7 @@ class MooncakePipe(KVPipeBase):
             except PeerDisconnected:
                 sock.close()
                 raise
-            except Exception as e:  # noqa: BLE001 - a malformed answer: refused, whatever broke on it
+            except Exception as e:  # a malformed answer: refused, whatever broke on it
                 sock.close()
                 raise ProtocolError(f"handshake with {self.peer} failed: {e}") from None
 

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def _import_engine() -> type:
     try:
-        from mooncake.engine import TransferEngine  # noqa: PLC0415
+        from mooncake.engine import TransferEngine
     except ImportError as e:
         raise ConfigError(
             f"cannot import the Mooncake Transfer Engine ({e}). Install 'mooncake-transfer-engine' (CUDA hosts) or "

@@ -25,7 +25,7 @@ import torch
 if not torch.accelerator.is_available():
     torch.accelerator.current_device_index = lambda: 0  # type: ignore[assignment]
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as builtin  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as builtin
 
 logger = logging.getLogger("vllm.bench.builtin_mooncake_shim")
 

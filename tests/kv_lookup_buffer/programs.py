@@ -121,7 +121,7 @@ def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -
     """A producer that answers the first request with a HIT and the entry's first tensor, then stalls for ``stall``
     seconds (as if frozen) before sending the rest; then it serves the basic entries from a SimpleBuffer on the same
     pipe (``ready`` set once they are in). Reports how sending the rest of the stalled answer ended."""
-    from kv_lookup_buffer.simple_buffer import HIT, _message, _read_request  # noqa: PLC0415 - the wire, by hand
+    from kv_lookup_buffer.simple_buffer import HIT, _message, _read_request  # the wire, by hand
 
     entry = basic_entries()[0]
     with open_pipe(cfg, 0) as pipe:
@@ -133,7 +133,7 @@ def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -
             for t in entry[1:]:
                 pipe.send_tensor(t, timeout=5)
             rest = "sent"
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except Exception as e:  # reported to the test
             rest = f"{type(e).__name__}: {e}"
         buf = SimpleBuffer(pipe, pipe, 1 << 30)
         for e in basic_entries():
@@ -294,7 +294,7 @@ def consume_from(cfg: dict[str, Any], address: str, producers: list[str], entry_
 def request_then_hang(cfg: dict[str, Any], address: str, producer: str, entry_set: str, asked: Any) -> None:
     """A consumer at ``address`` that asks ``producer`` for the first entry of ``entry_set`` and never reads the
     answer (it is killed meanwhile)."""
-    from kv_lookup_buffer.simple_buffer import OP_DROP_SELECT, _request  # noqa: PLC0415 - the wire, by hand
+    from kv_lookup_buffer.simple_buffer import OP_DROP_SELECT, _request  # the wire, by hand
     from tests.kv_pipe.peers import open_endpoint
 
     with open_endpoint(cfg, 1, address) as endpoint:
@@ -315,7 +315,7 @@ def ask(cfg: dict[str, Any], queries: list[list[int]], timeout: float) -> list[t
             try:
                 got = buf.drop_select(torch.tensor(query), None, timeout=timeout)
                 what = "miss" if got[2] is None else "hit"
-            except Exception as e:  # noqa: BLE001 - reported to the test
+            except Exception as e:  # reported to the test
                 what = f"{type(e).__name__}: {e}"
             out.append((what, time.monotonic() - start))
     return out
@@ -347,7 +347,7 @@ def ask_long(cfg: dict[str, Any], pause: float, paused: Any = None) -> tuple[str
             got = buf.drop_select(expected[0], None, timeout=20)
             what = ("miss" if got[2] is None else
                     "hit" if all(same(a, b) for a, b in zip(got, expected, strict=True)) else "wrong")
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except Exception as e:  # reported to the test
             what = f"{type(e).__name__}: {e}"
         took = time.monotonic() - start
         buf.close()

@@ -226,7 +226,7 @@ def test_no_thread_dies_silently_a_failing_message_is_skipped(cfg, monkeypatch):
     real = PushBuffer._handle
     failed: list[int] = []
 
-    def flaky(self, kind, key, fields):  # noqa: ANN001, ANN202
+    def flaky(self, kind, key, fields):
         if not failed and kind == 2:  # the first BEGIN
             failed.append(kind)
             raise TypeError("a bug")
@@ -258,7 +258,7 @@ def test_a_dead_receiving_thread_releases_what_it_staged(cfg, monkeypatch):
     check says it is unhealthy, releases them, and ``take`` answers None at once (the load goes by pull)."""
     real = PushBuffer._handle
 
-    def dies_at_commit(self, kind, key, fields):  # noqa: ANN001, ANN202
+    def dies_at_commit(self, kind, key, fields):
         if kind == COMMIT:
             raise SystemExit("test: the receiving thread ends")
         return real(self, kind, key, fields)
