@@ -1,4 +1,4 @@
-"""SimpleConnector: a vLLM v1 KV connector that ships each request's prompt KV from a kv_producer instance to a
+"""MooncakeConnector: a vLLM v1 KV connector that ships each request's prompt KV from a kv_producer instance to a
 kv_consumer instance through SimpleBuffer over MooncakePipe.
 
 A thin facade: vLLM creates it twice, once in the scheduler process (``scheduler.ConnectorScheduler``: what to save
@@ -60,7 +60,7 @@ def route_stack_logs() -> None:
         stack.propagate = False
 
 
-class SimpleConnector(KVConnectorBase_V1):
+class MooncakeConnector(KVConnectorBase_V1):
     """See the module docstring. ``kv_role`` kv_producer or kv_consumer (kv_both is refused: one role per instance)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
