@@ -960,7 +960,8 @@ class ClientGate:
         server.errorlog = logging.getLogger("hypercorn.error")  # through this process's logging set-up, no own handler
         server.graceful_timeout = 5.0
         server.keep_alive_timeout = self.idle
-        server.read_timeout = self.idle
+        # no read_timeout: Hypercorn would close a connection whose client sends nothing while it waits for a long
+        # answer or stream; heads and idle connections are the sweeper's, bodies BODY_TIMEOUT's
         sweeper = asyncio.create_task(self.sweep())
         try:
             await serve(self.wrap(app), server, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]

@@ -168,6 +168,19 @@ def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> 
     run(test)
 
 
+def test_answers_longer_than_the_client_timeout_are_not_cut() -> None:
+    """--client-timeout bounds what a client sends (a request's head and body) and idle connections, never how long
+    the client waits for an answer or a stream while sending nothing."""
+    async def test(env: Environment) -> None:
+        env.decode[0].delay = 2.5
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        env.decode[0].delay, env.decode[0].chunk_delay = 0.0, 1.0
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200 and "[DONE]" in body
+
+    run(test, client_timeout=1.0)
+
+
 def _closed(sock: socket.socket) -> bool:
     sock.setblocking(False)
     try:
