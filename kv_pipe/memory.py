@@ -26,8 +26,8 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy between two contiguous uint8 tensors of equal size.
 
     Host to host: a plain single-threaded memmove (GIL released). ``Tensor.copy_`` would fan out over the OpenMP
-    pool, whose workers then spin for a while after every copy, stealing the cores the engine and the peer need
-    (measured: milliseconds of wake-up latency per frame on 2 cores). Anything involving a GPU: ``copy_``, which
+    pool, whose workers then spin for a while after every copy, stealing the cores the engine and the peer need.
+    Anything involving a GPU: ``copy_``, which
     synchronises, so the bytes are in place when it returns.
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
@@ -70,9 +70,9 @@ def advise_huge_pages(region: torch.Tensor) -> None:
 
 
 class WarmPool:
-    """Host byte buffers kept from use to use, faulted in once: on this kind of host, fresh pages for every KV-sized
-    transfer cost more than the copies into them (measured inside vLLM: 20-90 ms for 32 MiB, 50-500 ms for
-    128 MiB). ``get`` hands a buffer to one user, ``put`` takes it back; at most ``keep`` idle buffers are kept."""
+    """Host byte buffers kept from use to use, faulted in once: fresh pages for every KV-sized transfer can cost more
+    than the copies into them. ``get`` hands a buffer to one user, ``put`` takes it back; at most ``keep`` idle
+    buffers are kept."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep

@@ -214,8 +214,7 @@ class MooncakePipe(KVPipeBase):
                 piece: Chunk | DirectChunk
                 if target is not None:
                     # No ring to share: a few large writes instead of many chunk-sized ones. Each completion needs
-                    # this thread, and next to a busy Python thread every wake-up waits for the GIL, up to the 5 ms
-                    # switch interval (bench_pipe --busy sender: 128 MiB took ~200 ms in 4 MiB writes, ~125 in 8).
+                    # this thread, and next to a busy Python thread every wake-up waits for the GIL.
                     if not direct_piece:
                         direct_piece = max(out.chunk_size, -(-(nbytes - pos) // self.config.max_chunks_in_flight))
                     length = min(direct_piece, nbytes - pos)

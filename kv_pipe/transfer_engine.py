@@ -72,11 +72,11 @@ class MooncakeEngine:
         """A host byte buffer registered with the engine (pinned when CUDA copies will use it).
 
         Its pages are mapped now: a staging area is reused for every transfer, and faulting its pages in during the
-        first passes made the copies in and out of it several times slower (measured: ~1.5 GB/s memmoves into fresh
-        staging memory). Huge pages only for RDMA (fewer pages to pin): asking for them makes the kernel compact
-        memory first, which made each new link ~10x slower to set up over TCP."""
+        first passes made the copies in and out of it several times slower. Huge pages only for RDMA (fewer pages to
+        pin): asking for them makes the kernel compact memory first, which made each new link much slower to set up
+        over TCP."""
         # host memory of its own mapping: it goes back to the system when released (from the allocator's heap, freed
-        # rings stayed resident: links made and closed one after another kept growing the process)
+        # rings stayed resident)
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else mapped(nbytes)
         if not pin:
             if self.protocol == "rdma":
@@ -129,8 +129,8 @@ class MooncakeEngine:
         """Wait for a write started by ``write_async``.
 
         Polls the engine's per-transfer status rather than calling its blocking batch wait: that one spins a
-        core at full speed, which on a small host starves the engine's own workers and the receiving process
-        (measured: ~1.2x slower for 1-16 MiB chunks on 2 cores). The poll backs off to 50 us naps.
+        core at full speed, which on a small host starves the engine's own workers and the receiving process. The
+        poll backs off to 50 us naps.
         """
         deadline = time.monotonic() + timeout
         polls = 0
