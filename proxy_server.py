@@ -827,9 +827,15 @@ class _Client(socket.socket):
     """An accepted client connection, counted by its gate until closed."""
 
     gate: ClientGate | None = None
+    address: tuple[str, int] = ("", 0)  # the client's, as the app's requests name it
     in_flight = 0  # requests of it the app is handling (a streamed answer counts until its end)
     last_active = 0.0
     evicted = False  # shut down to make room; closed once its transport sees the end
+
+    def end(self) -> None:
+        """Shut the connection down: its transport sees the end and closes it."""
+        with contextlib.suppress(OSError):
+            self.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         gate, self.gate = self.gate, None
@@ -900,16 +906,15 @@ class ClientGate:
         oldest = min(idle, key=lambda c: c.last_active)
         oldest.evicted = True
         self.closing += 1
-        del self.clients[next(a for a, c in self.clients.items() if c is oldest)]
-        with contextlib.suppress(OSError):
-            oldest.shutdown(socket.SHUT_RDWR)  # its transport sees the end and closes it
+        del self.clients[oldest.address]
+        oldest.end()
         return False
 
     def admit(self, client: _Client, address: Any) -> bool:
         if self.open >= self.limit:
             return False
-        client.gate, client.last_active = self, time.monotonic()
-        self.clients[address[:2]] = client
+        client.gate, client.address, client.last_active = self, address[:2], time.monotonic()
+        self.clients[client.address] = client
         self.open += 1
         return True
 
@@ -917,9 +922,8 @@ class ClientGate:
         self.open -= 1
         if client.evicted:
             self.closing -= 1
-        for address, known in list(self.clients.items()):
-            if known is client:
-                del self.clients[address]
+        if self.clients.get(client.address) is client:
+            del self.clients[client.address]
 
     def wrap(self, app: Any) -> Callable[..., Awaitable[None]]:
         """The ASGI app, marking each request on its connection while the app handles it."""
@@ -943,8 +947,7 @@ class ClientGate:
             cutoff = time.monotonic() - self.idle
             for client in list(self.clients.values()):
                 if client.in_flight == 0 and client.last_active < cutoff:
-                    with contextlib.suppress(OSError):
-                        client.shutdown(socket.SHUT_RDWR)  # its transport sees the end and closes it
+                    client.end()
 
     async def serve(self, app: Quart, shutdown_trigger: Callable[..., Awaitable[Any]] | None = None) -> None:
         """Serve ``app`` with Hypercorn on this gate's socket until ``shutdown_trigger`` (default: SIGINT/SIGTERM)."""

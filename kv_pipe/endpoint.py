@@ -458,12 +458,4 @@ def _addresses_of(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Addres
 def _same_host(claimed: str, source: str) -> bool:
     """Whether ``source`` (the connection's address) is one of the addresses ``claimed`` (an IP or a hostname)
     resolves to. A peer always connects from the host it listens on (it binds its source address to it)."""
-    try:
-        return ipaddress.ip_address(claimed) == ipaddress.ip_address(source)
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(claimed, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return any(ipaddress.ip_address(info[4][0]) == ipaddress.ip_address(source) for info in infos)
+    return ipaddress.ip_address(source) in _addresses_of(claimed)
