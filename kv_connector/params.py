@@ -21,16 +21,10 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
+from kv_connector.protocol import ENGINE, PIPE, PROOF, PUSH_PROOF, PUSH_TO, REQUEST, TP_SIZE
 from kv_pipe import ConfigError, auth
 from kv_pipe.config import join_host_port, parse_host_port
 
-PIPE = "remote_pipe"  # the producer's pipe address per TP rank (rank i: element i)
-ENGINE = "remote_engine_id"
-TP_SIZE = "remote_tp_size"
-REQUEST = "remote_request_id"
-PUSH_TO = "mooncake_push_to"  # prefill, push mode: the consumer's pipe address per TP rank ([]: do not push)
-PROOF = "mooncake_proof"  # decode: the producer's proof of its params (with a secret)
-PUSH_PROOF = "mooncake_push_proof"  # prefill: the consumer's proof of its push address (with a secret)
 MAX_RANKS = 1024
 
 

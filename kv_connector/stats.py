@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from kv_connector import params as kv_params
 from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
+from kv_connector.protocol import ENDPOINT_INFO
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,7 +51,6 @@ COUNTERS = {  # name -> help text
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
 SAMPLES = ("loads", "push_loads", "saves")  # per completed operation: [tokens, bytes, seconds]
-ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"  # read by proxy_server.py (push mode: where to push)
 
 
 @dataclass

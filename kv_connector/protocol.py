@@ -1,0 +1,29 @@
+"""The protocol facts the connector and the proxy share: ``kv_transfer_params`` keys and the endpoint info on /metrics.
+
+Plain constants only: the proxy imports this module, so it must import nothing (no torch, no vLLM); see
+``params.py`` for what each key means and how it is checked, ``stats.py`` for how the endpoint info is exported.
+"""
+
+# vLLM's disaggregation protocol: what a request asks of an instance
+DO_REMOTE_DECODE = "do_remote_decode"  # prefill: keep the KV for another instance's decode
+DO_REMOTE_PREFILL = "do_remote_prefill"  # decode: the KV comes from another instance's prefill
+
+# a producer's answer (the decode request carries it on): where the KV waits
+PIPE = "remote_pipe"  # the producer's pipe address per TP rank (rank i: element i)
+ENGINE = "remote_engine_id"
+TP_SIZE = "remote_tp_size"
+REQUEST = "remote_request_id"
+PROOF = "mooncake_proof"  # decode: the producer's proof of its params (with a secret)
+
+# what the proxy adds to a prefill, push mode: where the KV goes
+PUSH_TO = "mooncake_push_to"  # the consumer's pipe address per TP rank ([]: do not push)
+PUSH_PROOF = "mooncake_push_proof"  # the consumer's proof of its push address (with a secret)
+
+# a gauge (always 1) on each instance's /metrics whose labels say what a proxy needs to know about it
+ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"
+KV_ROLE_LABEL = "kv_role"  # vLLM's kv_role: "kv_producer" or "kv_consumer"
+TRANSFER_MODE_LABEL = "transfer_mode"  # "pull" or "push"
+PIPES_LABEL = "pipes"  # pipe address per TP rank, comma separated
+ENGINE_ID_LABEL = "kv_engine_id"
+PUSH_PROOF_LABEL = "push_proof"  # a consumer's proof of its pipe addresses ("" without a secret)
+ENDPOINT_LABELS = (KV_ROLE_LABEL, TRANSFER_MODE_LABEL, PIPES_LABEL, ENGINE_ID_LABEL, PUSH_PROOF_LABEL)
