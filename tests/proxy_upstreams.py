@@ -20,7 +20,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy_server import ClientGate, Proxy, ProxyConfig, create_app
+from proxy.app import Proxy, create_app
+from proxy.config import ProxyConfig
+from proxy.gate import ClientGate
 
 HOST = "127.0.0.1"
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy_server import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
+from proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
 from tests.proxy_upstreams import Environment, FakeBootstrap, FakeUpstream, environment, unused_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kv_connector import params as kv_params
-from proxy_server import push_target
+from proxy.protocols import push_target
 from tests.kv_connector.conftest import PUSH_PAIR_SECRET, diff, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 from tests.servers import OpenAIClient, free_port, http_ok, spawn, stop, wait_ready

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy_server import push_address
+from proxy.protocols import push_address
 from tests import servers
 from tests.kv_connector.conftest import SERVE_ARGS, connector_config, diff, kv_stats, mooncake_json, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt

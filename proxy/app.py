@@ -1,0 +1,313 @@
+"""The proxy's request flow: ``Proxy`` (the state the handlers share, and what each request does upstream) and
+``create_app``, the Quart app around it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from quart import Quart, Response, g, request
+
+from proxy.balancer import Balancer, Upstream
+from proxy.config import DECODE, PREFILL, ProxyConfig
+from proxy.errors import ProxyError, RelayedError
+from proxy.protocols import BootstrapProtocol, ParamsProtocol, decode_payload, kv_transfer_params, prefill_payload
+from proxy.relay import SSE_CONTENT_TYPE, StreamRelay
+from proxy.validate import parse_json_object, validate
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
+
+
+class Proxy:
+    """State shared by the handlers: the config, one balancer per role and the client session."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown)
+        self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown)
+        self.metrics = CollectorRegistry()
+        self._dropped = Counter("mooncake_proxy_client_kv_params_dropped", "Requests whose client-supplied "
+                                "kv_transfer_params the proxy dropped (only the proxy sets them).", registry=self.metrics)
+        seconds = config.timeout
+        connect = config.connect_timeout
+        self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=seconds)
+        self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
+        self.protocol: ParamsProtocol | BootstrapProtocol = \
+            BootstrapProtocol(self) if config.protocol == "bootstrap" else ParamsProtocol(self)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy is not serving (no client session)")
+        return self._session
+
+    async def start(self) -> None:
+        # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive ends, so none is reused just
+        # as the server closes it.
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        log.info("proxy ready (protocol %s): prefill %s, decode %s", self.config.protocol, list(self.config.prefill),
+                 list(self.config.decode))
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def outstanding(self) -> dict[str, int]:
+        return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
+
+    async def send(
+        self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout, reserved: Upstream | None = None,
+    ) -> tuple[Upstream, aiohttp.ClientResponse]:
+        """Send to ``reserved`` (already acquired), else to the best instance of ``balancer``'s role, until one
+        accepts the connection.
+
+        Returns the instance (acquired: the caller releases it) and the response (headers read).
+        """
+        tried: list[Upstream] = []
+        while (upstream := reserved or balancer.pick(exclude=tried)) is not None:
+            tried.append(upstream)
+            if reserved is None:
+                balancer.acquire(upstream)
+            reserved = None
+            try:
+                response = await self.session.request(method, upstream.url + path, data=body, headers=headers,
+                                                      timeout=timeout)
+            except TimeoutError:
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, "timeout")
+                raise ProxyError(504, "upstream_timeout", f"{upstream.name} timed out", balancer.role, upstream.name,
+                                 upstream.url) from None
+            except aiohttp.ClientConnectorError as error:  # never reached the instance: try another one
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, str(error))
+                continue
+            except aiohttp.ClientError as error:
+                balancer.release(upstream)
+                balancer.mark_failed(upstream, repr(error))
+                raise ProxyError(502, "upstream_error", f"{upstream.name} failed", balancer.role, upstream.name,
+                                 f"{upstream.url}: {error!r}") from None
+            except BaseException:
+                balancer.release(upstream)
+                raise
+            return upstream, response
+        raise ProxyError(502, "upstream_unreachable", f"no {balancer.role} instance reachable (tried "
+                         f"{len(tried)})", balancer.role, tried[-1].name if tried else None,
+                         "tried " + ", ".join(u.url for u in tried))
+
+    async def read_body(self, balancer: Balancer, upstream: Upstream, response: aiohttp.ClientResponse) -> bytes:
+        """The whole body; releases the instance and the connection whatever happens (closed unless complete)."""
+        complete = False
+        try:
+            data = await response.read()
+            complete = True
+            return data
+        except TimeoutError:
+            balancer.mark_failed(upstream, "timeout")
+            raise ProxyError(504, "upstream_timeout", f"{upstream.name} timed out", balancer.role, upstream.name,
+                             upstream.url) from None
+        except aiohttp.ClientError as error:
+            balancer.mark_failed(upstream, repr(error))
+            raise ProxyError(502, "upstream_error", f"{upstream.name} failed", balancer.role, upstream.name,
+                             f"{upstream.url}: {error!r}") from None
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+            balancer.release(upstream)
+
+    async def prefill(self, path: str, body: bytes, headers: dict[str, str],
+                      reserved: Upstream) -> tuple[Upstream, dict[str, Any] | None]:
+        """Run the prefill copy on the reserved instance (another one if it cannot be reached) to completion; the
+        instance that ran it and its answer's kv_transfer_params."""
+        upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout,
+                                             reserved)
+        data = await self.read_body(self.prefill_balancer, upstream, response)
+        log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+        if response.status >= 400:
+            raise RelayedError(response.status, data, response.headers.get("Content-Type"))
+        return upstream, kv_transfer_params(data)
+
+    async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
+                             headers: dict[str, str], reserved: Upstream, streaming: bool) -> Response:
+        """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
+        cannot be reached) and relay its answer."""
+        body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
+        timeout = self.stream_timeout if streaming else self.whole_timeout
+        balancer = self.decode_balancer
+        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved)
+        content_type = response.headers.get("Content-Type", "application/json")
+        log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+        if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
+            relay = StreamRelay(response, lambda: balancer.release(upstream), headers[REQUEST_ID_HEADER])
+            relayed = Response(relay, status=response.status, content_type=content_type)
+            relayed.headers["Cache-Control"] = "no-cache"
+            relayed.headers["X-Accel-Buffering"] = "no"
+            relayed.timeout = None  # a stream lasts as long as the generation
+            return relayed
+        data = await self.read_body(balancer, upstream, response)
+        return Response(data, status=response.status, content_type=content_type)
+
+    async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
+        payload = parse_json_object(raw)
+        streaming = validate(payload, path == CHAT_COMPLETIONS)
+        if "kv_transfer_params" in payload:
+            # Only the fields the protocol sets reach the instances: a client must not steer where KV comes from or
+            # goes to (nor set test switches).
+            payload = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
+            raw = json.dumps(payload).encode()
+            self._dropped.inc()
+            log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)",
+                     headers[REQUEST_ID_HEADER])
+        decode = self.decode_balancer.reserve()
+        try:
+            transfer = self.protocol.new_transfer()
+            prefill_params = await self.protocol.prefill_params(transfer, decode)
+            body = json.dumps(prefill_payload(payload, path == CHAT_COMPLETIONS, prefill_params)).encode()
+            chosen = self.prefill_balancer.reserve()
+            try:  # what the decode will need to know about the prefill instance, asked before it prefills
+                await self.protocol.prepare(chosen)
+            except BaseException:
+                self.prefill_balancer.release(chosen)
+                raise
+            prefill, answer = await self.prefill(path, body, headers, chosen)
+            decode_params = await self.protocol.decode_params(transfer, prefill, answer)
+        except BaseException:
+            self.decode_balancer.release(decode)
+            raise
+        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming)
+
+    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]]) -> Any:
+        """What ``fetch`` says about an instance, asked at most once per DISCOVERY_TTL (concurrent requests share one
+        call; a failed call is not remembered)."""
+        fresh = upstream.learned_at is not None and time.monotonic() - upstream.learned_at < DISCOVERY_TTL
+        if fresh:
+            return upstream.learned
+        if upstream.learning is None:
+            async def run() -> Any:
+                try:
+                    upstream.learned = await fetch(upstream)
+                    upstream.learned_at = time.monotonic()
+                    return upstream.learned
+                finally:
+                    upstream.learning = None
+            upstream.learning = asyncio.ensure_future(run())
+        return await asyncio.shield(upstream.learning)  # a client leaving does not cancel the others' call
+
+    async def get_text(self, url: str) -> str:
+        """The body of a GET; "" if there is no such page (404: nothing to learn there)."""
+        async with self.session.get(url, timeout=self.health_timeout) as response:
+            if response.status == 404:
+                return ""
+            response.raise_for_status()
+            return await response.text()
+
+    async def models(self, headers: dict[str, str]) -> Response:
+        upstream, response = await self.send(self.decode_balancer, "GET", "/v1/models", None, headers,
+                                             self.whole_timeout)
+        data = await self.read_body(self.decode_balancer, upstream, response)
+        return Response(data, status=response.status, content_type=response.headers.get("Content-Type"))
+
+    async def probe(self, upstream: Upstream) -> dict[str, Any]:
+        """One upstream's health: its /health status (or the error) and the proxy's bookkeeping."""
+        report: dict[str, Any] = {"instance": upstream.index, "outstanding": upstream.outstanding,
+                                  "cooling_down": upstream.cooling_down(), "failures": upstream.failures}
+        try:
+            async with self.session.get(upstream.url + "/health", timeout=self.health_timeout) as response:
+                await response.read()
+                report.update(healthy=response.status == 200, status=response.status)
+        except TimeoutError:
+            report.update(healthy=False, error="timeout")
+        except aiohttp.ClientError as error:
+            log.info("%s (%s) is unhealthy: %r", upstream.name, upstream.url, error)
+            report.update(healthy=False, error=type(error).__name__)  # its text names the URL
+        return report
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        balancers = (self.prefill_balancer, self.decode_balancer)
+        upstreams = [u for b in balancers for u in b.upstreams]
+        reports = await asyncio.gather(*(self.probe(u) for u in upstreams))
+        by_role: dict[str, list[dict[str, Any]]] = {PREFILL: [], DECODE: []}
+        for upstream, report in zip(upstreams, reports, strict=True):
+            by_role[upstream.role].append(report)
+        healthy = all(any(r["healthy"] for r in by_role[role]) for role in (PREFILL, DECODE))
+        return (200 if healthy else 503), {"status": "ok" if healthy else "unavailable", **by_role}
+
+
+def forwarded_headers(request_id: str) -> dict[str, str]:
+    """The headers that go upstream: the request id, and the client's Authorization if it sent one."""
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    if (authorization := request.headers.get("Authorization")) is not None:
+        headers["Authorization"] = authorization
+    return headers
+
+
+def create_app(config: ProxyConfig) -> Quart:
+    """The Quart app of the proxy; its ``Proxy`` state is ``app.extensions["proxy"]``."""
+    app = Quart(__name__)
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=config.client_timeout, MAX_CONTENT_LENGTH=config.max_body_bytes)
+    proxy = Proxy(config)
+    app.extensions["proxy"] = proxy
+    app.before_serving(proxy.start)
+    app.after_serving(proxy.stop)
+
+    @app.before_request
+    async def assign_request_id() -> None:
+        g.request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+    @app.after_request
+    async def return_request_id(response: Response) -> Response:
+        if request_id := getattr(g, "request_id", None):
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def handle(path: str) -> Response:
+        try:
+            return await proxy.completion(path, await request.get_data(), forwarded_headers(g.request_id))
+        except (ProxyError, RelayedError) as error:
+            if isinstance(error, ProxyError) and error.status >= 500:
+                log.warning("[%s] %s: %s (%s)", g.request_id, error.status, error, error.detail)
+            return error.response()
+
+    @app.post(COMPLETIONS)
+    async def completions() -> Response:
+        return await handle(COMPLETIONS)
+
+    @app.post(CHAT_COMPLETIONS)
+    async def chat_completions() -> Response:
+        return await handle(CHAT_COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            return await proxy.models(forwarded_headers(g.request_id))
+        except ProxyError as error:
+            return error.response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, report = await proxy.health()
+        return Response(json.dumps(report), status=status, content_type="application/json")
+
+    return app

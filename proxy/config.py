@@ -1,0 +1,137 @@
+"""The proxy's options: ``ProxyConfig`` (validated on construction), the command line that builds it, and the
+normalization of upstream URLs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import proxy
+
+PREFILL = "prefill"  # the roles, as the command line and the clients' errors name them
+DECODE = "decode"
+PROTOCOLS = ("params", "bootstrap")
+DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
+
+
+class ConfigError(ValueError):
+    """An invalid proxy option (bad upstream URL, non-positive timeout, ...)."""
+
+
+def normalize_upstream_url(url: str) -> str:
+    """Check that ``url`` is ``http(s)://host:port`` (an optional trailing ``/``) and return it without the slash."""
+    expected = f"invalid upstream URL {url!r}: expected http://host:port or https://host:port"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as error:
+        raise ConfigError(f"{expected} ({error})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{expected} (scheme must be http or https)")
+    if not parts.hostname:
+        raise ConfigError(f"{expected} (missing host)")
+    if port is None:
+        raise ConfigError(f"{expected} (missing port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"{expected} (no path, query, fragment or credentials allowed)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Options of the proxy; URLs are validated and normalized on construction."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout: float = 300.0  # seconds: a whole prefill / non-streaming decode; between two chunks of a stream
+    connect_timeout: float = 10.0  # seconds to connect to an upstream (then the next instance is tried)
+    cooldown: float = 5.0  # seconds an instance that failed is skipped
+    health_timeout: float = 2.0  # seconds for each upstream's /health probe
+    max_connections: int = 1024  # the shared client pool, all upstreams together
+    max_clients: int = 1024  # client connections at once (see ClientGate)
+    client_timeout: float = 30.0  # seconds a client may take for a request's head, and for its body
+    max_body_bytes: int = 64 * 1024 * 1024
+    protocol: str = "params"  # see the package docstring
+    bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
+
+    def __post_init__(self) -> None:
+        for role in (PREFILL, DECODE):
+            urls = tuple(normalize_upstream_url(url) for url in getattr(self, role))
+            if not urls:
+                raise ConfigError(f"at least one --{role} URL is required")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"duplicate --{role} URL in {list(urls)}")
+            object.__setattr__(self, role, urls)
+        for name in ("timeout", "health_timeout", "connect_timeout", "client_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 86400):
+                raise ConfigError(f"{name} must be seconds > 0 (and at most a day), got {value!r}")
+        if not self.cooldown >= 0:
+            raise ConfigError(f"cooldown must be >= 0, got {self.cooldown!r}")
+        if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_clients < 1:
+            raise ConfigError("max_connections, max_clients and max_body_bytes must be positive")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.bootstrap and self.protocol != "bootstrap":
+            raise ConfigError("--bootstrap is used only with --protocol bootstrap (vLLM's built-in MooncakeConnector)")
+        if self.bootstrap and len(self.bootstrap) != len(self.prefill):
+            raise ConfigError(f"give one --bootstrap URL per --prefill URL, in the same order (got {len(self.bootstrap)} "
+                              f"for {len(self.prefill)})")
+        object.__setattr__(self, "bootstrap", tuple(normalize_upstream_url(url) for url in self.bootstrap))
+
+    def bootstrap_url(self, prefill_url: str) -> str:
+        """The bootstrap server of a prefill instance: given in order, else port 8998 on its host."""
+        if self.bootstrap:
+            return self.bootstrap[self.prefill.index(prefill_url)]
+        parts = urlsplit(prefill_url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+
+
+def parse_args(argv: list[str] | None = None) -> ProxyConfig:
+    """The command line's options (and the process's logging set-up); exits with the usage on a bad option."""
+    parser = argparse.ArgumentParser(description=(proxy.__doc__ or "").split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill instance, http(s)://host:port (repeat for several)")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode instance, http(s)://host:port (repeat for several)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for a prefill or a non-streaming decode, and between two chunks of a stream")
+    parser.add_argument("--connect-timeout", type=float, default=10.0,
+                        help="seconds to connect to an upstream before the next instance is tried (default 10)")
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
+    parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
+    parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    parser.add_argument("--max-clients", type=int, default=1024,
+                        help="client connections at once (default 1024; keep it below the process's open-file "
+                             "limit): a new one takes the place of the oldest with no request under way")
+    parser.add_argument("--client-timeout", type=float, default=30.0,
+                        help="seconds a client may take to send a request's head, and its body; an idle client "
+                             "connection is closed after as long (default 30)")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="params",
+                        help="how the instances are told where the KV goes: params (this project's "
+                             "MooncakeConnector; default) or bootstrap (vLLM's built-in MooncakeConnector)")
+    parser.add_argument("--bootstrap", action="append", default=[], metavar="URL",
+                        help="--protocol bootstrap: a prefill instance's bootstrap server, one per --prefill in the same "
+                             f"order (default http://<prefill host>:{DEFAULT_BOOTSTRAP_PORT})")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
+                           timeout=args.timeout, connect_timeout=args.connect_timeout, cooldown=args.cooldown,
+                           health_timeout=args.health_timeout,
+                           max_connections=args.max_connections, max_clients=args.max_clients,
+                           client_timeout=args.client_timeout, protocol=args.protocol,
+                           bootstrap=tuple(args.bootstrap))
+    except ConfigError as error:
+        parser.error(str(error))

@@ -1,0 +1,69 @@
+"""An upstream's streamed (SSE) answer relayed to the client chunk by chunk: ``StreamRelay``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from proxy.config import DECODE
+from proxy.errors import ProxyError
+
+log = logging.getLogger(__name__)
+
+SSE_CONTENT_TYPE = "text/event-stream"
+
+
+class StreamRelay:
+    """Async iterator over an upstream SSE body, relayed chunk by chunk; frees the upstream when closed.
+
+    Closing before the end (client disconnect, error) closes the upstream connection, which makes vLLM abort the
+    request. ``close()`` is idempotent and also runs on garbage collection, so the counter is always released.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str):
+        self._response = response
+        self._release: Callable[[], None] | None = release
+        self._request_id = request_id
+        self._done = False
+
+    def __aiter__(self) -> StreamRelay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            chunk = await self._response.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as error:
+            kind = "upstream_timeout" if isinstance(error, TimeoutError) else "upstream_error"
+            log.warning("[%s] decode stream from %s broken: %r", self._request_id, self._response.url, error)
+            self._done = True
+            self.close(reuse=False)
+            failure = ProxyError(504 if kind == "upstream_timeout" else 502, kind, "decode stream interrupted", DECODE)
+            return f"data: {json.dumps(failure.payload())}\n\n".encode()
+        if not chunk:
+            self.close(reuse=True)
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self, reuse: bool = False) -> None:
+        if self._release is None:
+            return
+        release, self._release = self._release, None
+        if reuse:
+            self._response.release()
+        else:
+            self._response.close()
+        release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # e.g. the event loop is already closed
+            self.close()
