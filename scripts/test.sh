@@ -15,7 +15,7 @@ fi
 scripts/setup.sh
 echo "[test] ruff check"
 .venv/bin/ruff check .
-QUICK=(tests/kv_pipe tests/kv_lookup_buffer tests/test_proxy_server.py tests/kv_connector/test_block_copy.py
+QUICK=(tests/kv_pipe tests/kv_lookup_buffer tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py
        tests/kv_connector/test_heads.py tests/kv_connector/test_params.py)
 if ((quick_only)); then
     echo "[test] pytest, quick tier"

@@ -1,4 +1,5 @@
-"""Real HTTP pieces for the proxy tests: fake vLLM upstreams (aiohttp web servers) and the proxy served in-process.
+"""Real HTTP pieces for the proxy tests: fake vLLM upstreams (aiohttp web servers), the proxy served in-process (or
+by ``proxy_server.main()`` in a subprocess), and what the tests share (``run``, requests, checks).
 
 Everything binds 127.0.0.1 on a port chosen by the kernel (the proxy gets an already bound socket, so no race).
 An upstream records each request it receives (path, headers, JSON body), whether its handler was cancelled (the
@@ -12,19 +13,30 @@ import contextlib
 import dataclasses
 import json
 import socket
-from collections.abc import AsyncIterator
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.gate import ClientGate
 
 HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+REMOTE_DECODE = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, PUSH_TO: []}  # what the proxy adds to every
+# prefill (no push target: these decode instances do not say they take pushed KV)
+COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+        "max_completion_tokens": 16}
 
 
 @dataclass
@@ -253,3 +265,52 @@ async def environment(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: li
     finally:
         for upstream in started:
             await upstream.stop()
+
+
+def run(test: Callable[..., Awaitable[None]], *args: Any, **options: Any) -> None:
+    """Run ``test(env)`` in a fresh event loop with ``environment(*args, **options)``."""
+
+    async def body() -> None:
+        async with environment(*args, **options) as env:
+            await asyncio.wait_for(test(env), 30)
+
+    asyncio.run(body())
+
+
+async def read_sse(response: aiohttp.ClientResponse) -> list[str]:
+    """The ``data:`` payloads of an SSE body, read to the end."""
+    text = (await response.read()).decode()
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def assert_idle(env: Environment) -> None:
+    """No request outstanding in the proxy and no connection checked out of its pool."""
+    assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
+    connector = env.proxy.proxy.session.connector
+    assert connector is not None and not getattr(connector, "_acquired", set())
+
+
+async def start_main(env: Environment, *args: str, **options: Any) -> tuple[asyncio.subprocess.Process, str]:
+    """``proxy_server.main()`` in a subprocess in front of ``env``'s first instances, with ``args``; returns it and
+    its URL once its /health answers."""
+    port = unused_port()
+    url = f"http://127.0.0.1:{port}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import proxy_server; proxy_server.main()", "--prefill", env.prefill[0].url,
+        "--decode", env.decode[0].url, "--port", str(port), *args, cwd=ROOT, **options)
+    deadline = time.monotonic() + 20
+    while True:
+        assert process.returncode is None and time.monotonic() < deadline
+        try:
+            async with env.client.get(url + "/health") as response:
+                assert response.status == 200
+                return process, url
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)

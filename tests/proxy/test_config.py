@@ -1,0 +1,48 @@
+"""proxy/config.py: upstream URLs, ProxyConfig's checks and the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_url_validation() -> None:
+    assert normalize_upstream_url("http://10.0.0.1:8100/") == "http://10.0.0.1:8100"
+    assert normalize_upstream_url("https://[::1]:443") == "https://[::1]:443"
+    for bad in ("10.0.0.1:8100", "ftp://h:1", "http://h", "http://:80", "http://h:99999", "http://h:80/v1", "http://h:x"):
+        with pytest.raises(ConfigError, match="invalid upstream URL"):
+            normalize_upstream_url(bad)
+    with pytest.raises(ConfigError, match="--decode"):
+        ProxyConfig(prefill=("http://h:1",), decode=())
+    with pytest.raises(ConfigError, match="timeout"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), timeout=0)
+    with pytest.raises(ConfigError, match="protocol must be one of params, bootstrap"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), protocol="nixl")
+    with pytest.raises(ConfigError, match="only with --protocol bootstrap"):
+        ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), bootstrap=("http://h:8998",))
+    with pytest.raises(ConfigError, match="one --bootstrap URL per --prefill URL"):
+        ProxyConfig(prefill=("http://h:1", "http://g:1"), decode=("http://h:2",), protocol="bootstrap",
+                    bootstrap=("http://h:8998",))
+    config = ProxyConfig(prefill=("http://h:1", "http://[::1]:1"), decode=("http://h:2",), protocol="bootstrap")
+    assert [config.bootstrap_url(u) for u in config.prefill] == ["http://h:8998", "http://[::1]:8998"]
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_args(["--prefill", "http://a:1", "--prefill", "http://b:2", "--decode", "http://c:3", "--port", "9"])
+    assert config.prefill == ("http://a:1", "http://b:2") and config.decode == ("http://c:3",)
+    assert (config.host, config.port, config.cooldown) == ("127.0.0.1", 9, 5.0)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--prefill", "a:1", "--decode", "http://c:3"])
+    assert exit_info.value.code == 2
+    assert "invalid upstream URL 'a:1'" in capsys.readouterr().err
+
+
+def test_proxy_edges_timeouts_are_documented_options(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_args(["--prefill", "http://a:1", "--decode", "http://c:3", "--connect-timeout", "2.5"])
+    assert (config.connect_timeout, config.timeout) == (2.5, 300.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://a:1", "--decode", "http://c:3", "--timeout", "nan"])
+    assert "timeout must be seconds > 0" in capsys.readouterr().err

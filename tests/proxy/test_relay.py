@@ -1,0 +1,83 @@
+"""proxy/relay.py: streamed answers relayed chunk by chunk, a stalled stream ended with an error event, a client that
+leaves mid-stream cancelling the decode, many streams at once. Real HTTP through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.proxy.upstreams import COMPLETION, REMOTE_DECODE, Environment, assert_idle, read_sse, run, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_streaming_chunks_pass_through_before_the_upstream_finishes() -> None:
+    async def test(env: Environment) -> None:
+        release = asyncio.Event()
+        env.decode[0].hold_last = release
+        request = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+        async with env.client.post(env.url + "/v1/completions", json=request) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)  # the upstream still holds "!"
+            assert json.loads(first.decode()[len("data: "):])["choices"][0]["text"] == "Hello"
+            assert not release.is_set() and ("D0", "end") not in env.journal
+            release.set()
+            rest = await read_sse(response)
+        assert [json.loads(d)["choices"][0]["text"] for d in rest[:-1]] == [" world", "!"] and rest[-1] == "[DONE]"
+        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False,
+                                                   "kv_transfer_params": REMOTE_DECODE}
+        assert env.decode[0].received[0].body == request
+        assert_idle(env)
+
+    run(test)
+
+
+def test_stream_stalling_mid_way_ends_with_an_error_event() -> None:
+    async def test(env: Environment) -> None:
+        env.decode[0].hold_last = asyncio.Event()  # never set: the upstream stalls before its last chunk
+        async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True}) as response:
+            assert response.status == 200
+            data = await read_sse(response)
+        assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["Hello", " world"]
+        error = json.loads(data[2])["error"]
+        assert (error["stage"], error["code"], len(data)) == ("decode", 504, 3)
+        await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
+        assert_idle(env)
+
+    run(test, timeout=0.5)
+
+
+def test_client_disconnect_during_stream_cancels_decode() -> None:
+    async def test(env: Environment) -> None:
+        env.decode[0].hold_last = asyncio.Event()  # never set: the upstream waits forever
+        response = await env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True})
+        await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+        response.close()
+        await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
+        assert env.decode[0].received[0].cancelled
+        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        assert_idle(env)
+
+    run(test)
+
+
+def test_200_concurrent_streams() -> None:
+    async def one(env: Environment, index: int) -> None:
+        request = {**COMPLETION, "prompt": f"request {index}", "stream": True}
+        async with env.client.post(env.url + "/v1/completions", json=request) as response:
+            assert response.status == 200
+            data = await read_sse(response)
+        assert data[-1] == "[DONE]" and len(data) == 4
+
+    async def test(env: Environment) -> None:
+        await asyncio.gather(*(one(env, i) for i in range(200)))
+        prompts = {r.body["prompt"] for u in env.decode for r in u.received}
+        assert prompts == {f"request {i}" for i in range(200)}
+        assert sum(len(u.received) for u in env.prefill) == 200
+        assert all(len(u.received) > 50 for u in env.prefill + env.decode)  # spread over both instances
+        assert_idle(env)
+
+    run(test, 2, 2)
