@@ -121,12 +121,12 @@ def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -
     """A producer that answers the first request with a HIT and the entry's first tensor, then stalls for ``stall``
     seconds (as if frozen) before sending the rest; then it serves the basic entries from a SimpleBuffer on the same
     pipe (``ready`` set once they are in). Reports how sending the rest of the stalled answer ended."""
-    from kv_lookup_buffer.simple_buffer import HIT, _message, _read_request  # the wire, by hand
+    from kv_lookup_buffer.simple_wire import HIT, answer_frame, read_request  # the wire, by hand
 
     entry = basic_entries()[0]
     with open_pipe(cfg, 0) as pipe:
-        request = _read_request(pipe.recv_tensor(timeout=60))
-        pipe.send_tensor(_message(HIT, request.seq))
+        request = read_request(pipe.recv_tensor(timeout=60))
+        pipe.send_tensor(answer_frame(HIT, request.seq))
         pipe.send_tensor(entry[0])
         time.sleep(stall)
         try:
@@ -294,12 +294,12 @@ def consume_from(cfg: dict[str, Any], address: str, producers: list[str], entry_
 def request_then_hang(cfg: dict[str, Any], address: str, producer: str, entry_set: str, asked: Any) -> None:
     """A consumer at ``address`` that asks ``producer`` for the first entry of ``entry_set`` and never reads the
     answer (it is killed meanwhile)."""
-    from kv_lookup_buffer.simple_buffer import OP_DROP_SELECT, _request  # the wire, by hand
+    from kv_lookup_buffer.simple_wire import OP_DROP_SELECT, request_frame  # the wire, by hand
     from tests.kv_pipe.peers import open_endpoint
 
     with open_endpoint(cfg, 1, address) as endpoint:
         pipe = endpoint.link(producer, "kv")
-        pipe.send_tensor(_request(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
+        pipe.send_tensor(request_frame(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
         asked.set()
         time.sleep(120)
 

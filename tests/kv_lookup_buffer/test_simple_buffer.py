@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
-from kv_lookup_buffer.simple_buffer import ANSWER_MAGIC, OP_DROP_SELECT
+from kv_lookup_buffer.simple_wire import ANSWER_MAGIC, OP_DROP_SELECT
 from kv_pipe import PipeError
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
@@ -391,7 +391,7 @@ def test_a_dead_receiving_thread_fails_requests_at_once_and_a_new_buffer_is_serv
         def dies(key_out: object) -> list:
             raise SystemExit("test: the receiving thread ends")
 
-        monkeypatch.setattr(buf, "_receive_entry", dies)
+        monkeypatch.setattr(buf.consumer, "_receive_entry", dies)
         start = time.monotonic()
         with pytest.raises(BufferClosed, match="receiving thread died"):
             buf.drop_select(entries[0][0], None, timeout=30)
@@ -418,7 +418,7 @@ def test_a_dead_serving_thread_closes_its_link_and_the_consumer_is_told_at_once(
         def dies(frame: object, data_pipe: object) -> None:
             raise SystemExit("test: the serving thread ends")
 
-        monkeypatch.setattr(buf, "_handle", dies)
+        monkeypatch.setattr(buf.producer, "_handle", dies)
         buf.insert(*programs.basic_entries()[0])
         asking = Peer(programs.ask, cfg, [[1, 2, 3]], 30.0)
         [(what, seconds)] = asking.result()
