@@ -144,7 +144,7 @@ def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -
         return {"rest": rest}
 
 
-# ----------------------------------------------------------------------------- PushBuffer producers
+# ----------------------------------------------------------------------------- push channel producers
 PUSH_LAYERS, PUSH_BLOCKS, PUSH_BLOCK = 3, 5, (4, 8)  # an entry: 3 layers x 5 blocks of 4x8 float32
 
 
@@ -170,11 +170,11 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
     an entry whose ``begin`` is refused goes by pull (``notify_pull``). With ``stop_after_pieces``, hang (for a
     kill) after that many pieces of the first entry, without committing. ``pause``: seconds between entries (as
     between the prefills of two requests)."""
-    from kv_lookup_buffer.push_buffer import PushBuffer, entry_key
+    from kv_lookup_buffer.push_buffer import PushSender, entry_key
 
     outcome: dict[str, Any] = {"pushed": [], "pulled": []}
     with open_pipe(cfg, 0) as pipe:
-        buf = PushBuffer(pipe, "producer")
+        buf = PushSender(pipe)
         for seed in seeds:
             tokens, kv = push_entry(seed)
             key = entry_key(tokens)
@@ -201,29 +201,29 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
 def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
     """Speak the push protocol badly (wrong types, bad magic, unknown kind, a DATA bigger than its BEGIN), then push
     one good entry by hand."""
-    from kv_lookup_buffer import push_buffer as pb
+    from kv_lookup_buffer import push_wire as pw
 
     tokens, kv = push_entry(seed)
-    key = pb.entry_key(tokens)
+    key = pw.entry_key(tokens)
     nbytes = kv.numel() * kv.element_size()
     with open_pipe(cfg, 0) as pipe:
-        pipe.send_tensor(pb._header(pb.HELLO, a=12345))
+        pipe.send_tensor(pw.encode(pw.Hello(12345)))
         pipe.send_tensor(torch.zeros(3))                                    # not a header
-        bad = pb._header(pb.BEGIN, key, nbytes, 3, 5)
+        bad = pw.encode(pw.Begin(key, nbytes, 3, 5))
         bad[0] = 7
         pipe.send_tensor(bad)                                               # bad magic
-        unknown = pb._header(pb.BEGIN)
+        unknown = pw.encode(pw.Begin(pw.NO_KEY, 0, 0, 0))
         unknown[2] = 99
         pipe.send_tensor(unknown)                                           # unknown kind
-        other = pb.entry_key([1, 2, 3])
-        pipe.send_tensor(pb._header(pb.BEGIN, other, 64, 3, 5))
-        pipe.send_tensor(pb._header(pb.DATA, other, 0, 0, 1))
+        other = pw.entry_key([1, 2, 3])
+        pipe.send_tensor(pw.encode(pw.Begin(other, 64, 3, 5)))
+        pipe.send_tensor(pw.encode(pw.Data(other, 0, 0, 1)))
         pipe.send_tensor(torch.zeros(1000))                                 # 4000 bytes > the 64 announced
-        pipe.send_tensor(pb._header(pb.BEGIN, key, nbytes, PUSH_LAYERS, PUSH_BLOCKS))
+        pipe.send_tensor(pw.encode(pw.Begin(key, nbytes, PUSH_LAYERS, PUSH_BLOCKS)))
         for layer in range(PUSH_LAYERS):
-            pipe.send_tensor(pb._header(pb.DATA, key, layer, 0, PUSH_BLOCKS))
+            pipe.send_tensor(pw.encode(pw.Data(key, layer, 0, PUSH_BLOCKS)))
             pipe.send_tensor(kv[layer].clone())
-        pipe.send_tensor(pb._header(pb.COMMIT, key, len(tokens)))
+        pipe.send_tensor(pw.encode(pw.Commit(key, len(tokens))))
         pipe.send_tensor(None)
         done.wait(120)
 
