@@ -69,10 +69,11 @@ ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress
 
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,
-            full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+            full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None,
+            all_in: Any = None) -> dict[str, Any]:
     """Insert the entries (in a shuffled order if order_seed), then wait for ``done`` and report what is left.
-    ``options``: SimpleBuffer keyword arguments (max_age, evict); with them the report has ``insert_seconds``, the
-    longest insert."""
+    ``full`` is set once the first 100 (or all) are in, ``all_in`` once all are. ``options``: SimpleBuffer keyword
+    arguments (max_age, evict); with them the report has ``insert_seconds``, the longest insert."""
     entries = ENTRY_SETS[entry_set]()
     if order_seed is not None:
         entries = shuffled(entries, order_seed)
@@ -85,6 +86,8 @@ def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order
             longest = max(longest, time.monotonic() - start)
             if full is not None and i + 1 == min(100, len(entries)):
                 full.set()  # the first 100 (or all) are in
+        if all_in is not None:
+            all_in.set()
         done.wait(linger)
         left = {"entries": len(buf), "bytes": buf.buffer_size, "stats": dict(buf.stats)}
         if options:
@@ -108,13 +111,14 @@ def blocked_insert(cfg: dict[str, Any], thresh: float, timeout: float) -> dict[s
         return {"outcome": outcome, "after": time.monotonic() - start}
 
 
-def close_later(cfg: dict[str, Any], delay: float) -> None:
-    """A producer that never inserts, and closes after ``delay`` seconds."""
+def close_later(cfg: dict[str, Any], delay: float, told: Any) -> None:
+    """A producer that never inserts, and closes after ``delay`` seconds; its pipe stays open until ``told`` is set
+    (the consumer has its CLOSED answer)."""
     with open_pipe(cfg, 0) as pipe:
         buf = SimpleBuffer(pipe, pipe, 1 << 20, role="producer")
         time.sleep(delay)
         buf.close()
-        time.sleep(1.0)  # let the CLOSED answer land before the pipe goes
+        told.wait(60)
 
 
 def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -> dict[str, Any]:
