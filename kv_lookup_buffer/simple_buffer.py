@@ -50,6 +50,8 @@ class SimpleBuffer(KVLookupBufferBase):
     makes an insert that does not fit drop the oldest entries instead of waiting for a consumer to take some (the
     entries being sent at that moment still count, so the bytes held may pass the threshold by those). Both are
     counted in ``stats`` (``expired``, ``evicted``) and logged once per entry.
+
+    ``producer`` and ``consumer`` are its two halves (``consumer`` is None without pipes); both count into ``stats``.
     """
 
     def __init__(self, signal_pipe: KVPipeBase | None, data_pipe: KVPipeBase | None, buffer_size_thresh: float,
