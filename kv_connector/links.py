@@ -4,8 +4,8 @@ and the buffers that talk over its links.
 - ``kv`` channel (pull): a producer serves every consumer that links to it from one ``SimpleBuffer``; a consumer
   holds a consumer-side ``SimpleBuffer`` per producer it loads from, made on first use and made again once the link
   was closed (idle for ``link_idle`` seconds, or its producer gone).
-- ``push`` channel: a producer holds a ``PushBuffer`` per consumer it pushes to (made on first use); a consumer gets
-  one per producer that pushes to it (made when that producer links).
+- ``push`` channel: a producer holds a ``PushSender`` per consumer it pushes to (made on first use); a consumer gets
+  a ``PushReceiver`` per producer that pushes to it (made when that producer links).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from vllm.logger import init_logger
 
 from kv_lookup_buffer import SimpleBuffer
-from kv_lookup_buffer.push_buffer import PushBuffer
+from kv_lookup_buffer.push_buffer import PushEnd
 from kv_pipe import MooncakePipe
 from kv_pipe.endpoint import PipeEndpoint
 
@@ -30,22 +30,22 @@ KV, PUSH = "kv", "push"
 @dataclass
 class _Linked:
     pipe: MooncakePipe
-    buffer: SimpleBuffer | PushBuffer
+    buffer: SimpleBuffer | PushEnd
 
 
 class PeerLinks:
     """See the module docstring. ``producer_buffer``: the producer's one buffer (None on a consumer);
-    ``make_push``: builds a PushBuffer for a link in a role (None: no push mode)."""
+    ``make_push``: builds the push end (sender or receiver) for a link in a role (None: no push mode)."""
 
     def __init__(self, endpoint: PipeEndpoint, producer_buffer: SimpleBuffer | None, buffer_size: int,
-                 make_push: Callable[[MooncakePipe, str], PushBuffer] | None = None) -> None:
+                 make_push: Callable[[MooncakePipe, str], PushEnd] | None = None) -> None:
         self.endpoint = endpoint
         self.producer_buffer = producer_buffer
         self.buffer_size = buffer_size
         self.make_push = make_push
         self._lock = threading.Lock()
         self._pull: dict[str, _Linked] = {}  # consumer: producer address -> its buffer
-        self._push: dict[str, _Linked] = {}  # peer address -> PushBuffer (producer: consumers; consumer: producers)
+        self._push: dict[str, _Linked] = {}  # peer address -> its push end (producer: consumers; consumer: producers)
         self._retired = [0, 0]  # pushed bytes and expired entries of push buffers replaced since
         endpoint.on_link(self._on_link)
 
@@ -90,8 +90,8 @@ class PeerLinks:
 
         threading.Thread(target=run, name="mooncake-kv-warm-up", daemon=True).start()
 
-    def push_buffer(self, peer: str) -> PushBuffer | None:
-        """Producer: the PushBuffer that pushes to the consumer at ``peer`` (made now if needed). Consumer: the one
+    def push_buffer(self, peer: str) -> PushEnd | None:
+        """Producer: the PushSender that pushes to the consumer at ``peer`` (made now if needed). Consumer: the one
         the producer at ``peer`` pushes into, if it linked."""
         if self.make_push is None:
             return None
@@ -116,8 +116,8 @@ class PeerLinks:
             expired += b.stats["expired"]
         return pushed, expired
 
-    def _new_push(self, pipe: MooncakePipe, role: str) -> tuple[PushBuffer, _Linked | None]:
-        """A PushBuffer for ``pipe`` in place of the peer's old one (under the lock), whose counts are kept; the
+    def _new_push(self, pipe: MooncakePipe, role: str) -> tuple[PushEnd, _Linked | None]:
+        """A push end for ``pipe`` in place of the peer's old one (under the lock), whose counts are kept; the
         caller closes the old one (returned) outside the lock."""
         assert self.make_push is not None
         old = self._push.get(pipe.peer)

@@ -28,7 +28,7 @@ from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRe
 from kv_connector.pull import PullTransfer
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
-from kv_lookup_buffer.push_buffer import PushBuffer, PushedEntry, entry_key
+from kv_lookup_buffer.push_buffer import PushedEntry, PushSender, entry_key
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -37,7 +37,7 @@ logger = init_logger(f"vllm.{__name__}")
 class _PushState:
     key: bytes
     num_blocks: int
-    push: PushBuffer  # the link to the consumer it goes to
+    push: PushSender  # the link to the consumer it goes to
     next_block: int = 0  # blocks before this one are queued
 
 
@@ -53,7 +53,7 @@ class PushTransfer(KVTransfer):
         self.push_wait = push_wait
         self.corrupt_ok = corrupt_ok
         self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
-        self.targets: dict[str, PushBuffer] = {}  # producer: the link each request in flight goes to
+        self.targets: dict[str, PushSender] = {}  # producer: the link each request in flight goes to
         self.step_pushes: list[tuple[_PushState, int, list[int]]] = []  # producer: (entry, first block, ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
         self._pushed_bytes = self._expired = 0

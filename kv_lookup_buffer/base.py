@@ -10,6 +10,10 @@ from abc import ABC, abstractmethod
 import torch
 
 
+class BufferClosed(RuntimeError):
+    """The buffer, or the other side of it, was closed."""
+
+
 class KVLookupBufferBase(ABC):
     """A buffer shared by a producer process (``insert``) and a consumer process (``drop_select``)."""
 

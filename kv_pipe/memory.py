@@ -1,5 +1,6 @@
-"""Host-memory helpers for the pipe's copies in and out of the registered staging areas, and the pool of
-memory, faulted in once and reused, that received tensors are served from."""
+"""Host-memory helpers for the pipe's copies in and out of the registered staging areas, and every pool of memory
+faulted in once and reused: ``WarmPool`` (scratch buffers), ``ResultPool`` (received tensors are served from it) and
+``RecyclePool`` (the lookup buffer's copies of entries already sent)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,46 @@ class WarmPool:
             self._free.append(buf)
             if len(self._free) > self.keep:
                 self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+
+RECYCLE_MIN = 1 << 20  # smaller tensors are cheap to allocate
+
+
+class RecyclePool:
+    """Host buffers of copied entries already handed to the consumer, reused by later copies of the same byte size.
+
+    A fresh allocation page-faults on first write, which roughly doubles the cost of copying a KV-sized entry in;
+    reusing the memory of a dropped entry avoids that. Holds at most ``limit`` bytes (oldest dropped first). Not
+    thread-safe: the caller holds its own lock.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.held = 0
+        self.free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """Idle uint8 bytes of exactly ``nbytes``, or None."""
+        bufs = self.free.get(nbytes)
+        if not bufs:
+            return None
+        self.held -= nbytes
+        return bufs.pop()
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s memory for reuse (only if nothing else uses it); host tensors of ``RECYCLE_MIN`` bytes up to
+        ``limit`` only."""
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or nbytes < RECYCLE_MIN or nbytes > self.limit:
+            return
+        self.free.setdefault(nbytes, []).append(t.reshape(-1).view(torch.uint8))
+        self.held += nbytes
+        while self.held > self.limit:
+            size = next(iter(self.free))
+            self.free[size].pop(0)
+            self.held -= size
+            if not self.free[size]:
+                del self.free[size]
 
 
 # torch's count of the owners of a storage (tensors and views using it): private, so a torch without it gets no pool

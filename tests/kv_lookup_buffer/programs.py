@@ -69,10 +69,11 @@ ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress
 
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,
-            full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+            full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None,
+            all_in: Any = None) -> dict[str, Any]:
     """Insert the entries (in a shuffled order if order_seed), then wait for ``done`` and report what is left.
-    ``options``: SimpleBuffer keyword arguments (max_age, evict); with them the report has ``insert_seconds``, the
-    longest insert."""
+    ``full`` is set once the first 100 (or all) are in, ``all_in`` once all are. ``options``: SimpleBuffer keyword
+    arguments (max_age, evict); with them the report has ``insert_seconds``, the longest insert."""
     entries = ENTRY_SETS[entry_set]()
     if order_seed is not None:
         entries = shuffled(entries, order_seed)
@@ -85,6 +86,8 @@ def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order
             longest = max(longest, time.monotonic() - start)
             if full is not None and i + 1 == min(100, len(entries)):
                 full.set()  # the first 100 (or all) are in
+        if all_in is not None:
+            all_in.set()
         done.wait(linger)
         left = {"entries": len(buf), "bytes": buf.buffer_size, "stats": dict(buf.stats)}
         if options:
@@ -108,25 +111,26 @@ def blocked_insert(cfg: dict[str, Any], thresh: float, timeout: float) -> dict[s
         return {"outcome": outcome, "after": time.monotonic() - start}
 
 
-def close_later(cfg: dict[str, Any], delay: float) -> None:
-    """A producer that never inserts, and closes after ``delay`` seconds."""
+def close_later(cfg: dict[str, Any], delay: float, told: Any) -> None:
+    """A producer that never inserts, and closes after ``delay`` seconds; its pipe stays open until ``told`` is set
+    (the consumer has its CLOSED answer)."""
     with open_pipe(cfg, 0) as pipe:
         buf = SimpleBuffer(pipe, pipe, 1 << 20, role="producer")
         time.sleep(delay)
         buf.close()
-        time.sleep(1.0)  # let the CLOSED answer land before the pipe goes
+        told.wait(60)
 
 
 def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -> dict[str, Any]:
     """A producer that answers the first request with a HIT and the entry's first tensor, then stalls for ``stall``
     seconds (as if frozen) before sending the rest; then it serves the basic entries from a SimpleBuffer on the same
     pipe (``ready`` set once they are in). Reports how sending the rest of the stalled answer ended."""
-    from kv_lookup_buffer.simple_buffer import HIT, _message, _read_request  # the wire, by hand
+    from kv_lookup_buffer.simple_wire import HIT, answer_frame, read_request  # the wire, by hand
 
     entry = basic_entries()[0]
     with open_pipe(cfg, 0) as pipe:
-        request = _read_request(pipe.recv_tensor(timeout=60))
-        pipe.send_tensor(_message(HIT, request.seq))
+        request = read_request(pipe.recv_tensor(timeout=60))
+        pipe.send_tensor(answer_frame(HIT, request.seq))
         pipe.send_tensor(entry[0])
         time.sleep(stall)
         try:
@@ -144,7 +148,7 @@ def stall_mid_answer(cfg: dict[str, Any], stall: float, ready: Any, done: Any) -
         return {"rest": rest}
 
 
-# ----------------------------------------------------------------------------- PushBuffer producers
+# ----------------------------------------------------------------------------- push channel producers
 PUSH_LAYERS, PUSH_BLOCKS, PUSH_BLOCK = 3, 5, (4, 8)  # an entry: 3 layers x 5 blocks of 4x8 float32
 
 
@@ -170,11 +174,11 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
     an entry whose ``begin`` is refused goes by pull (``notify_pull``). With ``stop_after_pieces``, hang (for a
     kill) after that many pieces of the first entry, without committing. ``pause``: seconds between entries (as
     between the prefills of two requests)."""
-    from kv_lookup_buffer.push_buffer import PushBuffer, entry_key
+    from kv_lookup_buffer.push_buffer import PushSender, entry_key
 
     outcome: dict[str, Any] = {"pushed": [], "pulled": []}
     with open_pipe(cfg, 0) as pipe:
-        buf = PushBuffer(pipe, "producer")
+        buf = PushSender(pipe)
         for seed in seeds:
             tokens, kv = push_entry(seed)
             key = entry_key(tokens)
@@ -201,29 +205,29 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
 def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
     """Speak the push protocol badly (wrong types, bad magic, unknown kind, a DATA bigger than its BEGIN), then push
     one good entry by hand."""
-    from kv_lookup_buffer import push_buffer as pb
+    from kv_lookup_buffer import push_wire as pw
 
     tokens, kv = push_entry(seed)
-    key = pb.entry_key(tokens)
+    key = pw.entry_key(tokens)
     nbytes = kv.numel() * kv.element_size()
     with open_pipe(cfg, 0) as pipe:
-        pipe.send_tensor(pb._header(pb.HELLO, a=12345))
+        pipe.send_tensor(pw.encode(pw.Hello(12345)))
         pipe.send_tensor(torch.zeros(3))                                    # not a header
-        bad = pb._header(pb.BEGIN, key, nbytes, 3, 5)
+        bad = pw.encode(pw.Begin(key, nbytes, 3, 5))
         bad[0] = 7
         pipe.send_tensor(bad)                                               # bad magic
-        unknown = pb._header(pb.BEGIN)
+        unknown = pw.encode(pw.Begin(pw.NO_KEY, 0, 0, 0))
         unknown[2] = 99
         pipe.send_tensor(unknown)                                           # unknown kind
-        other = pb.entry_key([1, 2, 3])
-        pipe.send_tensor(pb._header(pb.BEGIN, other, 64, 3, 5))
-        pipe.send_tensor(pb._header(pb.DATA, other, 0, 0, 1))
+        other = pw.entry_key([1, 2, 3])
+        pipe.send_tensor(pw.encode(pw.Begin(other, 64, 3, 5)))
+        pipe.send_tensor(pw.encode(pw.Data(other, 0, 0, 1)))
         pipe.send_tensor(torch.zeros(1000))                                 # 4000 bytes > the 64 announced
-        pipe.send_tensor(pb._header(pb.BEGIN, key, nbytes, PUSH_LAYERS, PUSH_BLOCKS))
+        pipe.send_tensor(pw.encode(pw.Begin(key, nbytes, PUSH_LAYERS, PUSH_BLOCKS)))
         for layer in range(PUSH_LAYERS):
-            pipe.send_tensor(pb._header(pb.DATA, key, layer, 0, PUSH_BLOCKS))
+            pipe.send_tensor(pw.encode(pw.Data(key, layer, 0, PUSH_BLOCKS)))
             pipe.send_tensor(kv[layer].clone())
-        pipe.send_tensor(pb._header(pb.COMMIT, key, len(tokens)))
+        pipe.send_tensor(pw.encode(pw.Commit(key, len(tokens))))
         pipe.send_tensor(None)
         done.wait(120)
 
@@ -294,12 +298,12 @@ def consume_from(cfg: dict[str, Any], address: str, producers: list[str], entry_
 def request_then_hang(cfg: dict[str, Any], address: str, producer: str, entry_set: str, asked: Any) -> None:
     """A consumer at ``address`` that asks ``producer`` for the first entry of ``entry_set`` and never reads the
     answer (it is killed meanwhile)."""
-    from kv_lookup_buffer.simple_buffer import OP_DROP_SELECT, _request  # the wire, by hand
+    from kv_lookup_buffer.simple_wire import OP_DROP_SELECT, request_frame  # the wire, by hand
     from tests.kv_pipe.peers import open_endpoint
 
     with open_endpoint(cfg, 1, address) as endpoint:
         pipe = endpoint.link(producer, "kv")
-        pipe.send_tensor(_request(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
+        pipe.send_tensor(request_frame(OP_DROP_SELECT, 1, ENTRY_SETS[entry_set]()[0][0]))
         asked.set()
         time.sleep(120)
 

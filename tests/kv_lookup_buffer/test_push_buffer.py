@@ -1,5 +1,5 @@
-"""PushBuffer between two real processes over the real MooncakePipe: the producer pushes from a child process, the
-test is the consumer."""
+"""The push channel (PushSender, PushReceiver) between two real processes over the real MooncakePipe: the producer
+pushes from a child process, the test is the consumer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from kv_lookup_buffer.push_buffer import COMMIT, PushBuffer, entry_key
+from kv_lookup_buffer.push_buffer import PushBuffer, PushReceiver, entry_key
+from kv_lookup_buffer.push_wire import Begin, Commit
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe.peers import Peer, ctx, make_config, open_pipe
 
@@ -20,9 +21,9 @@ def cfg():
     return make_config()
 
 
-def consumer_for(pipe, **kwargs) -> PushBuffer:
+def consumer_for(pipe, **kwargs) -> PushReceiver:
     """The consumer's end, once the producer child has said HELLO (until then ``take`` does not wait)."""
-    buf = PushBuffer(pipe, "consumer", **kwargs)
+    buf = PushReceiver(pipe, **kwargs)
     deadline = time.monotonic() + 60
     while not buf.has_producer() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -30,7 +31,7 @@ def consumer_for(pipe, **kwargs) -> PushBuffer:
     return buf
 
 
-def take_once_begun(buf: PushBuffer, key: bytes, timeout: float = 30.0):
+def take_once_begun(buf: PushReceiver, key: bytes, timeout: float = 30.0):
     """``take`` waits only for a push that has begun: wait for its BEGIN first (a real load comes after the prefill,
     long after the BEGIN)."""
     deadline = time.monotonic() + timeout
@@ -115,7 +116,7 @@ def test_the_producer_learns_the_room_and_pulls_what_does_not_fit(cfg):
     done = ctx().Event()
     producer = Peer(programs.push_entries, cfg, [1, 2, 3], done)
     with open_pipe(cfg, 1) as pipe:
-        buf = PushBuffer(pipe, "consumer", capacity=2 * ENTRY_BYTES)  # nobody takes: room for two entries only
+        buf = PushReceiver(pipe, capacity=2 * ENTRY_BYTES)  # nobody takes: room for two entries only
         try:
             deadline = time.monotonic() + 60
             while buf.stats["pulled"] < 1 and time.monotonic() < deadline:
@@ -132,7 +133,7 @@ def test_unclaimed_entries_expire_and_free_their_room(cfg):
     done = ctx().Event()
     producer = Peer(programs.push_entries, cfg, [1], done)
     with open_pipe(cfg, 1) as pipe:
-        buf = PushBuffer(pipe, "consumer", capacity=1 << 20, ttl=1.0)
+        buf = PushReceiver(pipe, capacity=1 << 20, ttl=1.0)
         try:
             deadline = time.monotonic() + 60
             while buf.stats["expired"] < 1 and time.monotonic() < deadline:
@@ -186,7 +187,7 @@ def test_take_of_an_entry_nobody_pushes_returns_at_once(cfg):
 
 def test_take_without_any_producer_returns_at_once(cfg):
     with open_pipe(cfg, 1) as pipe:
-        buf = PushBuffer(pipe, "consumer")
+        buf = PushReceiver(pipe)
         try:
             start = time.monotonic()
             assert buf.take(entry_key([1, 2]), timeout=10) is None
@@ -220,19 +221,19 @@ def test_bad_arguments():
 
 
 def test_no_thread_dies_silently_a_failing_message_is_skipped(cfg, monkeypatch):
-    """Hardening finding 4: PushBuffer's threads caught only PipeError/ValueError, so any other error (a bug, or
+    """Hardening finding 4: the push channel's threads caught only PipeError/ValueError, so any other error (a bug, or
     input nobody foresaw) ended the receiving for good and nobody noticed. Here handling the first BEGIN raises a
     TypeError: that message is skipped and counted, the thread lives on, and the next entries arrive exactly."""
-    real = PushBuffer._handle
-    failed: list[int] = []
+    real = PushReceiver._handle
+    failed: list[object] = []
 
-    def flaky(self, kind, key, fields):
-        if not failed and kind == 2:  # the first BEGIN
-            failed.append(kind)
+    def flaky(self, message):
+        if not failed and isinstance(message, Begin):  # the first BEGIN
+            failed.append(message)
             raise TypeError("a bug")
-        return real(self, kind, key, fields)
+        return real(self, message)
 
-    monkeypatch.setattr(PushBuffer, "_handle", flaky)
+    monkeypatch.setattr(PushReceiver, "_handle", flaky)
     done = ctx().Event()
     producer = Peer(programs.push_entries, cfg, [1, 2, 3], done)
     with open_pipe(cfg, 1) as pipe:
@@ -256,14 +257,14 @@ def test_a_dead_receiving_thread_releases_what_it_staged(cfg, monkeypatch):
     """Hardening finding 4: if the consumer's receiving thread ever ends (SystemExit injected at the first COMMIT:
     its catch-all keeps any error from doing it), nobody expires its staged entries any more: the first ``healthy``
     check says it is unhealthy, releases them, and ``take`` answers None at once (the load goes by pull)."""
-    real = PushBuffer._handle
+    real = PushReceiver._handle
 
-    def dies_at_commit(self, kind, key, fields):
-        if kind == COMMIT:
+    def dies_at_commit(self, message):
+        if isinstance(message, Commit):
             raise SystemExit("test: the receiving thread ends")
-        return real(self, kind, key, fields)
+        return real(self, message)
 
-    monkeypatch.setattr(PushBuffer, "_handle", dies_at_commit)
+    monkeypatch.setattr(PushReceiver, "_handle", dies_at_commit)
     done = ctx().Event()
     producer = Peer(programs.push_entries, cfg, [1], done)
     with open_pipe(cfg, 1) as pipe:
@@ -272,7 +273,7 @@ def test_a_dead_receiving_thread_releases_what_it_staged(cfg, monkeypatch):
             tokens, _ = programs.push_entry(1)
             key = entry_key(tokens)
             deadline = time.monotonic() + 60
-            while all(t.is_alive() for t in buf._threads) and time.monotonic() < deadline:
+            while buf._thread.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert buf.staged_bytes() == ENTRY_BYTES and buf.has_begun(key)  # staged, never committed
             start = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
-from kv_lookup_buffer.simple_buffer import ANSWER_MAGIC, OP_DROP_SELECT
+from kv_lookup_buffer.simple_wire import ANSWER_MAGIC, OP_DROP_SELECT
 from kv_pipe import PipeError
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
@@ -161,8 +161,8 @@ def test_stress_200_requests_with_a_100_entry_buffer(cfg):
 
 
 def test_concurrent_consumers_get_their_own_entries(cfg):
-    done, full = ctx.Event(), ctx.Event()
-    producer = Peer(programs.produce, cfg, "stress", 1 << 30, done, None, full)
+    done, full, all_in = ctx.Event(), ctx.Event(), ctx.Event()
+    producer = Peer(programs.produce, cfg, "stress", 1 << 30, done, None, full, 120.0, None, all_in)
     entries = programs.stress_entries()
     pipe, buf = consumer(cfg)
     errors: list[str] = []
@@ -174,8 +174,7 @@ def test_concurrent_consumers_get_their_own_entries(cfg):
                 errors.append(f"thread {k}: wrong or missing entry")
 
     with pipe:
-        assert full.wait(60)
-        time.sleep(1.0)  # the other 100 are inserted too (the buffer has room for all)
+        assert all_in.wait(60)  # all 200 are in (the buffer has room for all)
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()
@@ -200,12 +199,16 @@ def test_consumer_close_unblocks_a_blocked_insert(cfg):
 
 
 def test_producer_close_unblocks_a_blocked_drop_select(cfg):
-    producer = Peer(programs.close_later, cfg, 3.0)
+    told = ctx.Event()
+    producer = Peer(programs.close_later, cfg, 3.0, told)
     pipe, buf = consumer(cfg)
     with pipe:
         start = time.monotonic()
-        with pytest.raises(BufferClosed, match="the producer closed the buffer"):
-            buf.drop_select(torch.tensor([1, 2, 3]), None)
+        try:
+            with pytest.raises(BufferClosed, match="the producer closed the buffer"):
+                buf.drop_select(torch.tensor([1, 2, 3]), None)
+        finally:
+            told.set()
         assert time.monotonic() - start < 10.0
         producer.result()
 
@@ -316,14 +319,13 @@ def test_entries_older_than_max_age_expire(cfg):
 def test_evict_makes_room_without_waiting(cfg):
     """A buffer with room for 100 of 200 entries and no consumer asking: every insert returns at once, and the
     oldest entries make room (the newest are the likeliest to be asked for)."""
-    done, full = ctx.Event(), ctx.Event()
+    done, full, all_in = ctx.Event(), ctx.Event(), ctx.Event()
     thresh = 100 * programs.STRESS_ENTRY_BYTES
-    producer = Peer(programs.produce, cfg, "stress", thresh, done, None, full, 120.0, {"evict": True})
+    producer = Peer(programs.produce, cfg, "stress", thresh, done, None, full, 120.0, {"evict": True}, all_in)
     entries = programs.stress_entries()
     pipe, buf = consumer(cfg)
     with pipe:
-        assert full.wait(60)
-        time.sleep(1.0)  # all 200 inserted
+        assert all_in.wait(60)  # all 200 inserted
         newest, oldest = buf.drop_select(*entries[-1][:2]), buf.drop_select(*entries[0][:2])
         settle(buf)
         done.set()
@@ -391,7 +393,7 @@ def test_a_dead_receiving_thread_fails_requests_at_once_and_a_new_buffer_is_serv
         def dies(key_out: object) -> list:
             raise SystemExit("test: the receiving thread ends")
 
-        monkeypatch.setattr(buf, "_receive_entry", dies)
+        monkeypatch.setattr(buf.consumer, "_receive_entry", dies)
         start = time.monotonic()
         with pytest.raises(BufferClosed, match="receiving thread died"):
             buf.drop_select(entries[0][0], None, timeout=30)
@@ -418,7 +420,7 @@ def test_a_dead_serving_thread_closes_its_link_and_the_consumer_is_told_at_once(
         def dies(frame: object, data_pipe: object) -> None:
             raise SystemExit("test: the serving thread ends")
 
-        monkeypatch.setattr(buf, "_handle", dies)
+        monkeypatch.setattr(buf.producer, "_handle", dies)
         buf.insert(*programs.basic_entries()[0])
         asking = Peer(programs.ask, cfg, [[1, 2, 3]], 30.0)
         [(what, seconds)] = asking.result()

@@ -1,0 +1,252 @@
+"""The consumer's end of a push channel: stages the entries a producer pushes (at most ``capacity`` bytes, announced
+by credits) until a load for the same tokens takes them; entries nobody takes within ``ttl`` seconds are dropped and
+counted. The messages are those of ``push_wire``; a bad one is logged, counted and skipped, and the entry it belonged
+to is dropped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_lookup_buffer.push_sender import push_stats
+from kv_lookup_buffer.push_wire import Abort, Begin, Commit, Credit, Data, Hello, Message, Pull, encode, parse
+from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.5
+
+
+@dataclass
+class PushedEntry:
+    """A staged entry: ``pieces`` are (layer, first_block, tensor of that layer's blocks) in arrival order."""
+
+    nbytes: int
+    num_layers: int
+    num_blocks: int
+    created: float = field(default_factory=time.monotonic)
+    pieces: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    received: int = 0
+    num_tokens: int = 0
+    meta: torch.Tensor | None = None
+    committed: bool = False
+
+
+class PushReceiver:
+    """The consumer's end of a push channel over ``pipe`` (a pipe of its own): stages up to ``capacity`` bytes and
+    serves ``take``."""
+
+    role = "consumer"
+
+    def __init__(self, pipe: KVPipeBase, capacity: int = 1 << 30, ttl: float = 60.0) -> None:
+        if capacity <= 0 or ttl <= 0:
+            raise ValueError(f"capacity and ttl must be > 0, got {capacity} bytes and {ttl} s")
+        self.pipe, self.capacity, self.ttl = pipe, capacity, ttl
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self.stats = push_stats()
+        self._entries: dict[bytes, PushedEntry] = {}
+        # keys whose staged entry is complete while the producer pushes the same prompt again (a repeated prompt):
+        # the new push's messages are dropped and the staged copy kept
+        self._repeats: set[bytes] = set()
+        self._free = capacity
+        self._producer_epoch = 0
+        self._begun = 0
+        self._reported_dead = False
+        self._thread = threading.Thread(target=self._receive_loop, name="kv-push-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        """Open, and the receiving thread still running. A dead one is logged once and the entries it staged are
+        released (nobody would expire them any more): loads go by pull."""
+        dead = not self._thread.is_alive()
+        if dead and not self._closed.is_set() and not self._reported_dead:
+            self._reported_dead = True
+            logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)",
+                         [self._thread.name])
+            with self._cv:
+                for key in list(self._entries):
+                    self._drop(key)
+        return not dead and not self._closed.is_set()
+
+    def take(self, key: bytes, timeout: float) -> PushedEntry | None:
+        """Take the entry of ``key`` once it is committed, waiting up to ``timeout`` s if its push has begun (its
+        BEGIN arrived) but is not complete yet; its memory leaves the staging budget. None at once if no push of it
+        has begun (never announced, refused, aborted, sent by pull), and None if it is not committed in time."""
+        deadline = time.monotonic() + timeout
+        if not self.healthy:
+            return None
+        with self._cv:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    return None
+                if entry.committed:
+                    del self._entries[key]
+                    self._free += entry.nbytes
+                    self.stats["taken"] += 1
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed.is_set():
+                    return None
+                self._cv.wait(remaining)
+        self._send_credit()
+        return entry
+
+    def has_begun(self, key: bytes) -> bool:
+        """A push of ``key`` has begun (its BEGIN arrived) and the entry was not taken or dropped."""
+        with self._cv:
+            return key in self._entries
+
+    def has_producer(self) -> bool:
+        """A producer has said HELLO on this channel (before that, ``take`` does not wait)."""
+        with self._cv:
+            return self._producer_epoch != 0
+
+    def staged_bytes(self) -> int:
+        with self._cv:
+            return self.capacity - self._free
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._entries)
+
+    def _send_credit(self) -> None:
+        with self._cv:
+            header = encode(Credit(self._producer_epoch, self._free, self._begun))
+        try:
+            self.pipe.send_tensor(header, timeout=5.0)
+        except PipeError as e:
+            logger.info("push channel: could not send a credit to the producer: %s", e)
+
+    def _receive_loop(self) -> None:
+        self._send_credit()  # tells a producer already running that this consumer exists
+        while not self._closed.is_set():
+            try:
+                header = self.pipe.recv_tensor(timeout=_POLL)  # _POLL bounds only the wait for a message to start
+            except PipeStalled as e:
+                self.stats["lost"] += 1
+                logger.warning("push channel: a message from the producer broke off (%s); an entry it belonged to "
+                               "is not committed: it expires", e)
+                self._expire()
+                continue
+            except PipeTimeout:
+                self._expire()
+                continue
+            except PipeClosed:
+                return
+            except PipeError as e:
+                logger.warning("push channel: receive failed (%s)", e)
+                self._expire()
+                continue
+            try:
+                self._handle(parse(header))
+            except (PipeError, ValueError) as e:
+                self.stats["malformed"] += 1
+                logger.error("push channel: ignored a bad message from the producer: %s", e)
+            except Exception:  # a bug must not end the receiving for good: log it, skip this message
+                self.stats["malformed"] += 1
+                logger.exception("push channel: handling a message from the producer failed; skipped")
+            self._expire()
+
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, Hello):
+            with self._cv:
+                self._producer_epoch, self._begun = message.epoch, 0
+                self._repeats.clear()
+            self._send_credit()
+        elif isinstance(message, Begin):
+            self._begin(message)
+            self._send_credit()
+        elif isinstance(message, Data):
+            self._data(message, self.pipe.recv_tensor())
+        elif isinstance(message, Commit):
+            meta = self.pipe.recv_tensor()
+            with self._cv:
+                if message.key in self._repeats:
+                    self._repeats.discard(message.key)
+                    return
+                entry = self._entries.get(message.key)
+                if entry is not None:
+                    entry.committed, entry.meta, entry.num_tokens = True, meta, message.num_tokens
+                    self._cv.notify_all()
+        elif isinstance(message, (Pull, Abort)):
+            with self._cv:
+                self.stats["pulled" if isinstance(message, Pull) else "aborted"] += 1
+                if message.key in self._repeats:  # the repeat will not come: the staged copy stays
+                    self._repeats.discard(message.key)
+                else:
+                    self._drop(message.key)
+            self._send_credit()
+        else:
+            raise ValueError(f"unexpected {type(message).__name__.upper()} from the producer")
+
+    def _begin(self, begin: Begin) -> None:
+        key = begin.key
+        with self._cv:
+            self._begun += 1
+            staged = self._entries.get(key)
+            self._repeats.discard(key)  # a repeat that never ended (its producer went away) ends here
+            if staged is not None and staged.committed:
+                self._repeats.add(key)  # every message of the first push came before its COMMIT
+                self.stats["duplicates"] += 1
+            elif staged is not None or begin.nbytes > self._free or begin.num_layers <= 0 or begin.num_blocks <= 0:
+                self.stats["rejected"] += 1
+                self._cv.notify_all()
+                logger.warning("push channel: refused an entry of %d bytes (%d of %d staging bytes free)",
+                               begin.nbytes, self._free, self.capacity)
+            else:
+                self._entries[key] = PushedEntry(begin.nbytes, begin.num_layers, begin.num_blocks)
+                self._free -= begin.nbytes
+                self.stats["staged"] += 1
+
+    def _data(self, data: Data, blocks: torch.Tensor | None) -> None:
+        with self._cv:
+            if data.key in self._repeats:
+                return  # the same bytes as the staged entry's
+            entry = self._entries.get(data.key)
+            if entry is None:
+                return  # refused, expired or aborted: drop the bytes
+            nbytes = 0 if blocks is None else blocks.numel() * blocks.element_size()
+            if blocks is None or data.layer >= entry.num_layers or data.num_blocks <= 0 or \
+                    data.first_block + data.num_blocks > entry.num_blocks or entry.received + nbytes > entry.nbytes or \
+                    entry.committed:
+                self._drop(data.key)
+                raise ValueError(f"DATA (layer {data.layer}, blocks {data.first_block}+{data.num_blocks}, {nbytes} "
+                                 f"bytes) does not fit its entry ({entry.num_layers} layers, {entry.num_blocks} "
+                                 f"blocks, {entry.received} of {entry.nbytes} bytes received): entry dropped")
+            entry.pieces.append((data.layer, data.first_block, blocks))
+            entry.received += nbytes
+
+    def _drop(self, key: bytes) -> None:
+        """Forget a staged entry (under the lock) and wake a waiting ``take``."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._free += entry.nbytes
+        self._cv.notify_all()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            old = [k for k, e in self._entries.items() if now - e.created > self.ttl]
+            for key in old:
+                self._drop(key)
+                self.stats["expired"] += 1
+        if old:
+            logger.warning("push channel: dropped %d staged entr%s nobody took within %.0f s", len(old),
+                           "y" if len(old) == 1 else "ies", self.ttl)
+            self._send_credit()
+
+    def close(self) -> None:
+        """Stop the receiving thread (the pipe is the caller's to close). Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._thread.join(timeout=2.0)

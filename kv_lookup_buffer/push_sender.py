@@ -1,0 +1,205 @@
+"""The producer's end of a push channel: announces entries the consumer's credit covers, and streams their pieces
+from a sender thread while the caller computes the next ones. The messages are those of ``push_wire``."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+
+import torch
+
+from kv_lookup_buffer.push_wire import Begin, Commit, Credit, Data, Hello, Message, Pull, encode, key_of, parse
+from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.5
+_Outgoing = tuple[Message, "torch.Tensor | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
+
+
+def push_stats() -> dict[str, int]:
+    """The counters of either end of a push channel (one set for both, so that a caller can sum them over ends).
+    lost: messages that broke off mid-way (PipeStalled)."""
+    return {"begun": 0, "pushed_bytes": 0, "committed": 0, "push_failed": 0, "no_credit": 0, "staged": 0, "taken": 0,
+            "rejected": 0, "expired": 0, "pulled": 0, "aborted": 0, "malformed": 0, "lost": 0, "duplicates": 0}
+
+
+class PushSender:
+    """The producer's end of a push channel over ``pipe`` (a pipe of its own: the push traffic must not interleave
+    with another protocol)."""
+
+    role = "producer"
+
+    def __init__(self, pipe: KVPipeBase) -> None:
+        self.pipe = pipe
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self.stats = push_stats()
+        self._epoch = random.randrange(1, 1 << 62)
+        self._sent_begins: deque[int] = deque()  # sizes of BEGINs not yet counted by the consumer's last credit
+        self._begins_total = 0
+        self._credit_free = 0
+        self._credit_epoch = -1
+        self._failed: set[bytes] = set()
+        self._hello_retries = 0
+        # BEGIN, PULL and HELLO go before queued DATA and COMMIT: a consumer must learn at once that a push has
+        # begun (or will not come), not after the pieces of other entries queued before it
+        self._control: deque[_Outgoing] = deque()
+        self._data: deque[_Outgoing] = deque()
+        self._out_cv = threading.Condition()
+        self._reported_dead = False
+        self._threads = [threading.Thread(target=target, name=name, daemon=True)
+                         for target, name in ((self._send_loop, "kv-push-sender"), (self._credit_loop, "kv-push-credit"))]
+        for thread in self._threads:
+            thread.start()
+        self._enqueue((Hello(self._epoch), None), control=True)
+
+    @property
+    def healthy(self) -> bool:
+        """Open, and both threads still running (a dead one is logged once; callers fall back to pull)."""
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self._closed.is_set() and not self._reported_dead:
+            self._reported_dead = True
+            logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)", dead)
+        return not dead and not self._closed.is_set()
+
+    def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:
+        """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
+        False means the consumer has no room (or has not been heard from): serve this entry by pull instead."""
+        if not self.healthy:
+            self.stats["no_credit"] += 1
+            return False
+        with self._cv:
+            if self._credit_epoch != self._epoch or nbytes > self._credit_free - sum(self._sent_begins):
+                self.stats["no_credit"] += 1
+                return False
+            self._sent_begins.append(nbytes)
+            self._begins_total += 1
+            self.stats["begun"] += 1
+        self._enqueue((Begin(key, nbytes, num_layers, num_blocks), None), control=True)
+        return True
+
+    def push(self, key: bytes, layer: int, first_block: int, blocks: torch.Tensor, num_blocks: int) -> None:
+        """Queue one layer's blocks [first_block, first_block + num_blocks) (``blocks`` is not copied: do not reuse
+        it). Returns at once; a sender thread moves it."""
+        self._enqueue((Data(key, layer, first_block, num_blocks), blocks), control=False)
+
+    def commit(self, key: bytes, num_tokens: int, meta: torch.Tensor | None) -> None:
+        """The entry is complete: the consumer may hand it out."""
+        self._enqueue((Commit(key, num_tokens), meta), control=False)
+
+    def notify_pull(self, key: bytes) -> None:
+        """Tell the consumer not to wait for a push of these tokens."""
+        self._enqueue((Pull(key), None), control=True)
+
+    def failed(self, key: bytes) -> bool:
+        """True if sending part of this entry failed (the consumer will not get it)."""
+        with self._cv:
+            return key in self._failed
+
+    def _enqueue(self, item: _Outgoing, control: bool) -> None:
+        with self._out_cv:
+            (self._control if control else self._data).append(item)
+            self._out_cv.notify()
+
+    def _next_outgoing(self) -> _Outgoing | None:
+        """The next message to send, control first; None once closed."""
+        with self._out_cv:
+            while not self._closed.is_set():
+                if self._control:
+                    return self._control.popleft()
+                if self._data:
+                    return self._data.popleft()
+                self._out_cv.wait(_POLL)
+        return None
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._next_outgoing()
+            if item is None:
+                return
+            message, payload = item
+            key = key_of(message)
+            if key in self._failed and not isinstance(message, (Hello, Pull)):
+                continue  # the rest of an entry that failed (its PULL notice still goes)
+            try:
+                self.pipe.send_tensor(encode(message))
+                if isinstance(message, Hello):
+                    self._hello_retries = 0
+                if isinstance(message, (Data, Commit)):
+                    self.pipe.send_tensor(payload)
+                    if payload is not None and isinstance(message, Data):
+                        self.stats["pushed_bytes"] += payload.numel() * payload.element_size()
+                    if isinstance(message, Commit):
+                        self.stats["committed"] += 1
+            except PipeClosed:
+                return
+            except Exception as e:  # a PipeError, or a bug: this entry fails, the sending goes on
+                if not isinstance(e, PipeError):
+                    logger.exception("push channel: sending failed unexpectedly")
+                if isinstance(message, Hello) and isinstance(e, PipeError):  # retried, less and less often (XpYd)
+                    self._hello_retries += 1
+                    log = logger.info if self._hello_retries == 1 else logger.debug
+                    log("push channel: the consumer is not reachable (%s); retrying, less and less often", e)
+                    pause = min(30.0, 2.0 ** min(self._hello_retries - 1, 5))
+                    threading.Timer(pause, self._enqueue, ((message, None), True)).start()
+                    continue
+                with self._cv:
+                    if key not in self._failed:
+                        self._failed.add(key)
+                        self.stats["push_failed"] += 1
+                logger.warning("push channel: sending an entry failed (%s); the consumer will recompute it", e)
+
+    def _credit_loop(self) -> None:
+        last_hello = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                message = parse(self.pipe.recv_tensor(timeout=_POLL))
+            except PipeStalled as e:  # _POLL bounds only the wait for a message to start
+                self.stats["lost"] += 1
+                logger.warning("push channel: a credit from the consumer broke off (%s); its next one replaces it", e)
+                continue
+            except PipeTimeout:
+                continue
+            except PipeClosed:
+                return
+            except (PipeError, ValueError) as e:
+                self.stats["malformed"] += 1
+                logger.warning("push channel: ignored a bad message from the consumer: %s", e)
+                continue
+            except Exception:  # a bug must not end the credit loop for good
+                self.stats["malformed"] += 1
+                logger.exception("push channel: reading the consumer's credit failed; skipped")
+                continue
+            if not isinstance(message, Credit):
+                self.stats["malformed"] += 1
+                logger.warning("push channel: unexpected %s from the consumer", type(message).__name__.upper())
+                continue
+            with self._cv:
+                if message.epoch != self._epoch:  # a consumer that has not met this producer yet (or restarted)
+                    self._credit_epoch = -1
+                    if time.monotonic() - last_hello > 1.0 or self.stats["begun"] == 0:
+                        last_hello = time.monotonic()
+                        self._begins_total = 0  # the consumer counts BEGINs from this HELLO on
+                        self._sent_begins.clear()
+                        self._enqueue((Hello(self._epoch), None), control=True)
+                    continue
+                uncounted = self._begins_total - message.begun
+                while len(self._sent_begins) > max(uncounted, 0):
+                    self._sent_begins.popleft()
+                self._credit_free, self._credit_epoch = message.free_bytes, message.epoch
+
+    def close(self) -> None:
+        """Stop the threads (the pipe is the caller's to close). Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._out_cv:
+            self._out_cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=2.0)

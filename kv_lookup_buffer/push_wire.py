@@ -1,0 +1,150 @@
+"""The wire protocol of the push channel (``push_sender`` / ``push_receiver``): its messages, built and parsed here only.
+
+Messages, all on one pipe: an int64 header ``[MAGIC, VERSION, kind, k0, k1, k2, k3, f0, f1, f2, f3]`` (``k`` = the
+SHA-256 of the entry's tokens, as four int64; ``f``: the message's fields in the order below, unused ones 0),
+followed by one tensor for DATA and COMMIT.
+
+producer -> consumer
+  HELLO   epoch                              a (re)started producer; the consumer answers with a CREDIT
+  BEGIN   nbytes, num_layers, num_blocks     an entry of this size follows (sent once the credit allows it)
+  DATA    layer, first_block, num_blocks     + a tensor: ``num_blocks`` blocks of one layer, from ``first_block``
+  COMMIT  num_tokens                         + a tensor (the caller's metadata, e.g. a layout descriptor)
+  PULL                                       these tokens go through the pull path: stop waiting for a push
+  ABORT                                      the producer gave up on this entry
+consumer -> producer
+  CREDIT  epoch, free_bytes, begun           free staging bytes once the first ``begun`` BEGINs of ``epoch`` count
+
+Each kind is a dataclass whose fields are named for what they mean; ``encode`` lays one out as a header and ``parse``
+reads one back, checking magic, version, kind and that no field is negative (ranges against the BEGIN are the
+receiver's to check). Nothing on the wire is executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+MAGIC, VERSION = 0x4D4B5642, 1  # "MKVB"
+HELLO, BEGIN, DATA, COMMIT, PULL, ABORT, CREDIT = range(1, 8)
+KIND_NAMES = {HELLO: "HELLO", BEGIN: "BEGIN", DATA: "DATA", COMMIT: "COMMIT", PULL: "PULL", ABORT: "ABORT",
+              CREDIT: "CREDIT"}
+HEADER_LEN = 11
+NO_KEY = b"\0" * 32
+_FIELDS = 4  # header words after the key
+
+
+def entry_key(tokens: torch.Tensor | list[int]) -> bytes:
+    """The key of an entry: SHA-256 of its tokens as little-endian int64."""
+    t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).contiguous()
+    return hashlib.sha256(t.numpy().tobytes()).digest()
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A (re)started producer, identified by a random ``epoch``."""
+
+    KIND: ClassVar[int] = HELLO
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Begin:
+    """An entry of ``nbytes`` bytes, ``num_layers`` layers of ``num_blocks`` blocks, follows."""
+
+    KIND: ClassVar[int] = BEGIN
+    key: bytes
+    nbytes: int
+    num_layers: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Data:
+    """``num_blocks`` blocks of ``layer`` from ``first_block`` on: the tensor that follows."""
+
+    KIND: ClassVar[int] = DATA
+    key: bytes
+    layer: int
+    first_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The entry of ``num_tokens`` tokens is complete; its metadata tensor follows."""
+
+    KIND: ClassVar[int] = COMMIT
+    key: bytes
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Pull:
+    """The entry goes through the pull path: do not wait for a push of it."""
+
+    KIND: ClassVar[int] = PULL
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The producer gave up on the entry."""
+
+    KIND: ClassVar[int] = ABORT
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Credit:
+    """``free_bytes`` of staging are free once the first ``begun`` BEGINs after the HELLO of ``epoch`` count."""
+
+    KIND: ClassVar[int] = CREDIT
+    epoch: int
+    free_bytes: int
+    begun: int
+
+
+Message = Hello | Begin | Data | Commit | Pull | Abort | Credit
+_BY_KIND: dict[int, type[Message]] = {cls.KIND: cls for cls in (Hello, Begin, Data, Commit, Pull, Abort, Credit)}
+_KEYED = (Begin, Data, Commit, Pull, Abort)
+PAYLOAD_KINDS = (DATA, COMMIT)  # a tensor follows the header
+
+
+def key_of(message: Message) -> bytes:
+    """The entry a message is about (``NO_KEY`` for HELLO and CREDIT)."""
+    return message.key if isinstance(message, _KEYED) else NO_KEY
+
+
+def encode(message: Message) -> torch.Tensor:
+    """The header of ``message``."""
+    values = tuple(getattr(message, f.name) for f in fields(message))
+    key = NO_KEY
+    if isinstance(message, _KEYED):
+        key, values = values[0], values[1:]
+    words = torch.frombuffer(bytearray(key), dtype=torch.int64).tolist()
+    padded = [*values, *[0] * (_FIELDS - len(values))]
+    return torch.tensor([MAGIC, VERSION, message.KIND, *words, *padded], dtype=torch.int64)
+
+
+def parse(t: torch.Tensor | None) -> Message:
+    """The message in a header; ``ValueError`` saying what is wrong if it is not a valid one."""
+    if t is None or t.dtype != torch.int64 or t.shape != (HEADER_LEN,):
+        what = "None" if t is None else f"{t.dtype} {list(t.shape)}"
+        raise ValueError(f"expected a push header (int64[{HEADER_LEN}]), got {what}")
+    words = t.tolist()
+    if words[0] != MAGIC or words[1] != VERSION:
+        raise ValueError(f"bad push header magic/version {words[0]:#x}/{words[1]}")
+    cls = _BY_KIND.get(words[2])
+    if cls is None:
+        raise ValueError(f"unknown push message kind {words[2]}")
+    rest = words[7:]
+    if any(w < 0 for w in rest):
+        raise ValueError(f"negative field in a {KIND_NAMES[words[2]]} header: {rest}")
+    keyed = issubclass(cls, _KEYED)
+    values = rest[:len(fields(cls)) - keyed]
+    if keyed:
+        return cls(t[3:7].contiguous().numpy().tobytes(), *values)  # type: ignore[call-arg]
+    return cls(*values)  # type: ignore[call-arg]

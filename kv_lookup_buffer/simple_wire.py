@@ -1,0 +1,120 @@
+"""The wire protocol of ``SimpleBuffer``: the frames its consumer and producer exchange, built and parsed here only.
+
+The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
+
+- consumer -> producer, signal pipe: one int64 tensor per request,
+  ``[op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]``:
+  ``OP_DROP_SELECT`` with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi;
+  only the masked tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None,
+  None)``); ``row_start``/``row_stop`` ask for rows [start, stop) of the entry's key (its first dimension), ``stop``
+  -1 for all of them; ``part_start``/``part_stop`` a range of its third dimension (-1: all); ``shares``: how many
+  requests take parts of this entry (it leaves the buffer with the last of them). Or ``OP_CLOSE`` (the consumer is
+  going away).
+- producer -> consumer, data pipe: an int64 tensor ``[ANSWER_MAGIC, status, seq]`` echoing the request's ``seq``:
+  ``HIT`` followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going
+  away; ``seq`` -1).
+
+Every frame is parsed and validated field by field (nothing on the wire is executed); a malformed one raises
+``BadRequest`` (requests) or ``ValueError`` (answers) with a message saying what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+OP_DROP_SELECT, OP_CLOSE = 3, 4  # 1 and 2 were the ops of the 5-field request of older versions
+ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
+HIT, MISS, CLOSED = 0, 1, 2
+ANSWER_MAGIC = 0x4D4B5641  # "MKVA": starts every answer, so that leftovers of an answer that broke off are told apart
+ALL_ROWS = -1
+REQUEST_HEAD = 8  # op, seq, kind, row_start, row_stop, part_start, part_stop, shares
+MAX_SHARES = 1024
+
+
+class BadRequest(ValueError):
+    """A malformed request; ``seq`` is set when the request could still be answered (with MISS)."""
+
+    def __init__(self, message: str, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    seq: int
+    query: list[int] | None = None  # None: any entry
+    rows: tuple[int, int] | None = None  # rows [start, stop) of the key; None: all
+    part: tuple[int, int] | None = None  # a range of the key's third dimension; None: all
+    shares: int = 1
+
+
+def as_mask(roi: torch.Tensor) -> torch.Tensor:
+    """``roi`` as a boolean mask (a float roi counts where it is above one half)."""
+    return roi if roi.dtype == torch.bool else roi > 0.5
+
+
+def masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> torch.Tensor:
+    """The tokens that take part in a match: ``tokens`` where ``roi`` is set, as a 1-D int64 host tensor."""
+    if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"input_tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {list(tokens.shape)}")
+    if roi is not None:
+        if roi.shape != tokens.shape:
+            raise ValueError(f"roi must have the shape of input_tokens {list(tokens.shape)}, got {list(roi.shape)}")
+        tokens = tokens[as_mask(roi)]
+    return tokens.detach().to(device="cpu", dtype=torch.int64)
+
+
+def request_frame(op: int, seq: int, query: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
+                  part: tuple[int, int] | None = None, shares: int = 1) -> torch.Tensor:
+    """The frame of a request (``query``: the roi-masked tokens, None: any entry)."""
+    start, stop = rows if rows is not None else (0, ALL_ROWS)
+    part_start, part_stop = part if part is not None else (0, ALL_ROWS)
+    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop, part_start, part_stop, shares],
+                        dtype=torch.int64)
+    return head if query is None else torch.cat((head, query))
+
+
+def read_request(t: torch.Tensor | None) -> Request:
+    """The request in a frame; ``BadRequest`` (with ``seq`` when it could be read) if malformed."""
+    if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < REQUEST_HEAD:
+        desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+        raise BadRequest("expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, part_start, part_stop, "
+                         f"shares, *tokens], got {desc}")
+    op, seq, kind, start, stop, part_start, part_stop, shares, *query = t.tolist()
+    if op not in (OP_DROP_SELECT, OP_CLOSE):
+        if op in (1, 2):  # its answers have the same form: a MISS tells it at once
+            raise BadRequest(f"unknown op {op}: the consumer runs an older version of this project", seq)
+        raise BadRequest(f"unknown op {op}")
+    if op == OP_CLOSE:
+        return Request(op, seq)
+    if start < 0 or not (stop == ALL_ROWS or stop >= start):
+        raise BadRequest(f"request {seq}: rows [{start}, {stop}) are not a range", seq)
+    rows = None if stop == ALL_ROWS else (start, stop)
+    if part_start < 0 or not (part_stop == ALL_ROWS or part_stop >= part_start):
+        raise BadRequest(f"request {seq}: part [{part_start}, {part_stop}) is not a range", seq)
+    part = None if part_stop == ALL_ROWS else (part_start, part_stop)
+    if not 1 <= shares <= MAX_SHARES:
+        raise BadRequest(f"request {seq}: shares must be 1..{MAX_SHARES}, got {shares}", seq)
+    if kind == ANY and not query:
+        return Request(op, seq, None, rows, part, shares)
+    if kind == QUERY:
+        return Request(op, seq, query, rows, part, shares)
+    raise BadRequest(f"request {seq}: kind must be {QUERY} (tokens follow) or {ANY} (nothing follows), "
+                     f"got {kind} with {len(query)} tokens", seq)
+
+
+def answer_frame(status: int, seq: int) -> torch.Tensor:
+    """The frame that starts an answer (``HIT``, ``MISS`` or ``CLOSED``)."""
+    return torch.tensor([ANSWER_MAGIC, status, seq], dtype=torch.int64)
+
+
+def read_answer(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int]:
+    """(status, seq) of an answer's first frame; ``ValueError`` if it is not one with a status in ``allowed``."""
+    if t is None or t.dtype != torch.int64 or t.shape != (3,) or int(t[0]) != ANSWER_MAGIC or int(t[1]) not in allowed:
+        desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+        raise ValueError(f"malformed {what}: expected an int64 tensor [{ANSWER_MAGIC:#x}, one of {allowed}, seq], "
+                         f"got {desc}")
+    return int(t[1]), int(t[2])
