@@ -42,8 +42,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import common  # noqa: E402
+from harness.pipes import make_config, open_pipe  # noqa: E402
 from kv_lookup_buffer import SimpleBuffer  # noqa: E402
-from tests.kv_pipe.peers import make_config, open_pipe  # noqa: E402
 
 MiB = 1 << 20
 HELD = (1, 1000, 10_000)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     thr = kv_throughput(args.bursts, args.burst)
 
     def us(samples: list[float], q: float) -> float:
-        return statistics.quantiles(samples, n=100)[q - 1] * 1e6 if q != 50 else statistics.median(samples) * 1e6
+        return common.percentile(samples, q) * 1e6
 
     lookup = not args.throughput_only
     if lookup:

@@ -67,8 +67,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import command, commit, cpu, header, native_dtype, vllm_version  # noqa: E402
-from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
+from benchmarks.common import command, commit, cpu, header, native_dtype, percentile, vllm_version  # noqa: E402
+from harness.ports import HOST, free_port  # noqa: E402
+from harness.processes import http_ok, spawn, stop, wait_ready  # noqa: E402
+from harness.vllm import VllmServer  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
 SERVE_ARGS = ["--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "8"]
@@ -308,12 +310,6 @@ class Stacks:
 
 
 # ----------------------------------------------------------------------------- statistics and report
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))  # nearest rank
-    return ordered[rank - 1]
-
-
 def summarize(samples: list[Sample], lengths: list[int]) -> list[Row]:
     rows = []
     reference = {(s.length, s.iteration): s.text for s in samples if s.mode == "colocated"}

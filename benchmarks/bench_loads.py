@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from tests.servers import VllmServer, free_port, start_vllm  # noqa: E402
+from harness.ports import free_port  # noqa: E402
+from harness.vllm import VllmServer, start_vllm  # noqa: E402
 
 MODEL = ROOT / ".cache" / "models" / "kv32k"
 BLOCK = 128

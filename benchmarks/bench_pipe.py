@@ -41,7 +41,6 @@ import argparse
 import gc
 import importlib.metadata
 import json
-import math
 import multiprocessing as mp
 import multiprocessing.queues as mpq
 import os
@@ -71,11 +70,12 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: measure this checkout's pipe (not an installed copy), and
-    sys.path.insert(0, str(REPO_ROOT))  # make its test helpers importable
+    sys.path.insert(0, str(REPO_ROOT))  # make the harness importable
 
 from benchmarks import common  # noqa: E402
+from harness.pipes import make_config  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig  # noqa: E402
-from tests.kv_pipe.peers import free_port, make_config  # noqa: E402
 
 HOST = "127.0.0.1"
 KiB, MiB = 1 << 10, 1 << 20
@@ -139,14 +139,6 @@ class Plan:
         return self.warmup + self.repeats[size]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (``q`` in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class Stats:
     size: int
@@ -158,7 +150,7 @@ class Stats:
 
     @classmethod
     def of(cls, size: int, latencies: list[float]) -> Stats:
-        return cls(size, len(latencies), statistics.median(latencies), percentile(latencies, 90), min(latencies),
+        return cls(size, len(latencies), statistics.median(latencies), common.percentile(latencies, 90), min(latencies),
                    max(latencies))
 
     @property

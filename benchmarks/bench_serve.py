@@ -80,7 +80,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_e2e import Stacks, fmt, serve_args_for, stream  # noqa: E402
 from benchmarks.common import cpu, header, native_dtype, vllm_version, write  # noqa: E402
-from tests.servers import HOST, VllmServer, spawn, stop  # noqa: E402
+from harness.ports import HOST  # noqa: E402
+from harness.processes import spawn, stop  # noqa: E402
+from harness.vllm import VllmServer  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")
 LABELS = {"colocated": "colocated x2", "ours": "ours pull", "push": "ours push", "builtin": "built-in"}

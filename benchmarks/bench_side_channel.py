@@ -206,7 +206,7 @@ def pipe_sender(ports: tuple[int, int], n: int, out: Any, core: int | None) -> N
 
 # ----------------------------------------------------------------------------- run
 def run(kind: str, senders: int, n: int, pin: bool) -> list[float]:
-    from tests.servers import free_port
+    from harness.ports import free_port
 
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
@@ -247,11 +247,6 @@ def run(kind: str, senders: int, n: int, pin: bool) -> list[float]:
     return lat
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=3000, help="per sender")
@@ -266,7 +261,7 @@ def main() -> int:
                 continue
             lat = run(kind, senders, args.messages, args.pin)
             row = {"kind": kind, "senders": senders, "n": len(lat), "p50_us": statistics.median(lat) * 1e6,
-                   "p99_us": pct(lat, 0.99) * 1e6}
+                   "p99_us": common.percentile(lat, 99) * 1e6}
             rows.append(row)
             print(json.dumps(row), flush=True)
     names = {"socket": "socket frames", "zmq": "zmq", "zmq_curve": "zmq + CURVE", "pipe": "MooncakePipe (inline tensor)"}

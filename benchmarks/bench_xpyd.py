@@ -100,7 +100,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("bench_xpyd")
 

@@ -1,9 +1,12 @@
-"""What every benchmark's results carry: the commit and command that made them, the CPU and the dtype it ran with."""
+"""What every benchmark's results carry (the commit and command that made them, the CPU and the dtype it ran with),
+and the one percentile every table uses."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
+import os
 import platform
 import shlex
 import subprocess
@@ -48,8 +51,6 @@ def cpu() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    import os
-
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in _FLAGS if f in flags]}
 
 
@@ -84,6 +85,17 @@ def write(name: str, data: dict[str, Any], table: str, out_dir: Path = RESULTS) 
     meta = {"commit": commit(), "command": command(), "cpu": cpu(), "when": datetime.now(UTC).isoformat(timespec="seconds")}
     (out_dir / f"{name}.json").write_text(json.dumps({**meta, **data}, indent=1) + "\n")
     (out_dir / f"{name}.md").write_text(table)
+
+
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
+    """The ``q``-th percentile (0..100) of a non-empty sample, interpolated linearly between the two nearest ranks
+    (numpy's default; p50 is ``statistics.median``). Every benchmark's p50/p90/p99 is this one."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of an empty sample")
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def wait_transfer(engine: Any, batch: int, timeout: float, what: str, error: type[Exception] = RuntimeError) -> None:
