@@ -11,7 +11,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -96,18 +95,3 @@ def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
     pos = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def wait_transfer(engine: Any, batch: int, timeout: float, what: str, error: type[Exception] = RuntimeError) -> None:
-    """Wait for a raw Transfer Engine batch as the pipe's ``MooncakeEngine.wait`` does (the binding's blocking wait
-    spins a core at full speed): 64 polls, then 50 us naps between polls. ``what`` names the transfer in the
-    ``error`` raised when it fails or is not done within ``timeout`` seconds."""
-    polls, deadline = 0, time.monotonic() + timeout
-    while (status := engine.transfer_check_status(batch)) == 0:
-        polls += 1
-        if polls > 64:
-            if time.monotonic() > deadline:
-                raise error(f"{what} did not complete within {timeout} s")
-            time.sleep(0.00005)
-    if status != 1:
-        raise error(f"{what} failed (status {status})")
