@@ -46,9 +46,7 @@ not a transfer time, the KV moved during the prefill).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
 import platform
 import random
 import re
@@ -57,7 +55,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -67,29 +64,34 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import command, commit, cpu, header, native_dtype, percentile, vllm_version  # noqa: E402
-from harness.ports import HOST, free_port  # noqa: E402
-from harness.processes import http_ok, spawn, stop, wait_ready  # noqa: E402
-from harness.vllm import VllmServer  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    command,
+    commit,
+    cpu,
+    fmt,
+    header,
+    native_dtype,
+    percentile,
+    vllm_version,
+)
+from benchmarks.stacks import (  # noqa: E402
+    OURS_FAILED,
+    OURS_LOADED,
+    PUSH_SPLIT,
+    LogTail,
+    Stacks,
+    post,
+    serve_args_for,
+    stream,
+)
+from harness.ports import HOST  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "8"]
-
-
-def serve_args_for(dtype: str) -> list[str]:
-    """The ``vllm serve`` arguments every stack gets, computing in ``dtype`` (see ``common.native_dtype``)."""
-    return ["--dtype", dtype, *SERVE_ARGS]
-
 TARGET_TRANSFER_RATIO = 0.6   # ours (pull) / built-in transfer time, at >= 1024 tokens (issue #17)
 TARGET_TTFT_RATIO = 1.25      # ours / colocated, at 1024 tokens (issue #6)
 PUSH_TTFT_TARGETS = {1024: 1.15, 3072: 1.05}  # push / colocated (issue #6)
 PUSH_WAIT_TARGET_MS = 5.0     # push: the consumer's wait for the push's commit once its load starts (issue #6)
-REQUEST_TIMEOUT = 300.0
 
-OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+ \((?:pulled|pushed)\): (\d+) tokens, [^,]*, ([\d.]+) MiB in "
-                         r"([\d.]+) ms")
-PUSH_SPLIT = re.compile(r"\(pushed\).*waited ([\d.]+) ms for the push.* staging area in ([\d.]+) ms")  # wait, copy
-OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
 BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
 BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
 
@@ -126,187 +128,49 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- HTTP client
-def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
-    """POST a streamed completion; returns (seconds to the first chunk, seconds to the end, text)."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
-    start = time.perf_counter()
-    try:
-        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}{path} answered {resp.status}: {resp.read(500)!r}")
-        first: float | None = None
-        text: list[str] = []
-        for line in resp:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter() - start
-            for choice in json.loads(payload).get("choices", []):
-                text.append(choice.get("text") or "")
-        if first is None:
-            raise RuntimeError(f"{url}{path} streamed no tokens")
-        return first, time.perf_counter() - start, "".join(text)
-    finally:
-        conn.close()
-
-
-def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}{path} answered {resp.status}: {data[:500]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
-
-class LogTail:
-    """New text of a log file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, path.stat().st_size if path.exists() else 0
-
-    def new(self) -> str:
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        return data.decode(errors="replace")
-
-
-# ----------------------------------------------------------------------------- the three stacks
-class Stacks:
-    """The servers of the stacks in ``modes``; the benchmark runs one stack at a time (``modes`` of one)."""
-
-    def __init__(self, model: Path, work: Path, modes: tuple[str, ...], serve_args: list[str] | None = None) -> None:
-        self.model, self.work, self.modes = model, work, modes
-        self.serve_args = serve_args_for(native_dtype()) if serve_args is None else serve_args
-        self.servers: dict[str, VllmServer] = {}
-        self.proxy: subprocess.Popen | None = None
-        self.proxy_url = ""
-        self.bootstrap_port = free_port()
-
-    def specs(self) -> list[tuple[str, int, dict[str, Any] | None, Path | None, dict[str, str]]]:
-        """Every instance any stack may use: (name, core, kv_transfer_config, mooncake.json, extra environment);
-        the part of the name before the first "-" is its stack. Writes the stacks' mooncake.json."""
-        mooncake = self.work / "mooncake.json"
-        mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
-                                        "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
-        ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
-        push = {"kv_connector_extra_config": {"transfer_mode": "push"}}
-        shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
-                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-        peers = str(ROOT / "benchmarks" / "peers")
-        builtin_env = {"VLLM_HOST_IP": HOST, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
-                       "PYTHONPATH": os.pathsep.join(p for p in (peers, os.environ.get("PYTHONPATH")) if p)}
-        specs = [
-            ("colocated", 0, None, None, {}),
-            ("ours-producer", 0, {**ours, "kv_role": "kv_producer"}, mooncake, {}),
-            ("ours-consumer", 1, {**ours, "kv_role": "kv_consumer"}, mooncake, {}),
-            ("push-producer", 0, {**ours, "kv_role": "kv_producer", **push}, mooncake, {}),
-            ("push-consumer", 1, {**ours, "kv_role": "kv_consumer", **push}, mooncake, {}),
-            ("builtin-producer", 0, {**shim, "kv_role": "kv_producer", "engine_id": "bench-prefill"}, None, builtin_env),
-            ("builtin-consumer", 1, {**shim, "kv_role": "kv_consumer", "engine_id": "bench-decode"}, None, builtin_env),
-        ]
-        return specs
-
-    def start(self) -> None:
-        began = time.monotonic()
-        try:
-            for name, core, kv, config, env in self.specs():
-                if name.split("-")[0] not in self.modes:
-                    continue
-                self.servers[name] = VllmServer(name, self.model, free_port(), core, self.work, kv, config,
-                                                self.serve_args, env)
-            for name, server in self.servers.items():
-                server.wait_ready()
-                print(f"  {name} is up ({time.monotonic() - began:.0f} s)", flush=True)
-            self.start_front()
-        except BaseException:
-            self.stop()
-            raise
-
-    def start_front(self) -> None:
-        """The proxy in front of a disaggregated stack of ours, if one is in ``modes``."""
-        ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
-        if ours_mode is not None:
-            self.start_proxy([str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
-                              "--decode", self.servers[f"{ours_mode}-consumer"].url, "--log-level", "WARNING"])
-
-    def start_proxy(self, script_args: list[str]) -> None:
-        """Start ``python script_args... --host HOST --port PORT`` as ``self.proxy`` and wait for its /health."""
-        port = free_port()
-        self.proxy_url = f"http://{HOST}:{port}"
-        cmd = [sys.executable, *script_args, "--host", HOST, "--port", str(port)]
-        log = self.work / "proxy.log"
-        self.proxy = spawn(cmd, log)
-        wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
-
-    def stop(self) -> None:
-        if self.proxy is not None:
-            stop(self.proxy)
-        for server in self.servers.values():
-            server.stop()
-
-    def body(self, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-        return {"model": str(self.model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, **extra}
-
-    def run(self, mode: str, tokens: list[int], max_tokens: int, iteration: int) -> Sample:
-        if mode == "colocated":
-            ttft, e2e, text = stream(self.servers["colocated"].url, "/v1/completions", self.body(tokens, max_tokens))
-            return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
-        if mode in ("ours", "push"):
-            consumer = LogTail(self.servers[f"{mode}-consumer"].log)
-            ttft, e2e, text = stream(self.proxy_url, "/v1/completions", self.body(tokens, max_tokens))
-            sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
-            log = consumer.new()
-            loaded = OURS_LOADED.findall(log)
-            if len(loaded) == 1:
-                _, mib, ms = loaded[0]
-                sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
-                waited = PUSH_SPLIT.search(log)
-                sample.wait_ms = float(waited.group(1)) if waited else None
-            else:
-                failed = OURS_FAILED.findall(log)
-                sample.note = f"{len(loaded)} load lines, {len(failed)} failure lines"
-            return sample
-        producer_log = LogTail(self.servers["builtin-producer"].log)
-        consumer_log = LogTail(self.servers["builtin-consumer"].log)
-        transfer_id = uuid.uuid4().hex
-        start = time.perf_counter()
-        post(self.servers["builtin-producer"].url, "/v1/completions",
-             self.body(tokens, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
-        prefill = time.perf_counter() - start
-        params = {"do_remote_prefill": True, "remote_engine_id": "bench-prefill", "transfer_id": transfer_id,
-                  "remote_bootstrap_addr": f"http://{HOST}:{self.bootstrap_port}"}
-        ttft, e2e, text = stream(self.servers["builtin-consumer"].url, "/v1/completions",
-                                 self.body(tokens, max_tokens, kv_transfer_params=params))
-        sample = Sample(mode, len(tokens), iteration, (prefill + ttft) * 1e3, (prefill + e2e) * 1e3, text,
-                        prefill_ms=prefill * 1e3)
-        recvs = BUILTIN_RECV.findall(consumer_log.new())
-        sends = BUILTIN_SEND.findall(producer_log.new())
-        if len(recvs) == 1 and sends and all(int(ret) == 0 for *_, ret in sends):
-            sample.transfer_ms = (float(recvs[0][1]) - float(recvs[0][0])) * 1e3
-            sample.transfer_bytes = sum(int(nbytes) for _, _, nbytes, _ in sends)
-            sample.wire_ms = (max(float(end) for _, end, _, _ in sends) - min(float(s) for s, *_ in sends)) * 1e3
+# ----------------------------------------------------------------------------- one request
+def measure(stacks: Stacks, mode: str, tokens: list[int], max_tokens: int, iteration: int) -> Sample:
+    """One streamed request of ``tokens`` to the started stack ``mode``, timed, with its KV transfer from the logs."""
+    if mode == "colocated":
+        ttft, e2e, text = stream(stacks.servers["colocated"].url, "/v1/completions", stacks.body(tokens, max_tokens))
+        return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+    if mode in ("ours", "push"):
+        consumer = LogTail(stacks.servers[f"{mode}-consumer"].log)
+        ttft, e2e, text = stream(stacks.proxy_url, "/v1/completions", stacks.body(tokens, max_tokens))
+        sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+        log = consumer.new()
+        loaded = OURS_LOADED.findall(log)
+        if len(loaded) == 1:
+            _, mib, ms = loaded[0]
+            sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
+            waited = PUSH_SPLIT.search(log)
+            sample.wait_ms = float(waited.group(1)) if waited else None
         else:
-            sample.note = f"{len(recvs)} pulls, {len(sends)} writes"
+            failed = OURS_FAILED.findall(log)
+            sample.note = f"{len(loaded)} load lines, {len(failed)} failure lines"
         return sample
-
-    def external_hits(self) -> dict[str, float]:
-        return {name: self.servers[name].metric("vllm:external_prefix_cache_hits_total")
-                for name in ("ours-consumer", "push-consumer", "builtin-consumer") if name in self.servers}
+    producer_log = LogTail(stacks.servers["builtin-producer"].log)
+    consumer_log = LogTail(stacks.servers["builtin-consumer"].log)
+    transfer_id = uuid.uuid4().hex
+    start = time.perf_counter()
+    post(stacks.servers["builtin-producer"].url, "/v1/completions",
+         stacks.body(tokens, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
+    prefill = time.perf_counter() - start
+    params = {"do_remote_prefill": True, "remote_engine_id": "bench-prefill", "transfer_id": transfer_id,
+              "remote_bootstrap_addr": f"http://{HOST}:{stacks.bootstrap_port}"}
+    ttft, e2e, text = stream(stacks.servers["builtin-consumer"].url, "/v1/completions",
+                             stacks.body(tokens, max_tokens, kv_transfer_params=params))
+    sample = Sample(mode, len(tokens), iteration, (prefill + ttft) * 1e3, (prefill + e2e) * 1e3, text,
+                    prefill_ms=prefill * 1e3)
+    recvs = BUILTIN_RECV.findall(consumer_log.new())
+    sends = BUILTIN_SEND.findall(producer_log.new())
+    if len(recvs) == 1 and sends and all(int(ret) == 0 for *_, ret in sends):
+        sample.transfer_ms = (float(recvs[0][1]) - float(recvs[0][0])) * 1e3
+        sample.transfer_bytes = sum(int(nbytes) for _, _, nbytes, _ in sends)
+        sample.wire_ms = (max(float(end) for _, end, _, _ in sends) - min(float(s) for s, *_ in sends)) * 1e3
+    else:
+        sample.note = f"{len(recvs)} pulls, {len(sends)} writes"
+    return sample
 
 
 # ----------------------------------------------------------------------------- statistics and report
@@ -335,10 +199,6 @@ def summarize(samples: list[Sample], lengths: list[int]) -> list[Row]:
                              if any(s.prefill_ms for s in mine) else None,
                              "notes": sorted({s.note for s in mine if s.note})}))
     return rows
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(rows: list[Row], lengths: list[int]) -> str:
@@ -466,7 +326,7 @@ def main() -> int:
                     for i in range(-args.warmup, args.requests):
                         tokens = [rng.randrange(3, vocab) for _ in range(length)]
                         iteration = round_ * args.requests + i
-                        sample = stacks.run(mode, tokens, args.max_tokens, iteration)
+                        sample = measure(stacks, mode, tokens, args.max_tokens, iteration)
                         if i < 0:
                             continue
                         samples.append(sample)
