@@ -94,8 +94,8 @@ def produce_kv(cfgs: dict[str, dict[str, Any]], entries: int, inserted: dict[str
 # ----------------------------------------------------------------------------- consumer (this process)
 def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
     """The bare pipe and the two buffers measured side by side, in the same two processes, in rounds of one burst
-    of ``burst`` entries each (after one untimed round): the host's speed drifts by 2x within minutes here, and
-    interleaving makes every mode see the same drift.
+    of ``burst`` entries each (after one untimed round): a shared host's speed drifts within minutes, and
+    interleaving makes every mode see the same drift (benchmarks/results/NOTES.md).
 
     A buffer burst lasts from its first ``drop_select`` until the last entry arrived *and* the producer finished
     the inserts that refill the buffer (they run concurrently, as in real use; with "copy" their copies are part

@@ -3,7 +3,7 @@
 Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
 scripts/setup.sh; bfloat16 where the CPU computes it natively, else float32 and twice the KV: ``--dtype``), all
 started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one after the other in
-one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
+one run, each alone on the machine (instances of other stacks running next to it would disturb its figures):
 
 - ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
 - ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
@@ -13,7 +13,7 @@ one run, each alone on the machine (five instances at once on 2 cores disturbed 
   ``benchmarks/peers/builtin_mooncake_shim.py`` (a CPU device shim plus timing, benchmark only). vLLM ships no proxy
   for it here, so the client plays its proxy: a ``max_tokens=1`` prefill with ``do_remote_decode`` on the producer,
   then the streamed request with ``do_remote_prefill`` on the consumer. (No extra HTTP hop: that favours the built-in
-  by the proxy's cost, ~1 ms per bench_proxy.py.)
+  by the proxy's cost, which bench_proxy.py measures.)
 
 Every stack gets the same sequence of fresh random prompts (token ids, one seed), one request at a time, streaming,
 ``max_tokens`` tokens with ``ignore_eos``. Measured per request:
@@ -34,9 +34,9 @@ Run (from the repository root; ~20 minutes: 2 rounds x 4 stacks, each started af
 
 It prints a markdown table and writes bench_e2e.json, bench_e2e.md and bench_e2e.png to ``--out-dir``
 (default benchmarks/results). Targets: our pull transfer time <= 0.6x the built-in's at 1024 tokens and up (issue
-#17); issue #6's, set when a 1024-token prefill took ~4x longer here than it does now in bfloat16: disaggregated TTFT
-<= 1.25x colocated at 1024 tokens (pull); push mode: TTFT <= 1.15x colocated at 1024 tokens and <= 1.05x at 3072, and
-the consumer's wait for the push's commit once its load starts <= 5 ms.
+#17); disaggregated TTFT <= 1.25x colocated at 1024 tokens (pull; issue #6); push mode: TTFT <= 1.15x colocated at
+1024 tokens and <= 1.05x at 3072, and the consumer's wait for the push's commit once its load starts <= 5 ms (issue
+#6). benchmarks/results/NOTES.md says how these targets relate to the machine they were set on.
 
 ``push`` is our stack with ``"transfer_mode": "push"``; its "KV load" is the consumer's load: the wait for a push
 still in flight plus the copy from the staging area into the paged cache (shown as wait + copy, with no GB/s: it is
@@ -311,9 +311,9 @@ def main() -> int:
     hits: dict[str, float] = {}
     expected_hits = args.rounds * sum((args.warmup + args.requests) * (length - 1) for length in args.lengths)
     for round_ in range(args.rounds):
-        # One stack at a time, alone on the machine as in a deployment (five instances at once on 2 cores made every
-        # figure noisy). Rounds alternate the order of the stacks, so that a slow drift of the machine does not favour
-        # one of them; within a round every stack gets the same prompts.
+        # One stack at a time, alone on the machine as in a deployment. Rounds alternate the order of the stacks, so
+        # that a slow drift of the machine does not favour one of them; within a round every stack gets the same
+        # prompts.
         for mode in modes if round_ % 2 == 0 else modes[::-1]:
             stacks = Stacks(model, work, (mode,), serve_args_for(dtype))
             print(f"round {round_ + 1}/{args.rounds}, {mode}: starting {1 if mode == 'colocated' else 2} vLLM "

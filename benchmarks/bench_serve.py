@@ -102,9 +102,8 @@ GOODPUT_RATIO_TARGET = 1.2      # 1P1D / colocated best goodput
 PUSH_TTFT_RATIO_TARGET = 1.05   # push / colocated TTFT p50, one request at a time, 1024 tokens
 CLIENT_TIMEOUT = 1800.0         # one vllm bench serve run
 
-# Request rates (req/s) per prompt length, measured on this 2-core box: one core prefills 1024 tokens in ~0.18 s and
-# 3072 in ~0.65 s, but decodes at ~15 ms a token (the tiny model's cost is per step, not per token), so a request's
-# 128 tokens take ~2 s and the load is decode-bound: the colocated pair sustains ~1.3-1.5 req/s at 1024 tokens.
+# Request rates (req/s) per prompt length: from light load to beyond what the colocated pair sustains (the load is
+# decode-bound; benchmarks/results/NOTES.md has the figures these sweeps were chosen from).
 REDUCED = {"rates": {1024: [0.25, 0.5, 1.0, 2.0], 3072: [0.5]}, "duration": 8.0, "prompts": 8, "mc1_prompts": 5}
 FULL = {"rates": {1024: [0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0], 3072: [0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5]},
         "duration": 40.0, "prompts": 16, "mc1_prompts": 16}
