@@ -246,14 +246,11 @@ class Run:
         deadline = time.monotonic() + timeout
         while len(got) < want:
             try:
-                msg = json.loads(self.outbox.get(timeout=0.5))
-            except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    late = sorted(set(range(want)) - set(got))
-                    raise BenchError(f"{self.spec.stack} {self.spec.shape}: {role}s {late} did not report '{kind}' "
-                                     f"within {timeout:.0f} s") from None
-                continue
+                msg = json.loads(procs.get(self.outbox, deadline - time.monotonic(), self._check_alive, kind))
+            except TimeoutError:
+                late = sorted(set(range(want)) - set(got))
+                raise BenchError(f"{self.spec.stack} {self.spec.shape}: {role}s {late} did not report '{kind}' "
+                                 f"within {timeout:.0f} s") from None
             self._raise_if_error(msg)
             if msg["role"] == role and msg["kind"] == kind:
                 got[msg["index"]] = msg
