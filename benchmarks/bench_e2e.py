@@ -51,7 +51,6 @@ import platform
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +84,7 @@ from benchmarks.stacks import (  # noqa: E402
     stream,
 )
 from harness.ports import HOST  # noqa: E402
+from harness.vllm import build_model  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
 TARGET_TRANSFER_RATIO = 0.6   # ours (pull) / built-in transfer time, at >= 1024 tokens (issue #17)
@@ -295,7 +295,7 @@ def main() -> int:
 
     model = ROOT / ".cache" / "models" / "kv32k"
     if not (model / "config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", "kv32k"], check=True)
+        model = build_model("kv32k")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     too_long = [n for n in args.lengths if n + args.max_tokens > 4608]
     if too_long:
