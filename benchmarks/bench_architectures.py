@@ -21,7 +21,6 @@ import json
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from harness.ports import free_port, port_pair  # noqa: E402
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 from scripts.build_tiny_model import kv_bytes_per_token  # noqa: E402
-from tests.kv_connector.conftest import connector_config, mooncake_json  # noqa: E402
-from tests.kv_connector.test_tensor_parallel import port_pair  # noqa: E402
-from tests.servers import VllmServer, free_port, start_vllm  # noqa: E402
 
 LENGTHS = [150, 300, 500, 800, 1100, 1500]
 MAX_TOKENS = 12
@@ -42,12 +40,6 @@ ARCHS = ["tiny", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 RUNS = [(a, m, 1, 1) for a in ARCHS for m in ("pull", "push")] + \
        [(a, "pull", p, c) for a in ("tiny", "deepseek_mla") for p, c in ((2, 2), (2, 1), (1, 2))]
 LOAD_LINE = re.compile(r"loaded request \S+ \((pulled|pushed)\): .* in ([\d.]+) ms")
-
-
-def model(preset: str) -> Path:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", preset], check=True,
-                   stdout=subprocess.DEVNULL)
-    return ROOT / ".cache" / "models" / preset
 
 
 def serve_args(tp: int) -> list[str]:
@@ -60,7 +52,7 @@ def tp_env(tp: int, core: int) -> dict[str, str]:
 
 
 def run(preset: str, mode: str, ptp: int, ctp: int, work: Path, cases: list[list[int]]) -> dict:
-    path = model(preset)
+    path = build_model(preset, quiet=True)
     cfg = mooncake_json(work / f"{preset}-{mode}-{ptp}{ctp}.json", prefill_url=f"127.0.0.1:{port_pair()}",
                         decode_url=f"127.0.0.1:{port_pair()}")
     name = f"{preset}-{mode}-tp{ptp}to{ctp}"

@@ -3,7 +3,7 @@
 Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
 scripts/setup.sh; bfloat16 where the CPU computes it natively, else float32 and twice the KV: ``--dtype``), all
 started by this script on 127.0.0.1, each vLLM instance pinned to one core. The stacks run one after the other in
-one run, each alone on the machine (five instances at once on 2 cores disturbed each other's figures):
+one run, each alone on the machine (instances of other stacks running next to it would disturb its figures):
 
 - ``colocated``: one vLLM instance (core 0), no connector; the client streams from it directly.
 - ``ours``: a producer (core 0) and a consumer (core 1) with ``kv_connector.mooncake_connector`` over one mooncake.json
@@ -13,7 +13,7 @@ one run, each alone on the machine (five instances at once on 2 cores disturbed 
   ``benchmarks/peers/builtin_mooncake_shim.py`` (a CPU device shim plus timing, benchmark only). vLLM ships no proxy
   for it here, so the client plays its proxy: a ``max_tokens=1`` prefill with ``do_remote_decode`` on the producer,
   then the streamed request with ``do_remote_prefill`` on the consumer. (No extra HTTP hop: that favours the built-in
-  by the proxy's cost, ~1 ms per bench_proxy.py.)
+  by the proxy's cost, which bench_proxy.py measures.)
 
 Every stack gets the same sequence of fresh random prompts (token ids, one seed), one request at a time, streaming,
 ``max_tokens`` tokens with ``ignore_eos``. Measured per request:
@@ -34,9 +34,9 @@ Run (from the repository root; ~20 minutes: 2 rounds x 4 stacks, each started af
 
 It prints a markdown table and writes bench_e2e.json, bench_e2e.md and bench_e2e.png to ``--out-dir``
 (default benchmarks/results). Targets: our pull transfer time <= 0.6x the built-in's at 1024 tokens and up (issue
-#17); issue #6's, set when a 1024-token prefill took ~4x longer here than it does now in bfloat16: disaggregated TTFT
-<= 1.25x colocated at 1024 tokens (pull); push mode: TTFT <= 1.15x colocated at 1024 tokens and <= 1.05x at 3072, and
-the consumer's wait for the push's commit once its load starts <= 5 ms.
+#17); disaggregated TTFT <= 1.25x colocated at 1024 tokens (pull; issue #6); push mode: TTFT <= 1.15x colocated at
+1024 tokens and <= 1.05x at 3072, and the consumer's wait for the push's commit once its load starts <= 5 ms (issue
+#6). benchmarks/results/NOTES.md says how these targets relate to the machine they were set on.
 
 ``push`` is our stack with ``"transfer_mode": "push"``; its "KV load" is the consumer's load: the wait for a push
 still in flight plus the copy from the staging area into the paged cache (shown as wait + copy, with no GB/s: it is
@@ -46,18 +46,14 @@ not a transfer time, the KV moved during the prefill).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
 import platform
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -67,27 +63,35 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import command, commit, cpu, header, native_dtype, vllm_version  # noqa: E402
-from tests.servers import HOST, VllmServer, free_port, http_ok, spawn, stop, wait_ready  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    command,
+    commit,
+    cpu,
+    fmt,
+    header,
+    native_dtype,
+    percentile,
+    vllm_version,
+)
+from benchmarks.stacks import (  # noqa: E402
+    OURS_FAILED,
+    OURS_LOADED,
+    PUSH_SPLIT,
+    LogTail,
+    Stacks,
+    post,
+    serve_args_for,
+    stream,
+)
+from harness.ports import HOST  # noqa: E402
+from harness.vllm import build_model  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")  # ours = our connector in pull mode, push = in push mode
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "4608", "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "8"]
-
-
-def serve_args_for(dtype: str) -> list[str]:
-    """The ``vllm serve`` arguments every stack gets, computing in ``dtype`` (see ``common.native_dtype``)."""
-    return ["--dtype", dtype, *SERVE_ARGS]
-
 TARGET_TRANSFER_RATIO = 0.6   # ours (pull) / built-in transfer time, at >= 1024 tokens (issue #17)
 TARGET_TTFT_RATIO = 1.25      # ours / colocated, at 1024 tokens (issue #6)
 PUSH_TTFT_TARGETS = {1024: 1.15, 3072: 1.05}  # push / colocated (issue #6)
 PUSH_WAIT_TARGET_MS = 5.0     # push: the consumer's wait for the push's commit once its load starts (issue #6)
-REQUEST_TIMEOUT = 300.0
 
-OURS_LOADED = re.compile(r"MooncakeConnector: loaded request \S+ \((?:pulled|pushed)\): (\d+) tokens, [^,]*, ([\d.]+) MiB in "
-                         r"([\d.]+) ms")
-PUSH_SPLIT = re.compile(r"\(pushed\).*waited ([\d.]+) ms for the push.* staging area in ([\d.]+) ms")  # wait, copy
-OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the producer holds no KV|.*recomputing)")
 BUILTIN_SEND = re.compile(r"BENCH builtin send start=([\d.]+) end=([\d.]+) bytes=(\d+) descs=\d+ ret=(-?\d+)")
 BUILTIN_RECV = re.compile(r"BENCH builtin recv start=([\d.]+) end=([\d.]+) reqs=\d+ blocks=(\d+)")
 
@@ -124,196 +128,52 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- HTTP client
-def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
-    """POST a streamed completion; returns (seconds to the first chunk, seconds to the end, text)."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
-    start = time.perf_counter()
-    try:
-        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}{path} answered {resp.status}: {resp.read(500)!r}")
-        first: float | None = None
-        text: list[str] = []
-        for line in resp:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter() - start
-            for choice in json.loads(payload).get("choices", []):
-                text.append(choice.get("text") or "")
-        if first is None:
-            raise RuntimeError(f"{url}{path} streamed no tokens")
-        return first, time.perf_counter() - start, "".join(text)
-    finally:
-        conn.close()
-
-
-def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}{path} answered {resp.status}: {data[:500]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
-
-class LogTail:
-    """New text of a log file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, path.stat().st_size if path.exists() else 0
-
-    def new(self) -> str:
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        return data.decode(errors="replace")
-
-
-# ----------------------------------------------------------------------------- the three stacks
-class Stacks:
-    """The servers of the stacks in ``modes``; the benchmark runs one stack at a time (``modes`` of one)."""
-
-    def __init__(self, model: Path, work: Path, modes: tuple[str, ...], serve_args: list[str] | None = None) -> None:
-        self.model, self.work, self.modes = model, work, modes
-        self.serve_args = serve_args_for(native_dtype()) if serve_args is None else serve_args
-        self.servers: dict[str, VllmServer] = {}
-        self.proxy: subprocess.Popen | None = None
-        self.proxy_url = ""
-        self.bootstrap_port = free_port()
-
-    def specs(self) -> list[tuple[str, int, dict[str, Any] | None, Path | None, dict[str, str]]]:
-        """Every instance any stack may use: (name, core, kv_transfer_config, mooncake.json, extra environment);
-        the part of the name before the first "-" is its stack. Writes the stacks' mooncake.json."""
-        mooncake = self.work / "mooncake.json"
-        mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
-                                        "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
-        ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
-        push = {"kv_connector_extra_config": {"transfer_mode": "push"}}
-        shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
-                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-        peers = str(ROOT / "benchmarks" / "peers")
-        builtin_env = {"VLLM_HOST_IP": HOST, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
-                       "PYTHONPATH": os.pathsep.join(p for p in (peers, os.environ.get("PYTHONPATH")) if p)}
-        specs = [
-            ("colocated", 0, None, None, {}),
-            ("ours-producer", 0, {**ours, "kv_role": "kv_producer"}, mooncake, {}),
-            ("ours-consumer", 1, {**ours, "kv_role": "kv_consumer"}, mooncake, {}),
-            ("push-producer", 0, {**ours, "kv_role": "kv_producer", **push}, mooncake, {}),
-            ("push-consumer", 1, {**ours, "kv_role": "kv_consumer", **push}, mooncake, {}),
-            ("builtin-producer", 0, {**shim, "kv_role": "kv_producer", "engine_id": "bench-prefill"}, None, builtin_env),
-            ("builtin-consumer", 1, {**shim, "kv_role": "kv_consumer", "engine_id": "bench-decode"}, None, builtin_env),
-        ]
-        return specs
-
-    def start(self) -> None:
-        began = time.monotonic()
-        try:
-            for name, core, kv, config, env in self.specs():
-                if name.split("-")[0] not in self.modes:
-                    continue
-                self.servers[name] = VllmServer(name, self.model, free_port(), core, self.work, kv, config,
-                                                self.serve_args, env)
-            for name, server in self.servers.items():
-                server.wait_ready()
-                print(f"  {name} is up ({time.monotonic() - began:.0f} s)", flush=True)
-            self.start_front()
-        except BaseException:
-            self.stop()
-            raise
-
-    def start_front(self) -> None:
-        """The proxy in front of a disaggregated stack of ours, if one is in ``modes``."""
-        ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
-        if ours_mode is not None:
-            self.start_proxy([str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
-                              "--decode", self.servers[f"{ours_mode}-consumer"].url, "--log-level", "WARNING"])
-
-    def start_proxy(self, script_args: list[str]) -> None:
-        """Start ``python script_args... --host HOST --port PORT`` as ``self.proxy`` and wait for its /health."""
-        port = free_port()
-        self.proxy_url = f"http://{HOST}:{port}"
-        cmd = [sys.executable, *script_args, "--host", HOST, "--port", str(port)]
-        log = self.work / "proxy.log"
-        self.proxy = spawn(cmd, log)
-        wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
-
-    def stop(self) -> None:
-        if self.proxy is not None:
-            stop(self.proxy)
-        for server in self.servers.values():
-            server.stop()
-
-    def body(self, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-        return {"model": str(self.model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, **extra}
-
-    def run(self, mode: str, tokens: list[int], max_tokens: int, iteration: int) -> Sample:
-        if mode == "colocated":
-            ttft, e2e, text = stream(self.servers["colocated"].url, "/v1/completions", self.body(tokens, max_tokens))
-            return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
-        if mode in ("ours", "push"):
-            consumer = LogTail(self.servers[f"{mode}-consumer"].log)
-            ttft, e2e, text = stream(self.proxy_url, "/v1/completions", self.body(tokens, max_tokens))
-            sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
-            log = consumer.new()
-            loaded = OURS_LOADED.findall(log)
-            if len(loaded) == 1:
-                _, mib, ms = loaded[0]
-                sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
-                waited = PUSH_SPLIT.search(log)
-                sample.wait_ms = float(waited.group(1)) if waited else None
-            else:
-                failed = OURS_FAILED.findall(log)
-                sample.note = f"{len(loaded)} load lines, {len(failed)} failure lines"
-            return sample
-        producer_log = LogTail(self.servers["builtin-producer"].log)
-        consumer_log = LogTail(self.servers["builtin-consumer"].log)
-        transfer_id = uuid.uuid4().hex
-        start = time.perf_counter()
-        post(self.servers["builtin-producer"].url, "/v1/completions",
-             self.body(tokens, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
-        prefill = time.perf_counter() - start
-        params = {"do_remote_prefill": True, "remote_engine_id": "bench-prefill", "transfer_id": transfer_id,
-                  "remote_bootstrap_addr": f"http://{HOST}:{self.bootstrap_port}"}
-        ttft, e2e, text = stream(self.servers["builtin-consumer"].url, "/v1/completions",
-                                 self.body(tokens, max_tokens, kv_transfer_params=params))
-        sample = Sample(mode, len(tokens), iteration, (prefill + ttft) * 1e3, (prefill + e2e) * 1e3, text,
-                        prefill_ms=prefill * 1e3)
-        recvs = BUILTIN_RECV.findall(consumer_log.new())
-        sends = BUILTIN_SEND.findall(producer_log.new())
-        if len(recvs) == 1 and sends and all(int(ret) == 0 for *_, ret in sends):
-            sample.transfer_ms = (float(recvs[0][1]) - float(recvs[0][0])) * 1e3
-            sample.transfer_bytes = sum(int(nbytes) for _, _, nbytes, _ in sends)
-            sample.wire_ms = (max(float(end) for _, end, _, _ in sends) - min(float(s) for s, *_ in sends)) * 1e3
+# ----------------------------------------------------------------------------- one request
+def measure(stacks: Stacks, mode: str, tokens: list[int], max_tokens: int, iteration: int) -> Sample:
+    """One streamed request of ``tokens`` to the started stack ``mode``, timed, with its KV transfer from the logs."""
+    if mode == "colocated":
+        ttft, e2e, text = stream(stacks.servers["colocated"].url, "/v1/completions", stacks.body(tokens, max_tokens))
+        return Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+    if mode in ("ours", "push"):
+        consumer = LogTail(stacks.servers[f"{mode}-consumer"].log)
+        ttft, e2e, text = stream(stacks.proxy_url, "/v1/completions", stacks.body(tokens, max_tokens))
+        sample = Sample(mode, len(tokens), iteration, ttft * 1e3, e2e * 1e3, text)
+        log = consumer.new()
+        loaded = OURS_LOADED.findall(log)
+        if len(loaded) == 1:
+            _, mib, ms = loaded[0]
+            sample.transfer_ms, sample.transfer_bytes = float(ms), int(float(mib) * 2**20)
+            waited = PUSH_SPLIT.search(log)
+            sample.wait_ms = float(waited.group(1)) if waited else None
         else:
-            sample.note = f"{len(recvs)} pulls, {len(sends)} writes"
+            failed = OURS_FAILED.findall(log)
+            sample.note = f"{len(loaded)} load lines, {len(failed)} failure lines"
         return sample
-
-    def external_hits(self) -> dict[str, float]:
-        return {name: self.servers[name].metric("vllm:external_prefix_cache_hits_total")
-                for name in ("ours-consumer", "push-consumer", "builtin-consumer") if name in self.servers}
+    producer_log = LogTail(stacks.servers["builtin-producer"].log)
+    consumer_log = LogTail(stacks.servers["builtin-consumer"].log)
+    transfer_id = uuid.uuid4().hex
+    start = time.perf_counter()
+    post(stacks.servers["builtin-producer"].url, "/v1/completions",
+         stacks.body(tokens, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
+    prefill = time.perf_counter() - start
+    params = {"do_remote_prefill": True, "remote_engine_id": "bench-prefill", "transfer_id": transfer_id,
+              "remote_bootstrap_addr": f"http://{HOST}:{stacks.bootstrap_port}"}
+    ttft, e2e, text = stream(stacks.servers["builtin-consumer"].url, "/v1/completions",
+                             stacks.body(tokens, max_tokens, kv_transfer_params=params))
+    sample = Sample(mode, len(tokens), iteration, (prefill + ttft) * 1e3, (prefill + e2e) * 1e3, text,
+                    prefill_ms=prefill * 1e3)
+    recvs = BUILTIN_RECV.findall(consumer_log.new())
+    sends = BUILTIN_SEND.findall(producer_log.new())
+    if len(recvs) == 1 and sends and all(int(ret) == 0 for *_, ret in sends):
+        sample.transfer_ms = (float(recvs[0][1]) - float(recvs[0][0])) * 1e3
+        sample.transfer_bytes = sum(int(nbytes) for _, _, nbytes, _ in sends)
+        sample.wire_ms = (max(float(end) for _, end, _, _ in sends) - min(float(s) for s, *_ in sends)) * 1e3
+    else:
+        sample.note = f"{len(recvs)} pulls, {len(sends)} writes"
+    return sample
 
 
 # ----------------------------------------------------------------------------- statistics and report
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))  # nearest rank
-    return ordered[rank - 1]
-
-
 def summarize(samples: list[Sample], lengths: list[int]) -> list[Row]:
     rows = []
     reference = {(s.length, s.iteration): s.text for s in samples if s.mode == "colocated"}
@@ -339,10 +199,6 @@ def summarize(samples: list[Sample], lengths: list[int]) -> list[Row]:
                              if any(s.prefill_ms for s in mine) else None,
                              "notes": sorted({s.note for s in mine if s.note})}))
     return rows
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(rows: list[Row], lengths: list[int]) -> str:
@@ -439,7 +295,7 @@ def main() -> int:
 
     model = ROOT / ".cache" / "models" / "kv32k"
     if not (model / "config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", "kv32k"], check=True)
+        model = build_model("kv32k")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     too_long = [n for n in args.lengths if n + args.max_tokens > 4608]
     if too_long:
@@ -455,9 +311,9 @@ def main() -> int:
     hits: dict[str, float] = {}
     expected_hits = args.rounds * sum((args.warmup + args.requests) * (length - 1) for length in args.lengths)
     for round_ in range(args.rounds):
-        # One stack at a time, alone on the machine as in a deployment (five instances at once on 2 cores made every
-        # figure noisy). Rounds alternate the order of the stacks, so that a slow drift of the machine does not favour
-        # one of them; within a round every stack gets the same prompts.
+        # One stack at a time, alone on the machine as in a deployment. Rounds alternate the order of the stacks, so
+        # that a slow drift of the machine does not favour one of them; within a round every stack gets the same
+        # prompts.
         for mode in modes if round_ % 2 == 0 else modes[::-1]:
             stacks = Stacks(model, work, (mode,), serve_args_for(dtype))
             print(f"round {round_ + 1}/{args.rounds}, {mode}: starting {1 if mode == 'colocated' else 2} vLLM "
@@ -470,7 +326,7 @@ def main() -> int:
                     for i in range(-args.warmup, args.requests):
                         tokens = [rng.randrange(3, vocab) for _ in range(length)]
                         iteration = round_ * args.requests + i
-                        sample = stacks.run(mode, tokens, args.max_tokens, iteration)
+                        sample = measure(stacks, mode, tokens, args.max_tokens, iteration)
                         if i < 0:
                             continue
                         samples.append(sample)

@@ -41,27 +41,18 @@ import argparse
 import gc
 import importlib.metadata
 import json
-import math
-import multiprocessing as mp
-import multiprocessing.queues as mpq
 import os
 import platform
 import queue
 import re
-import socket
 import statistics
 import subprocess
 import sys
-import threading
-import time
-import traceback
-from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -71,13 +62,23 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: measure this checkout's pipe (not an installed copy), and
-    sys.path.insert(0, str(REPO_ROOT))  # make its test helpers importable
+    sys.path.insert(0, str(REPO_ROOT))  # make the harness importable
 
-from benchmarks import common  # noqa: E402
-from kv_pipe import ConfigError, MooncakePipe, MooncakeTransferEngineConfig  # noqa: E402
-from tests.kv_pipe.peers import free_port, make_config  # noqa: E402
+from benchmarks import common, procs  # noqa: E402
+from benchmarks.pipe_transports import (  # noqa: E402
+    RECEIVERS,
+    STEP_TIMEOUT,
+    Link,
+    Receiver,
+    SenderFailed,
+    check_sender_errors,
+    pattern,
+    sender_main,
+    start_spinner,
+)
+from harness.pipes import make_config  # noqa: E402
+from kv_pipe import ConfigError, MooncakeTransferEngineConfig  # noqa: E402
 
-HOST = "127.0.0.1"
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [4 * KiB, 64 * KiB, 1 * MiB]
@@ -88,11 +89,8 @@ MIN_REPEATS = 3
 TRANSPORTS = ("ours", "ours_out", "raw_te", "socket")
 NOT_RUN = "not run"  # the error of a transport left out with --transports
 BUSY_LOAD = 0.5  # a 1-minute load average above this before the run means someone else is using the CPU
-STEP_TIMEOUT = 120.0  # seconds one transfer (or the sender's start-up) may take before the run is declared stuck
 TARGET_RATIO, TARGET_RATIO_FROM = 0.9, 16 * MiB
 TARGET_LATENCY_US, TARGET_LATENCY_SIZE = 200.0, 4 * KiB
-
-_ctx = mp.get_context("spawn")
 
 
 # ----------------------------------------------------------------------------- sizes, plan, statistics
@@ -139,14 +137,6 @@ class Plan:
         return self.warmup + self.repeats[size]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (``q`` in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class Stats:
     size: int
@@ -158,7 +148,7 @@ class Stats:
 
     @classmethod
     def of(cls, size: int, latencies: list[float]) -> Stats:
-        return cls(size, len(latencies), statistics.median(latencies), percentile(latencies, 90), min(latencies),
+        return cls(size, len(latencies), statistics.median(latencies), common.percentile(latencies, 90), min(latencies),
                    max(latencies))
 
     @property
@@ -182,305 +172,6 @@ class TransportResult:
             self.stats[size] = Stats.of(size, self.latencies[size])
 
 
-def pattern(size: int) -> torch.Tensor:
-    """Deterministic pseudo-random bytes (the same in every process), so the receiver can check what arrived."""
-    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
-
-
-# ----------------------------------------------------------------------------- the two processes' plumbing
-@dataclass
-class Link:
-    """What the receiver (parent) and the sender (child) share."""
-
-    go: mpq.Queue[int | None] = field(default_factory=_ctx.Queue)  # receiver -> sender: a token per transfer, None = stop
-    done: mpq.Queue[float] = field(default_factory=_ctx.Queue)  # sender -> receiver: raw_te write durations
-    errors: mpq.Queue[str] = field(default_factory=_ctx.Queue)  # sender -> receiver: its traceback if it failed
-    stamp: Any = field(default_factory=lambda: _ctx.RawValue("d", 0.0))  # perf_counter() right before a send
-
-
-class SenderFailed(RuntimeError):
-    pass
-
-
-def check_sender_errors(link: Link) -> None:
-    """Raise ``SenderFailed`` with the sender's traceback if it reported an error."""
-    try:
-        error = link.errors.get_nowait()
-    except queue.Empty:
-        return
-    raise SenderFailed(error)
-
-
-def check_sender(proc: BaseProcess, link: Link) -> None:
-    """Raise ``SenderFailed`` if the sender reported an error or died."""
-    check_sender_errors(link)
-    if not proc.is_alive():
-        try:  # it may have reported just before exiting
-            raise SenderFailed(link.errors.get(timeout=1.0))
-        except queue.Empty:
-            raise SenderFailed(f"the sender process exited with code {proc.exitcode}") from None
-
-
-def get_from_sender(q: mpq.Queue[Any], proc: BaseProcess, link: Link, timeout: float = STEP_TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return q.get(timeout=0.2)
-        except queue.Empty:
-            check_sender(proc, link)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the sender sent nothing for {timeout:.0f} s") from None
-
-
-# ----------------------------------------------------------------------------- senders (child process)
-class Sender(Protocol):
-    """One transport's sending end; ``send`` returns the transfer's duration if only the sender can know it."""
-
-    def prepare(self, size: int) -> None: ...
-
-    def send(self, size: int) -> float | None: ...
-
-    def close(self) -> None: ...
-
-
-class PipeSender:
-    def __init__(self, setup: dict[str, Any]) -> None:
-        self.pipe = MooncakePipe(local_rank=0, kv_rank=0, config=MooncakeTransferEngineConfig(**setup["config"]))
-        self.src = torch.empty(0, dtype=torch.uint8)
-
-    def prepare(self, size: int) -> None:
-        self.src = torch.empty(0, dtype=torch.uint8)  # free the previous size's tensor before making the next
-        self.src = pattern(size)
-
-    def send(self, size: int) -> float | None:
-        self.pipe.send_tensor(self.src)
-        return None
-
-    def close(self) -> None:
-        self.pipe.close()
-
-
-class RawTESender:
-    """The pipe's write pattern on the bare engine: ``chunk_size`` writes, ``max_chunks_in_flight`` in flight."""
-
-    def __init__(self, setup: dict[str, Any]) -> None:
-        self.engine = start_engine()
-        self.peer, self.dst_addr = setup["session"], setup["dst_addr"]
-        self.chunk, self.inflight = setup["chunk_size"], setup["max_chunks_in_flight"]
-        self.src = torch.empty(setup["max_size"], dtype=torch.uint8)
-        register(self.engine, self.src)
-
-    def prepare(self, size: int) -> None:
-        self.src[:size].copy_(pattern(size))
-
-    def send(self, size: int) -> float | None:
-        src, pending = self.src.data_ptr(), deque()  # (batch id, bytes) of the writes in flight
-        t0 = time.perf_counter()
-        for pos in range(0, size, self.chunk):
-            length = min(self.chunk, size - pos)
-            batch = self.engine.batch_transfer_async_write(self.peer, [src + pos], [self.dst_addr + pos], [length])
-            if not batch:
-                raise RuntimeError(f"could not start a {length}-byte write to {self.peer}")
-            pending.append((batch, length))
-            if len(pending) >= self.inflight:
-                self._wait(*pending.popleft())
-        while pending:
-            self._wait(*pending.popleft())
-        return time.perf_counter() - t0
-
-    def _wait(self, batch: int, length: int) -> None:
-        common.wait_transfer(self.engine, batch, STEP_TIMEOUT, f"a {length}-byte write to {self.peer}")
-
-    def close(self) -> None:
-        self.engine.unregister_memory(self.src.data_ptr())
-
-
-class SocketSender:
-    def __init__(self, setup: dict[str, Any]) -> None:
-        self.sock = socket.create_connection((HOST, setup["port"]), timeout=STEP_TIMEOUT)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.src = torch.empty(setup["max_size"], dtype=torch.uint8)
-        self.view = memoryview(self.src.numpy()).cast("B")
-
-    def prepare(self, size: int) -> None:
-        self.src[:size].copy_(pattern(size))
-
-    def send(self, size: int) -> float | None:
-        self.sock.sendall(self.view[:size])
-        return None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-SENDERS: dict[str, Callable[[dict[str, Any]], Sender]] = {
-    "ours": PipeSender, "ours_out": PipeSender, "raw_te": RawTESender, "socket": SocketSender}
-
-
-def spin() -> None:
-    """A Python thread that never waits, as vLLM's engine loop while a request waits for its KV (``--busy``): every
-    other thread of the process then waits for the GIL on each wake-up, up to the 5 ms switch interval."""
-    while True:
-        time.monotonic()
-
-
-def start_spinner() -> None:
-    threading.Thread(target=spin, name="busy-spinner", daemon=True).start()
-
-
-def sender_main(transport: str, plan: Plan, link: Link, setup: dict[str, Any], busy: bool = False) -> None:
-    """The child process: one transport, every size; each transfer starts when the receiver's token arrives."""
-    if busy:
-        start_spinner()
-    try:
-        sender = SENDERS[transport](setup)
-        try:
-            for size in plan.sizes:
-                sender.prepare(size)
-                for _ in range(plan.iterations(size)):
-                    if link.go.get(timeout=STEP_TIMEOUT) is None:
-                        return
-                    link.stamp.value = time.perf_counter()
-                    elapsed = sender.send(size)
-                    if elapsed is not None:
-                        link.done.put(elapsed)
-            link.go.get(timeout=STEP_TIMEOUT)  # the receiver's "stop": it has everything, we may tear down
-        finally:
-            sender.close()
-    except BaseException as e:  # the receiver turns this into the transport's error
-        link.errors.put(f"sender ({transport}): {type(e).__name__}: {e}\n{traceback.format_exc()}")
-
-
-# ----------------------------------------------------------------------------- receivers (this process)
-class Receiver(Protocol):
-    """One transport's receiving end. ``setup`` is what the sender needs to reach it; ``receive`` waits for one
-    transfer and returns its one-way latency; ``received`` is the last transfer's bytes, for the check."""
-
-    setup: dict[str, Any]
-
-    def receive(self, size: int, proc: BaseProcess, link: Link) -> float: ...
-
-    def received(self, size: int) -> torch.Tensor: ...
-
-    def close(self) -> None: ...
-
-
-def start_engine() -> Any:
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    if engine.initialize(f"{HOST}:{free_port()}", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("the Transfer Engine failed to initialize (its log above says why)")
-    return engine
-
-
-def register(engine: Any, buf: torch.Tensor) -> None:
-    if engine.register_memory(buf.data_ptr(), buf.numel()) != 0:
-        raise RuntimeError(f"registering {buf.numel()} bytes with the Transfer Engine failed")
-
-
-class PipeReceiver:
-    def __init__(self, config: dict[str, Any], max_size: int) -> None:
-        self.pipe = MooncakePipe(local_rank=0, kv_rank=1, config=MooncakeTransferEngineConfig(**config))
-        self.setup = {"config": config}
-        self.last: torch.Tensor | None = None
-
-    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
-        self.last = None  # never hold two big results at once
-        received = self.pipe.recv_tensor()
-        done = time.perf_counter()
-        if received is None or received.numel() != size:
-            raise RuntimeError(f"expected {size} bytes, received {None if received is None else received.numel()}")
-        self.last = received
-        return done - link.stamp.value
-
-    def received(self, size: int) -> torch.Tensor:
-        assert self.last is not None
-        return self.last
-
-    def close(self) -> None:
-        self.last = None
-        print(f"  results from the pool: {self.pipe.endpoint.results.stats}", flush=True)
-        self.pipe.close()
-
-
-class PipeIntoBufferReceiver(PipeReceiver):
-    def __init__(self, config: dict[str, Any], max_size: int) -> None:
-        super().__init__(config, max_size)
-        self.buffer = torch.ones(max_size, dtype=torch.uint8)  # touched once, reused for every transfer
-
-    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
-        received = self.pipe.recv_tensor(out=self.buffer)
-        done = time.perf_counter()
-        if received is None or received.numel() != size or received.data_ptr() != self.buffer.data_ptr():
-            raise RuntimeError(f"expected {size} bytes in the reused buffer")
-        self.last = received
-        return done - link.stamp.value
-
-    def close(self) -> None:
-        super().close()
-        self.buffer = torch.empty(0)
-
-
-class RawTEReceiver:
-    def __init__(self, config: dict[str, Any], max_size: int) -> None:
-        self.engine = start_engine()
-        self.dst = torch.zeros(max_size, dtype=torch.uint8)
-        register(self.engine, self.dst)
-        self.setup = {"session": f"{HOST}:{self.engine.get_rpc_port()}", "dst_addr": self.dst.data_ptr(),
-                      "max_size": max_size, "chunk_size": config["chunk_size"],
-                      "max_chunks_in_flight": config["max_chunks_in_flight"]}
-
-    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
-        return float(get_from_sender(link.done, proc, link))
-
-    def received(self, size: int) -> torch.Tensor:
-        return self.dst[:size]
-
-    def close(self) -> None:
-        self.engine.unregister_memory(self.dst.data_ptr())
-
-
-class SocketReceiver:
-    def __init__(self, config: dict[str, Any], max_size: int) -> None:
-        port = free_port(HOST)
-        self.listener = socket.create_server((HOST, port))
-        self.listener.settimeout(STEP_TIMEOUT)
-        self.setup = {"port": port, "max_size": max_size}
-        self.conn: socket.socket | None = None
-        self.dst = torch.empty(max_size, dtype=torch.uint8)
-        self.view = memoryview(self.dst.numpy()).cast("B")
-
-    def _accept(self) -> socket.socket:
-        if self.conn is None:
-            self.conn, _ = self.listener.accept()
-            self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.conn.settimeout(STEP_TIMEOUT)
-        return self.conn
-
-    def receive(self, size: int, proc: BaseProcess, link: Link) -> float:
-        conn, got = self._accept(), 0
-        while got < size:
-            n = conn.recv_into(self.view[got:size])
-            if n == 0:
-                raise ConnectionError(f"the sender closed the socket after {got} of {size} bytes")
-            got += n
-        return time.perf_counter() - link.stamp.value
-
-    def received(self, size: int) -> torch.Tensor:
-        return self.dst[:size]
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        self.listener.close()
-
-
-RECEIVERS: dict[str, Callable[[dict[str, Any], int], Receiver]] = {
-    "ours": PipeReceiver, "ours_out": PipeIntoBufferReceiver, "raw_te": RawTEReceiver, "socket": SocketReceiver,
-}
-
-
 def measure_size(receiver: Receiver, size: int, plan: Plan, proc: BaseProcess, link: Link) -> list[float]:
     latencies = []
     for i in range(plan.iterations(size)):
@@ -501,7 +192,9 @@ def run_transport(transport: str, plan: Plan, config: dict[str, Any], busy: bool
     proc: BaseProcess | None = None
     try:
         receiver = RECEIVERS[transport](config, max(plan.sizes))
-        proc = _ctx.Process(target=sender_main, args=(transport, plan, link, receiver.setup, busy), daemon=True)
+        iterations = {size: plan.iterations(size) for size in plan.sizes}
+        proc = procs.SPAWN.Process(target=sender_main, args=(transport, iterations, link, receiver.setup, busy),
+                                   daemon=True)
         proc.start()
         for size in plan.sizes:
             result.latencies[size] = measure_size(receiver, size, plan, proc, link)

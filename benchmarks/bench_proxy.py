@@ -28,7 +28,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,12 @@ import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import percentile  # noqa: E402
+from harness.ports import HOST, free_port  # noqa: E402
+
 TARGET_P50_OVERHEAD_MS = 2.0
 REQUEST = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 16}
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "model": "fake-model",
@@ -61,12 +65,6 @@ def serve_upstream(port: int) -> None:
     app.router.add_post("/v1/completions", completion)
     app.router.add_get("/health", health)
     web.run_app(app, host=HOST, port=port, access_log=None, print=None, backlog=1024)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]) -> None:
@@ -102,11 +100,6 @@ async def one_round(session: aiohttp.ClientSession, url: str, concurrency: int, 
 
     results = await asyncio.gather(*(worker() for _ in range(concurrency)))
     return [latency for result in results for latency in result]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
 scripts/setup.sh) on the same two cores, each vLLM instance pinned to one of them, started by this script on
-127.0.0.1 with the instances of ``benchmarks/bench_e2e.py`` (its ``Stacks``) and identical ``vllm serve`` settings
-(bench_e2e's: eager, max-model-len 4608, 1 GiB of KV cache, 8 sequences at most; the dtype of this CPU, see below).
+127.0.0.1 with the instances of ``benchmarks/stacks.py`` and identical ``vllm serve`` settings (bench_e2e's:
+eager, max-model-len 4608, 1 GiB of KV cache, 8 sequences at most; the dtype of this CPU, see below).
 The stacks run one after the other, each alone on the machine; each is started once, serves all its runs, and stops:
 
 - ``colocated``: two plain vLLM instances (no connector), core 0 and core 1, behind
@@ -78,9 +78,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_e2e import Stacks, fmt, serve_args_for, stream  # noqa: E402
-from benchmarks.common import cpu, header, native_dtype, vllm_version, write  # noqa: E402
-from tests.servers import HOST, VllmServer, spawn, stop  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cpu,
+    fmt,
+    header,
+    native_dtype,
+    vllm_version,
+    write,
+)
+from benchmarks.stacks import Stacks, serve_args_for, stream  # noqa: E402
+from harness.ports import HOST  # noqa: E402
+from harness.processes import spawn, stop  # noqa: E402
+from harness.vllm import VllmServer  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")
 LABELS = {"colocated": "colocated x2", "ours": "ours pull", "push": "ours push", "builtin": "built-in"}
@@ -93,9 +102,8 @@ GOODPUT_RATIO_TARGET = 1.2      # 1P1D / colocated best goodput
 PUSH_TTFT_RATIO_TARGET = 1.05   # push / colocated TTFT p50, one request at a time, 1024 tokens
 CLIENT_TIMEOUT = 1800.0         # one vllm bench serve run
 
-# Request rates (req/s) per prompt length, measured on this 2-core box: one core prefills 1024 tokens in ~0.18 s and
-# 3072 in ~0.65 s, but decodes at ~15 ms a token (the tiny model's cost is per step, not per token), so a request's
-# 128 tokens take ~2 s and the load is decode-bound: the colocated pair sustains ~1.3-1.5 req/s at 1024 tokens.
+# Request rates (req/s) per prompt length: from light load to beyond what the colocated pair sustains (the load is
+# decode-bound; benchmarks/results/NOTES.md has the figures these sweeps were chosen from).
 REDUCED = {"rates": {1024: [0.25, 0.5, 1.0, 2.0], 3072: [0.5]}, "duration": 8.0, "prompts": 8, "mc1_prompts": 5}
 FULL = {"rates": {1024: [0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0], 3072: [0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5]},
         "duration": 40.0, "prompts": 16, "mc1_prompts": 16}

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common
+from benchmarks import baselines, common
 
 SIZE = 4096
 REPLY = 16
@@ -56,17 +56,6 @@ def _setup(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("closed")
-        got += k
-    return bytes(buf)
-
-
 def _frame(payload: bytes) -> bytes:
     return HEADER.pack(b"MKVP", 4, 1, 0, len(payload)) + payload
 
@@ -78,11 +67,11 @@ def socket_receiver(port: int, senders: int, ready: Any, core: int | None) -> No
     ready.set()
 
     def serve(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        baselines.nodelay(conn)
         try:
             while True:
-                _, _, _, _, length = HEADER.unpack(_recv_exact(conn, HEADER.size))
-                _recv_exact(conn, length)
+                _, _, _, _, length = HEADER.unpack(baselines.recv_exact(conn, HEADER.size))
+                baselines.recv_exact(conn, length)
                 conn.sendall(_frame(b"\0" * REPLY))
         except (ConnectionError, OSError):
             conn.close()
@@ -99,15 +88,14 @@ def socket_receiver(port: int, senders: int, ready: Any, core: int | None) -> No
 
 def socket_sender(port: int, n: int, out: Any, core: int | None) -> None:
     _setup(core)
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = baselines.connect(("127.0.0.1", port), None)
     payload = b"x" * SIZE
     lat = []
     for _ in range(n):
         t0 = time.perf_counter()
         sock.sendall(_frame(payload))
-        _, _, _, _, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
-        _recv_exact(sock, length)
+        _, _, _, _, length = HEADER.unpack(baselines.recv_exact(sock, HEADER.size))
+        baselines.recv_exact(sock, length)
         lat.append((time.perf_counter() - t0) / 2)
     sock.close()
     out.put(lat)
@@ -206,7 +194,7 @@ def pipe_sender(ports: tuple[int, int], n: int, out: Any, core: int | None) -> N
 
 # ----------------------------------------------------------------------------- run
 def run(kind: str, senders: int, n: int, pin: bool) -> list[float]:
-    from tests.servers import free_port
+    from harness.ports import free_port
 
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
@@ -247,11 +235,6 @@ def run(kind: str, senders: int, n: int, pin: bool) -> list[float]:
     return lat
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=3000, help="per sender")
@@ -266,7 +249,7 @@ def main() -> int:
                 continue
             lat = run(kind, senders, args.messages, args.pin)
             row = {"kind": kind, "senders": senders, "n": len(lat), "p50_us": statistics.median(lat) * 1e6,
-                   "p99_us": pct(lat, 0.99) * 1e6}
+                   "p99_us": common.percentile(lat, 99) * 1e6}
             rows.append(row)
             print(json.dumps(row), flush=True)
     names = {"socket": "socket frames", "zmq": "zmq", "zmq_curve": "zmq + CURVE", "pipe": "MooncakePipe (inline tensor)"}

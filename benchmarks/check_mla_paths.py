@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,18 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from tests.kv_connector.conftest import connector_config, mooncake_json  # noqa: E402
-from tests.servers import VllmServer, free_port, start_vllm  # noqa: E402
+from harness.ports import free_port  # noqa: E402
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 
 ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
         "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching"]
 LENGTHS = [150, 300, 500, 800, 1100, 1500]
-
-
-def model(preset: str) -> Path:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tiny_model.py"), "--preset", preset], check=True,
-                   stdout=subprocess.DEVNULL)
-    return ROOT / ".cache" / "models" / preset
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -52,7 +45,7 @@ def generate(server: VllmServer, tokens: list[int], max_tokens: int) -> tuple[li
 
 
 def paths(preset: str, work: Path, cases: list[list[int]]) -> list[dict]:
-    server = VllmServer(f"{preset}-paths", model(preset), free_port(), 0, work, None, None, ARGS)
+    server = VllmServer(f"{preset}-paths", build_model(preset, quiet=True), free_port(), 0, work, None, None, ARGS)
     rows = []
     try:
         start_vllm(server)
@@ -67,7 +60,7 @@ def paths(preset: str, work: Path, cases: list[list[int]]) -> list[dict]:
 
 
 def disaggregated(work: Path, cases: list[list[int]], recompute: int) -> list[dict]:
-    mla = model("deepseek_mla_sharp")
+    mla = build_model("deepseek_mla_sharp", quiet=True)
     cfg = mooncake_json(work / f"mooncake-{recompute}.json")
     colocated = VllmServer(f"colocated-{recompute}", mla, free_port(), 0, work, None, None, ARGS)
     producer = VllmServer(f"producer-{recompute}", mla, free_port(), 0, work, connector_config("kv_producer"), cfg, ARGS)
@@ -93,7 +86,7 @@ def disaggregated(work: Path, cases: list[list[int]], recompute: int) -> list[di
 
 def batching(work: Path, cases: list[list[int]]) -> dict:
     """A colocated instance of the MLA model (normal weights): the same prompts sent one at a time, then all at once."""
-    server = VllmServer("batching", model("deepseek_mla"), free_port(), 0, work, None, None, ARGS)
+    server = VllmServer("batching", build_model("deepseek_mla", quiet=True), free_port(), 0, work, None, None, ARGS)
     try:
         start_vllm(server)
         alone = [generate(server, tokens, 12)[0] for tokens in cases]

@@ -1,14 +1,16 @@
-"""What every benchmark's results carry: the commit and command that made them, the CPU and the dtype it ran with."""
+"""What every benchmark's results carry (the commit and command that made them, the CPU and the dtype it ran with),
+and the one percentile every table uses."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
+import os
 import platform
 import shlex
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,8 +50,6 @@ def cpu() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    import os
-
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in _FLAGS if f in flags]}
 
 
@@ -86,16 +86,16 @@ def write(name: str, data: dict[str, Any], table: str, out_dir: Path = RESULTS) 
     (out_dir / f"{name}.md").write_text(table)
 
 
-def wait_transfer(engine: Any, batch: int, timeout: float, what: str, error: type[Exception] = RuntimeError) -> None:
-    """Wait for a raw Transfer Engine batch as the pipe's ``MooncakeEngine.wait`` does (the binding's blocking wait
-    spins a core at full speed): 64 polls, then 50 us naps between polls. ``what`` names the transfer in the
-    ``error`` raised when it fails or is not done within ``timeout`` seconds."""
-    polls, deadline = 0, time.monotonic() + timeout
-    while (status := engine.transfer_check_status(batch)) == 0:
-        polls += 1
-        if polls > 64:
-            if time.monotonic() > deadline:
-                raise error(f"{what} did not complete within {timeout} s")
-            time.sleep(0.00005)
-    if status != 1:
-        raise error(f"{what} failed (status {status})")
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
+    """The ``q``-th percentile (0..100) of a non-empty sample, interpolated linearly between the two nearest ranks
+    (numpy's default; p50 is ``statistics.median``). Every benchmark's p50/p90/p99 is this one."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of an empty sample")
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -4,7 +4,7 @@
 #   scripts/test.sh --quick   the quick tier only (no vLLM server): pipe, lookup buffer, proxy, connector units
 # The two tiers run side by side: the quick tier mostly waits (peer processes, engines shutting down) while vLLM
 # instances start, so together they take little longer than the vLLM tier alone. Each has its own port range
-# (tests/servers.py, MKV_TEST_PORTS) so that neither hands out a port the other is about to bind.
+# (harness/ports.py, MKV_TEST_PORTS) so that neither hands out a port the other is about to bind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick_only=0

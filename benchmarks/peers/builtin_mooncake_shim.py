@@ -1,7 +1,8 @@
 """Benchmark-only: vLLM's built-in MooncakeConnector, runnable on a CPU-only machine and timed.
 
-Loaded by ``benchmarks/bench_e2e.py`` as ``kv_connector_module_path`` (with this directory on PYTHONPATH), in every
-vLLM process that builds the connector. It changes three things, all outside the connector's logic:
+Loaded by the ``builtin`` stack of ``benchmarks/stacks.py`` (bench_e2e, bench_serve) as ``kv_connector_module_path``
+(with this directory on PYTHONPATH), in every vLLM process that builds the connector. It changes three things, all
+outside the connector's logic:
 
 - ``torch.accelerator.current_device_index()`` answers 0 when no accelerator exists (the worker calls it at start-up
   and would fail on a CPU-only build);

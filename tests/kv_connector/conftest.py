@@ -6,9 +6,6 @@ Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 10
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,29 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import REPO, VllmServer, free_port, start_vllm
+from harness.ports import free_port
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
               "--max-num-batched-tokens", "512"]
 BLOCK = 128  # the CPU backend's block size
 ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model in float32: 4 layers x [2, 128, 128]
 STAT_PREFIX = "vllm:mooncake_kv_"
-
-
-def build_model(preset: str) -> Path:
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), "--preset", preset], check=True)
-    return REPO / ".cache" / "models" / preset
-
-
-def connector_config(role: str, **extra: object) -> dict:
-    return {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
-            "kv_role": role, "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
-
-
-def mooncake_json(path: Path, **extra: object) -> Path:
-    path.write_text(json.dumps({"prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}",
-                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 5, **extra}))
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from scripts.build_tiny_model import kv_bytes_per_token
-from tests.kv_connector.conftest import build_model, connector_config, diff, kv_stats, mooncake_json, settled_stats
-from tests.servers import VllmServer, free_port, start_vllm
+from tests.kv_connector.conftest import diff, kv_stats, settled_stats
 
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import kill, signal_group
+from harness.vllm import VllmServer
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import VllmServer, kill, signal_group
 
 BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
 TTL = 4.0

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kv_connector.conftest import build_model, connector_config, kv_stats, mooncake_json, settled_stats
-from tests.servers import VllmServer, free_port, start_vllm
+from harness.ports import free_port
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from tests.kv_connector.conftest import kv_stats, settled_stats
 
 LENGTHS = [8192, 16384, 32768]
 BLOCK = 128

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 import urllib.request
 
+from harness.vllm import VllmServer
 from kv_connector.stats import COUNTERS, GAUGES
 from tests.kv_connector.conftest import ROW_BYTES, blocks
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import VllmServer
 
 PREFIX = "vllm:mooncake_kv_"
 HISTOGRAMS = ("load_seconds", "load_bytes", "push_load_seconds", "push_load_bytes", "save_seconds", "save_bytes")

@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from harness.ports import free_port
+from harness.processes import http_ok, spawn, stop, wait_ready
+from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS, build_model, connector_config, mooncake_json
-from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, spawn, start_vllm, stop, wait_ready
+from tests.kv_connector.conftest import SERVE_ARGS
 
 PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
 MAX_TOKENS = 16

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
+from harness.vllm import VllmServer, connector_config, mooncake_json
 from kv_connector.options import ConnectorOptions
 from kv_pipe import ConfigError
-from tests.kv_connector.conftest import SERVE_ARGS, connector_config, mooncake_json
-from tests.servers import VllmServer, free_port
+from tests.kv_connector.conftest import SERVE_ARGS
 
 
 def test_defaults():

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
+from harness.processes import http_ok, spawn, stop, wait_ready
+from harness.vllm import REPO, OpenAIClient, VllmServer, start_vllm
 from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, spawn, start_vllm, stop, wait_ready
 
 SEND = re.compile(r"BENCH builtin send start=[\d.]+ end=[\d.]+ bytes=(\d+) descs=\d+ ret=(-?\d+)")
 

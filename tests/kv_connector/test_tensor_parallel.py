@@ -10,41 +10,18 @@ and 1 -> 2 against a colocated instance of the consumer's TP size, each rank rea
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port, port_pair
+from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import (
-    ROW_BYTES,
-    SERVE_ARGS,
-    blocks,
-    connector_config,
-    kv_stats,
-    mooncake_json,
-    settled_stats,
-)
+from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import VllmServer, free_port, start_vllm
 
 TP = 2
-
-
-def port_pair() -> int:
-    """A port p with p and p + 1 free (the pipes of ranks 0 and 1)."""
-    for _ in range(100):
-        base = free_port()
-        if base < 65535:
-            with socket.socket() as a, socket.socket() as b:
-                try:
-                    a.bind(("127.0.0.1", base))
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-            return base
-    raise RuntimeError("no two consecutive free ports found")
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
+from harness.processes import http_ok, kill, spawn, stop, wait_ready
+from harness.vllm import REPO, OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
 from proxy.protocols import push_address
 from tests import servers
-from tests.kv_connector.conftest import SERVE_ARGS, connector_config, diff, kv_stats, mooncake_json, settled_stats
+from tests.kv_connector.conftest import SERVE_ARGS, diff, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.servers import REPO, OpenAIClient, VllmServer, free_port, http_ok, kill, spawn, start_vllm, stop, wait_ready
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from harness.pipes import open_pipe
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
-from tests.kv_pipe.peers import open_pipe
 
 Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 

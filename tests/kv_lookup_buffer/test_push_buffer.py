@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
+from harness.pipes import make_config, open_pipe
 from kv_lookup_buffer.push_buffer import PushBuffer, PushReceiver, entry_key
 from kv_lookup_buffer.push_wire import Begin, Commit
 from tests.kv_lookup_buffer import programs
-from tests.kv_pipe.peers import Peer, ctx, make_config, open_pipe
+from tests.kv_pipe.peers import Peer, ctx
 
 ENTRY_BYTES = programs.PUSH_LAYERS * programs.PUSH_BLOCKS * 4 * 8 * 4
 

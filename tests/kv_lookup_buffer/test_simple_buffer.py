@@ -10,12 +10,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from harness.pipes import make_config, open_pipe
+from harness.ports import free_port
 from kv_lookup_buffer import BufferClosed, SimpleBuffer
 from kv_lookup_buffer.simple_wire import ANSWER_MAGIC, OP_DROP_SELECT
 from kv_pipe import PipeError
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+from tests.kv_pipe.peers import Peer, same
 
 ctx = peers.ctx()
 
@@ -435,7 +437,7 @@ def test_a_consumer_killed_mid_answer_leaves_the_entry_and_the_producer_serving(
     the answer is gone with it). The producer frees that entry (or keeps it, had the send failed) and keeps serving:
     another consumer gets that entry exactly or a miss, never wrong bytes, and the other entry exactly; nothing is
     left in the producer's buffer at the end."""
-    producer_at, hanger_at, consumer_at = (f"127.0.0.1:{peers.free_port()}" for _ in range(3))
+    producer_at, hanger_at, consumer_at = (f"127.0.0.1:{free_port()}" for _ in range(3))
     done, ready, asked = ctx.Event(), ctx.Event(), ctx.Event()
     producer = Peer(programs.produce_for_links, cfg, producer_at, "large", done, ready)
     assert ready.wait(60)
@@ -461,14 +463,14 @@ def test_producers_serve_many_consumers_each_on_its_own_link(cfg):
     """XpYd at the buffer layer: 2 producer processes, 3 consumer processes each linked to both, two threads each.
     Every entry is taken once, by the consumer that asked, bit-exact; an entry two consumers ask for goes to one of
     them (the other misses); nothing is lost or mixed up between links."""
-    servers = [f"127.0.0.1:{peers.free_port()}" for _ in range(2)]
+    servers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     done, ready = ctx.Event(), [ctx.Event(), ctx.Event()]
     producers = [Peer(programs.produce_for_links, cfg, s, "stress", done, r) for s, r in zip(servers, ready, strict=True)]
     assert all(r.wait(60) for r in ready)
     # consumer c takes entries c, c+3, ... (< 60) from producer 0 and the same from producer 1; all three also ask
     # producer 1 for entry 199
     wanted = [[(p, i) for i in range(c, 60, 3) for p in (0, 1)] + [(1, 199)] for c in range(3)]
-    consumers = [Peer(programs.consume_from, cfg, f"127.0.0.1:{peers.free_port()}", servers, "stress", w)
+    consumers = [Peer(programs.consume_from, cfg, f"127.0.0.1:{free_port()}", servers, "stress", w)
                  for w in wanted]
     counts = [c.result() for c in consumers]
     done.set()

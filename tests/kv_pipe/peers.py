@@ -13,8 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from harness.pipes import open_pipe
 from kv_pipe import MooncakeTransferEngineConfig
-from tests.servers import free_port
 
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "tests.kv_pipe.peers", "tests.kv_lookup_buffer.programs"])
@@ -23,13 +23,6 @@ _ctx.set_forkserver_preload(["torch", "tests.kv_pipe.peers", "tests.kv_lookup_bu
 def ctx() -> Any:
     """The multiprocessing context the peers run in (for Events and Queues shared with them)."""
     return _ctx
-
-
-def make_config(**overrides: Any) -> dict[str, Any]:
-    """A config dict with two free ports on 127.0.0.1 (P2PHANDSHAKE, TCP unless overridden)."""
-    cfg = {"prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}", "timeout": 10.0}
-    cfg.update(overrides)
-    return cfg
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], results: Any, env: dict[str, str]) -> None:
@@ -63,12 +56,6 @@ class Peer:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
-
-
-def open_pipe(cfg: dict[str, Any], kv_rank: int, local_rank: int = 0, device: str = "cpu"):
-    from kv_pipe import MooncakePipe
-
-    return MooncakePipe(local_rank=local_rank, kv_rank=kv_rank, config=MooncakeTransferEngineConfig(**cfg), device=device)
 
 
 def echo(cfg: dict[str, Any], kv_rank: int, count: int) -> int:

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
+from harness.pipes import make_config
+from harness.ports import free_port
 from kv_pipe import ConfigError, PipeClosed, auth, wire
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer, make_config, open_endpoint
-from tests.servers import free_port
+from tests.kv_pipe.peers import Peer, open_endpoint
 
 
 def _address() -> str:

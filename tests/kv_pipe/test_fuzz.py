@@ -14,11 +14,12 @@ import time
 
 import torch
 
+from harness.pipes import make_config, open_pipe
 from kv_pipe import PipeError, ProtocolError, auth, wire
 from kv_pipe.channel import Inbound
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+from tests.kv_pipe.peers import Peer, same
 
 SEED = 20261123
 

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.pipes import make_config
+from harness.ports import free_port
 from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
 from kv_pipe.errors import ConfigError, PipeError
 from tests import servers
-from tests.kv_pipe.peers import Peer, echo, free_port, make_config
+from tests.kv_pipe.peers import Peer, echo
 
 ROUND_TRIP_BUDGET = 15.0  # seconds for one round-trip test, child start-up (torch import) included; ~2-3 s seen
 UNREACHABLE_BUDGET = 20.0  # etcd: 5 s to fail the registration + 5 s to fail the removal when the engine is freed

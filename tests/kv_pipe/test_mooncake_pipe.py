@@ -14,12 +14,13 @@ import time
 import pytest
 import torch
 
+from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
 from kv_pipe.mooncake_pipe import DIRECT_MIN
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+from tests.kv_pipe.peers import Peer, same
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -16,12 +16,13 @@ import weakref
 import pytest
 import torch
 
+from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, wire
 from kv_pipe.memory import ResultPool
 from kv_pipe.mooncake_pipe import DIRECT_MIN
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
+from tests.kv_pipe.peers import Peer, same
 
 MiB = 1 << 20
 BIG = 12 * MiB  # above DIRECT_MIN: written straight into the result (zero-copy receive), in three chunks

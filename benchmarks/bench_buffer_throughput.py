@@ -1,31 +1,24 @@
-"""SimpleBuffer benchmark: lookup cost vs. entries held, and KV-sized throughput vs. the bare pipe.
+"""SimpleBuffer throughput with KV-sized entries, next to the bare pipe moving the same tensors.
 
-Two real processes on 127.0.0.1 (the producer is a spawned child, this process the consumer), real MooncakePipe:
+Two real processes on 127.0.0.1 (the producer is a spawned child, this process the consumer), real MooncakePipe.
+KV-sized entries (key and value 32 MiB each, 1024 tokens) go through three paths: the producer ``insert``s them into a
+buffer that holds 4 (a copy each, insert's contract) while the consumer ``drop_select``s them; the same with
+``insert(copy=False)`` (the buffer's own cost, without the copy); and the bare pipe sending the same five tensors per
+entry when asked. All three run side by side in the same two processes, in rounds of alternating bursts (see
+``kv_throughput``), so that the host's speed drifts hit every path alike. Target: buffer >= 0.9x the bare pipe
+(the median of per-round ratios: one stalled burst moves the ratio of sums far more than the median).
 
-1. ``drop_select`` latency with 1, 1 000 and 10 000 entries held (64-token keys, tiny tensors): a miss (the query
-   matches nothing: index lookup + one round trip) and a hit (takes one of 100 extra probe entries). The index is
-   hashed by token prefix, so both should stay flat as entries grow.
-2. Throughput of KV-sized entries (key and value 32 MiB each, 1024 tokens) through three paths: the producer
-   ``insert``s them into a buffer that holds 4 (a copy each, insert's contract) while the consumer
-   ``drop_select``s them; the same with ``insert(copy=False)`` (the buffer's own cost, without the copy); and the
-   bare pipe sending the same five tensors per entry when asked. All three run side by side in the same two
-   processes, in rounds of alternating bursts (see ``kv_throughput``): this VM's speed drifts by up to 2x within
-   minutes, which made separate runs disagree (0.4-1.6x) more than the modes differ. Target: buffer >= 0.9x the
-   bare pipe.
+Run (from the repository root)::
 
-Lookup latencies are pooled over ``--rounds`` rounds. Run::
+    .venv/bin/python benchmarks/bench_buffer_throughput.py [--bursts 24] [--burst 4] [--out-dir benchmarks/results]
 
-    .venv/bin/python benchmarks/bench_buffer.py [--rounds 3] [--bursts 24] [--burst 4] [--throughput-only]
-        [--out-dir benchmarks/results]
-
-Prints markdown tables and writes ``bench_buffer.json``.
+Prints a markdown table and writes ``bench_buffer_throughput.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -42,44 +35,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import common, procs  # noqa: E402
+from harness.pipes import make_config, open_pipe  # noqa: E402
 from kv_lookup_buffer import SimpleBuffer  # noqa: E402
-from tests.kv_pipe.peers import make_config, open_pipe  # noqa: E402
 
 MiB = 1 << 20
-HELD = (1, 1000, 10_000)
 HOLD = 4  # KV entries the producer's buffer holds in the throughput test
-PROBES = 100
 KV_BYTES = 32 * MiB
 KV_TOKENS = 1024
 TARGET = 0.9
-_ctx = mp.get_context("spawn")
-
-
-def small_entry(i: int, probe: bool) -> tuple[torch.Tensor, ...]:
-    tokens = torch.arange(64, dtype=torch.int64) + (i * 64 + (10_000_000 if probe else 0))
-    return tokens, None, torch.full((16,), float(i)), torch.full((16,), -float(i)), None
 
 
 def kv_tokens(i: int) -> torch.Tensor:
     return torch.arange(KV_TOKENS, dtype=torch.int64) + i * KV_TOKENS
 
 
-# ----------------------------------------------------------------------------- producers (child processes)
-def produce_lookup(cfg: dict[str, Any], commands: Any, replies: Any) -> None:
-    """Hold 1, 1000, ... fillers (never asked for) plus PROBES probe entries, on command."""
-    with open_pipe(cfg, 0) as pipe:
-        buf = SimpleBuffer(pipe, pipe, 64 << 30)
-        buf.start_serving()
-        fillers = 0
-        while (held := commands.get()) is not None:
-            while fillers < held:
-                buf.insert(*small_entry(fillers, probe=False))
-                fillers += 1
-            for i in range(PROBES):
-                buf.insert(*small_entry(i, probe=True))
-            replies.put(len(buf))
-
-
+# ----------------------------------------------------------------------------- producer (child process)
 MODES = ("pipe", "copy", "handover")  # bare pipe; buffer with insert's copy; buffer with insert(copy=False)
 
 
@@ -120,33 +91,11 @@ def produce_kv(cfgs: dict[str, dict[str, Any]], entries: int, inserted: dict[str
             t.join(timeout=300)
 
 
-def run_child(target: Any, *args: Any) -> mp.Process:
-    child = _ctx.Process(target=target, args=args, daemon=True)
-    child.start()
-    return child
-
-
 # ----------------------------------------------------------------------------- consumer (this process)
-def lookup_latencies(buf: SimpleBuffer, held: int) -> dict[str, list[float]]:
-    miss, hit = [], []
-    for i in range(PROBES):
-        query = small_entry(10 * held + i + 123_456, probe=False)[0] + 5_000_000  # matches nothing
-        start = time.perf_counter()
-        got = buf.drop_select(query, None)
-        miss.append(time.perf_counter() - start)
-        assert got[0] is None
-    for i in range(PROBES):
-        start = time.perf_counter()
-        got = buf.drop_select(small_entry(i, probe=True)[0], None)
-        hit.append(time.perf_counter() - start)
-        assert got[2] is not None and float(got[2][0]) == float(i)
-    return {"miss": miss, "hit": hit}
-
-
 def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
     """The bare pipe and the two buffers measured side by side, in the same two processes, in rounds of one burst
-    of ``burst`` entries each (after one untimed round): the host's speed drifts by 2x within minutes here, and
-    interleaving makes every mode see the same drift.
+    of ``burst`` entries each (after one untimed round): a shared host's speed drifts within minutes, and
+    interleaving makes every mode see the same drift (benchmarks/results/NOTES.md).
 
     A buffer burst lasts from its first ``drop_select`` until the last entry arrived *and* the producer finished
     the inserts that refill the buffer (they run concurrently, as in real use; with "copy" their copies are part
@@ -156,10 +105,11 @@ def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
     per_entry = 2 * KV_BYTES + KV_TOKENS * 8
     entries = HOLD + (bursts + 1) * burst
     cfgs = {mode: make_config(timeout=120.0) for mode in MODES}
-    inserted = {mode: _ctx.Value("i", 0) for mode in MODES[1:]}
-    insert_end = {mode: _ctx.Value("d", 0.0) for mode in MODES[1:]}
-    done = _ctx.Event()
-    child = run_child(produce_kv, cfgs, entries, inserted, insert_end, done)
+    inserted = {mode: procs.SPAWN.Value("i", 0) for mode in MODES[1:]}
+    insert_end = {mode: procs.SPAWN.Value("d", 0.0) for mode in MODES[1:]}
+    done = procs.SPAWN.Event()
+    child = procs.SPAWN.Process(target=produce_kv, args=(cfgs, entries, inserted, insert_end, done), daemon=True)
+    child.start()
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         with open_pipe(cfgs["pipe"], 1) as bare, open_pipe(cfgs["copy"], 1) as p_copy, \
@@ -215,42 +165,12 @@ def kv_throughput(bursts: int, burst: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="lookup rounds (default 3)")
     parser.add_argument("--bursts", type=int, default=24, help="timed rounds of throughput bursts (default 24)")
     parser.add_argument("--burst", type=int, default=4, help="KV entries per burst (default 4)")
-    parser.add_argument("--throughput-only", action="store_true", help="skip the lookup latencies")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args(argv)
 
-    lat: dict[int, dict[str, list[float]]] = {n: {"miss": [], "hit": []} for n in HELD}
-    for rnd in range(0 if args.throughput_only else args.rounds):
-        cfg = make_config(timeout=120.0)
-        commands, replies = _ctx.Queue(), _ctx.Queue()
-        child = run_child(produce_lookup, cfg, commands, replies)
-        try:
-            with open_pipe(cfg, 1) as pipe:
-                buf = SimpleBuffer(pipe, pipe, 1 << 30, role="consumer")
-                for held in HELD:
-                    commands.put(held)
-                    print(f"round {rnd + 1}: {replies.get(timeout=300)} entries held", flush=True)
-                    for kind, samples in lookup_latencies(buf, held).items():
-                        lat[held][kind] += samples
-                commands.put(None)
-                child.join(timeout=60)
-        finally:
-            if child.is_alive():
-                child.kill()
     thr = kv_throughput(args.bursts, args.burst)
-
-    def us(samples: list[float], q: float) -> float:
-        return statistics.quantiles(samples, n=100)[q - 1] * 1e6 if q != 50 else statistics.median(samples) * 1e6
-
-    lookup = not args.throughput_only
-    if lookup:
-        print("\n| entries held | miss p50 us | miss p90 us | hit p50 us | hit p90 us |\n|---:|---:|---:|---:|---:|")
-        for held in HELD:
-            m, h = lat[held]["miss"], lat[held]["hit"]
-            print(f"| {held} | {us(m, 50):.0f} | {us(m, 90):.0f} | {us(h, 50):.0f} | {us(h, 90):.0f} |")
     entries = args.bursts * args.burst
     print(f"\n| {entries} KV entries (2 x 32 MiB) per mode, in {args.bursts} rounds of alternating bursts | GB/s "
           "| / bare pipe | median of per-round ratios |\n|---|---:|---:|---:|")
@@ -259,21 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                         ("handover", "buffer: insert(copy=False) -> drop_select")):
         print(f"| {label} | {thr[f'{mode}_gbps']:.2f} | {thr[f'{mode}_ratio']:.2f} | {thr[f'{mode}_ratio_median']:.2f} |")
     print("\nPer-burst seconds: " + json.dumps(thr["bursts"]))
-    # judged on the median of per-round ratios: one stalled burst (0.3-0.7 s here, in any mode) moves the ratio of sums
-    # by up to 0.2, the median hardly
     verdict = {mode: "MET" if thr[f"{mode}_ratio_median"] >= TARGET else "NOT MET" for mode in MODES[1:]}
-    flat = us(lat[HELD[-1]]["miss"], 50) / us(lat[HELD[0]]["miss"], 50) if lookup else float("nan")
-    print(f"\nTargets: lookup flat (miss p50 at {HELD[-1]} / at {HELD[0]} entries = {flat:.2f}); buffer >= {TARGET}x "
-          f"bare pipe (median of per-round ratios): with insert's copy {verdict['copy']} ({thr['copy_ratio_median']:.2f}), "
-          f"without it {verdict['handover']} ({thr['handover_ratio_median']:.2f})")
+    print(f"\nTarget: buffer >= {TARGET}x bare pipe (median of per-round ratios): with insert's copy {verdict['copy']} "
+          f"({thr['copy_ratio_median']:.2f}), without it {verdict['handover']} ({thr['handover_ratio_median']:.2f})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / "bench_buffer.json"
+    out = args.out_dir / "bench_buffer_throughput.json"
     out.write_text(json.dumps({
-        "benchmark": "bench_buffer", "date": datetime.now(UTC).isoformat(timespec="seconds"), "rounds": args.rounds,
-        "loadavg_end": os.getloadavg(),
-        "lookup_us": {str(n): {k: {"p50": us(v, 50), "p90": us(v, 90), "samples": len(v)} for k, v in d.items()}
-                      for n, d in lat.items()} if lookup else None,
-        "throughput": thr,
+        "benchmark": "bench_buffer_throughput", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": common.commit(), "command": common.command(), "loadavg_end": os.getloadavg(), "throughput": thr,
     }, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

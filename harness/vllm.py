@@ -1,0 +1,111 @@
+"""Real vLLM instances on 127.0.0.1 for the tests and the benchmarks: the tiny models they serve, the connector's
+``--kv-transfer-config`` and mooncake.json, one ``vllm serve`` process per instance and a small blocking client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from harness.ports import HOST, free_port
+from harness.processes import http_ok, spawn, stop, wait_ready
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_START_TIMEOUT = 420.0  # cold starts on a busy 2-core machine
+
+
+def build_model(preset: str, quiet: bool = False) -> Path:
+    """The tiny model ``preset`` of scripts/build_tiny_model.py (built if missing), under .cache/models."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), "--preset", preset], check=True,
+                   stdout=subprocess.DEVNULL if quiet else None)
+    return REPO / ".cache" / "models" / preset
+
+
+def connector_config(role: str, **extra: object) -> dict:
+    """``--kv-transfer-config`` for our connector in ``role`` (kv_producer, kv_consumer); ``extra`` goes to its
+    ``kv_connector_extra_config`` (a 512 MiB buffer unless overridden)."""
+    return {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
+            "kv_role": role, "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
+
+
+def mooncake_json(path: Path, **extra: object) -> Path:
+    """A mooncake.json at ``path``: two free ports on 127.0.0.1, P2PHANDSHAKE, TCP, 5 s timeout; ``extra`` overrides."""
+    path.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
+                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 5, **extra}))
+    return path
+
+
+class OpenAIClient:
+    """Small blocking helpers for an OpenAI-compatible server (vLLM, or the proxy in front of it)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def complete(self, tokens: list[int], max_tokens: int, timeout: float = 120.0, **extra: object) -> str:
+        body = {"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+        return self.post("/v1/completions", body, timeout)["choices"][0]["text"]
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+class VllmServer(OpenAIClient):
+    """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file."""
+
+    def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
+                 mooncake_json: Path | None, extra_args: list[str], env: dict[str, str] | None = None,
+                 confine: bool = False) -> None:
+        super().__init__(f"http://{HOST}:{port}", str(model))
+        self.name, self.port = name, port
+        self.log = log_dir / f"{name}.log"
+        # confine: every process of the instance on its core. A starting vLLM (torch's import) pins itself to each
+        # core it may use in turn to probe it, and next to a busy vLLM on the other core that probe stalled for
+        # minutes on this 2-core machine: an instance (re)started under load must stay off the busy core.
+        self.cmd = [*(["taskset", "-c", str(core)] if confine else []), str(Path(sys.executable).parent / "vllm"), "serve",
+                    self.model, "--host", HOST, "--port", str(port), *extra_args]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        # the connector is found through the installed package, as for users; ``env`` adds or overrides variables
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               "MC_LOG_LEVEL": "WARNING", **(env or {})}
+        if mooncake_json is not None:
+            env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
+        self.env = env
+        self.proc = spawn(self.cmd, self.log, env)
+
+    def wait_ready(self) -> None:
+        wait_ready(self.proc, self.cmd, self.log, http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+    def restart(self) -> None:
+        """Start the same command again (after a stop or a kill), and wait until it serves."""
+        stop(self.proc)
+        self.proc = spawn(self.cmd, self.log, self.env)
+        self.wait_ready()
+
+
+def start_vllm(*servers: VllmServer) -> None:
+    """Wait for servers spawned together (their start-ups overlap); stop them all if one fails."""
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
