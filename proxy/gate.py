@@ -54,6 +54,9 @@ class _Listener(socket.socket):
             raise BlockingIOError  # asyncio accepts again when the listener is readable again: the connection waits
         fd, address = self._accept()  # type: ignore[attr-defined]
         client = _Client(self.family, self.type, self.proto, fileno=fd)
+        # asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it Nagle's algorithm and the
+        # client's delayed ACK hold each small response write back
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self.gate.admit(client, address):
             client.close()
             raise ConnectionAbortedError  # asyncio goes on accepting

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from proxy.config import ProxyConfig
+from proxy.gate import ClientGate
 from tests.proxy.upstreams import COMPLETION, Environment, run, start_main
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,3 +77,23 @@ def _closed(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def test_client_connections_send_without_delay() -> None:
+    """A small answer goes out at once: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and the gate's
+    accepted sockets did not say so, so Nagle's algorithm held each answer until the client's delayed ACK."""
+    gate = ClientGate(ProxyConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",), port=0))
+    try:
+        with socket.create_connection(("127.0.0.1", gate.port)):
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    accepted, _ = gate.listener.accept()
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the connection was not accepted"
+                    time.sleep(0.01)
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        gate.listener.close()
