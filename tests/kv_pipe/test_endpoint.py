@@ -371,7 +371,7 @@ def test_many_links_do_not_pin_a_ring_each(caplog):
 def test_idle_links_are_closed_sooner_when_memory_is_short(monkeypatch):
     """Finding 4: a link's ring was held until link_idle whatever the memory left. When less than a tenth of the RAM
     is available, links unused for a tenth of link_idle are closed (their rings freed)."""
-    from kv_pipe import endpoint as endpoint_module
+    from kv_pipe import node
 
     cfg = make_config()
     server = _address()
@@ -381,11 +381,11 @@ def test_idle_links_are_closed_sooner_when_memory_is_short(monkeypatch):
         _real_peer_round_trip(cfg, endpoint, server)
         time.sleep(2.5)
         assert endpoint.links(), "closed before link_idle with memory to spare"
-        monkeypatch.setattr(endpoint_module, "memory_short", lambda: True)
+        monkeypatch.setattr(node, "memory_short", lambda: True)
         deadline = time.monotonic() + 5
         while endpoint.links() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not endpoint.links()
     monkeypatch.undo()
     # the real reading: some RAM is available on this machine, and less than all of it
-    assert endpoint_module.memory_short(fraction=1.0) and not endpoint_module.memory_short(fraction=0.0)
+    assert node.memory_short(fraction=1.0) and not node.memory_short(fraction=0.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
-from kv_pipe.mooncake_pipe import DIRECT_MIN
+from kv_pipe.channel import DIRECT_MIN
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers

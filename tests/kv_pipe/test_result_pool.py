@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kv_pipe import PeerDisconnected, wire
+from kv_pipe.channel import DIRECT_MIN
 from kv_pipe.memory import ResultPool
-from kv_pipe.mooncake_pipe import DIRECT_MIN
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, make_config, open_pipe, same
