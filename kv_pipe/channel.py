@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _POLL = 0.25  # how often a blocked wait re-checks for close(); wake-ups on events are immediate
 KEEPALIVE = (30, 10, 3)  # idle seconds, probe interval, probes: a peer host gone without a FIN is noticed in ~60 s
+DIRECT_MIN = 8 << 20  # tensors at least this large are received zero-copy (TCP): one round trip to set it up
 
 
 def tune(sock: socket.socket) -> None:

@@ -98,7 +98,7 @@ class MooncakeEngine:
     def register_region(self, addr: int, nbytes: int) -> bool:
         """Open a caller-owned host region to peers' writes (zero-copy receive); False if the engine refuses.
 
-        Over TCP this is bookkeeping only (~0.1 ms): the engine's TCP server accepts a write only into a region
+        Over TCP this is cheap bookkeeping only: the engine's TCP server accepts a write only into a region
         registered here. The caller must ``unregister_region`` it before the memory is freed or reused.
         """
         engine = self._engine

@@ -16,11 +16,12 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
-from kv_pipe.mooncake_pipe import DIRECT_MIN
+from kv_pipe.channel import DIRECT_MIN
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
+from tests.kv_pipe.side_channel import hello_fields, raw_connect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -273,30 +274,6 @@ def test_no_peer_gives_a_clear_timeout(cfg):
         assert time.monotonic() - start < 4.0
 
 
-def test_a_connection_to_itself_is_retried(cfg, monkeypatch):
-    # Connecting to a port nobody listens on yet can, rarely, connect a socket to itself (the kernel picks that
-    # very port as the source port): the pipe must not take its own HELLO for the peer's answer. Forced here once.
-    real = socket.create_connection
-    calls = []
-
-    def first_to_itself(address, *args, **kwargs):
-        calls.append(address)
-        if len(calls) > 1:
-            return real(address, *args, **kwargs)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.connect(sock.getsockname())
-        return sock
-
-    monkeypatch.setattr(socket, "create_connection", first_to_itself)
-    peer = Peer(peers.echo, cfg, 0, 1)
-    with open_pipe(cfg, 1) as pipe:
-        pipe.send_tensor(torch.ones(3))
-        assert same(pipe.recv_tensor(), torch.ones(3))
-        pipe.send_tensor(None)
-    assert peer.result() == 1 and len(calls) >= 2
-
-
 def test_a_peer_that_went_away_fails_fast_and_is_found_again_when_back(cfg):
     first = Peer(peers.echo, cfg, 0, 1)
     with open_pipe(cfg, 1) as pipe:
@@ -395,18 +372,8 @@ def _local_addresses() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- hostile input
-def _raw_connect(pipe) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", pipe.port), timeout=5.0)
-
-
-def _hello_fields(pipe, **fields) -> dict:
-    """A valid HELLO from the pipe's configured peer, with ``fields`` changed (a nonce is added when sent)."""
-    return {"kv_rank": 1 - pipe.kv_rank, "local_rank": 0, "address": pipe.peer,
-            "to": pipe.endpoint.address, "channel": "kv", **fields}
-
-
 def _handshake(sock: socket.socket, pipe) -> dict:
-    kind, payload = peers.raw_handshake(sock, _hello_fields(pipe))
+    kind, payload = peers.raw_handshake(sock, hello_fields(pipe))
     assert kind == Kind.WELCOME
     return wire.decode_json(payload, {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int,
                                       "inline_max": int, "direct_recv": bool})
@@ -429,7 +396,7 @@ def _assert_still_serves(cfg, pipe) -> None:
 ])
 def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, garbage, caplog):
     with open_pipe(cfg, 1) as pipe:
-        with _raw_connect(pipe) as sock:
+        with raw_connect(pipe) as sock:
             try:
                 sock.sendall(garbage)
                 sock.shutdown(socket.SHUT_WR)
@@ -449,7 +416,7 @@ def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
               b'{"kv_rank": 0, "local_rank": 0, "session": "' + b"x" * 60_000 + b'"}']
     with open_pipe(cfg, 1) as pipe:
         for hello in hellos:
-            with _raw_connect(pipe) as sock:
+            with raw_connect(pipe) as sock:
                 try:
                     sock.sendall(wire.encode(Kind.HELLO, hello))
                     sock.settimeout(15)
@@ -487,7 +454,7 @@ def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
 ])
 def test_malformed_frames_after_handshake(cfg, frame, message):
     with open_pipe(cfg, 1) as pipe:
-        with _raw_connect(pipe) as sock:
+        with raw_connect(pipe) as sock:
             welcome = _handshake(sock, pipe)
             sock.sendall(frame(welcome))
             if message == "disconnected":
@@ -534,56 +501,9 @@ def test_a_newer_connection_that_proves_the_same_replaces_the_live_one(cfg, capl
     with open_pipe(cfg, 1) as pipe:
         pipe.send_tensor(torch.ones(2))
         assert same(pipe.recv_tensor(), torch.ones(2))
-        with _raw_connect(pipe) as sock:
-            kind, _ = peers.raw_handshake(sock, _hello_fields(pipe), session="newer:1")
+        with raw_connect(pipe) as sock:
+            kind, _ = peers.raw_handshake(sock, hello_fields(pipe), session="newer:1")
         assert kind == Kind.WELCOME and "its older connection from" in caplog.text
-        pipe.send_tensor(None)
-    assert peer.result() == 1
-
-
-# ----------------------------------------------------------------------------- hardening finding 2: the secret
-SECRET = "0123456789abcdef0123456789abcdef-test-secret"
-
-
-def test_only_a_peer_that_knows_the_secret_joins_the_pipe():
-    """Hardening finding 2: a local process sent a valid HELLO as the producer before the real one: its tensor came out
-    of recv_tensor, the real peer was refused, and the WELCOME gave it the engine session and the ring's address.
-    With a secret: an intruder that does not know it (a wrong one, or none) gets a CHALLENGE and then an ERROR, never
-    a WELCOME; the real peer, with the secret, joins afterwards and is served."""
-    cfg = make_config(auth_secret=SECRET)
-    with open_pipe(cfg, 1) as pipe:
-        for wrong in (b"", b"not-the-secret-at-all"):
-            with _raw_connect(pipe) as sock:
-                kind, payload = peers.raw_handshake(sock, _hello_fields(pipe), secret=wrong)
-            assert kind == Kind.ERROR and b"does not prove that it knows this pipe's secret" in payload, payload
-            assert b"ring" not in payload and b"session" not in payload.lower().replace(b"session name", b"")
-        peer = Peer(peers.echo, cfg, 0, 1)
-        pipe.send_tensor(torch.arange(5))
-        assert same(pipe.recv_tensor(timeout=30), torch.arange(5))
-        pipe.send_tensor(None)
-        assert peer.result() == 1
-
-
-def test_a_peer_with_another_secret_is_told_so():
-    """Both sides real: the connecting side checks the listening side's proof first and stops with a clear error."""
-    listening = make_config(auth_secret=SECRET)
-    connecting = {**listening, "auth_secret": "another-secret-that-is-at-least-32-characters-long"}
-    peer = Peer(peers.echo, listening, 1, 1)
-    with open_pipe(connecting, 0) as pipe, pytest.raises(ProtocolError, match="does not prove that it knows"):
-        pipe.send_tensor(torch.ones(3), timeout=10)
-    peer.kill()
-
-
-def test_the_secret_can_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MOONCAKE_KV_SECRET", SECRET)
-    cfg = make_config()  # no auth_secret in the file: the variable is the secret (children inherit it)
-    peer = Peer(peers.echo, cfg, 0, 1)
-    with open_pipe(cfg, 1) as pipe:
-        with _raw_connect(pipe) as sock:
-            kind, _ = peers.raw_handshake(sock, _hello_fields(pipe), secret=b"")
-        assert kind == Kind.ERROR
-        pipe.send_tensor(torch.ones(2))
-        assert same(pipe.recv_tensor(timeout=30), torch.ones(2))
         pipe.send_tensor(None)
     assert peer.result() == 1
 
@@ -613,7 +533,7 @@ def test_failed_receives_free_their_memory():
         gc.collect()
         base, tensors = _rss(), _large_tensors(size)
         for _ in range(8):
-            with _raw_connect(pipe) as sock:
+            with raw_connect(pipe) as sock:
                 ring = _handshake(sock, pipe)["ring_size"]
                 frames = wire.encode_tensor(torch.uint8, (size,), size)
                 for k in range(size // chunk - 1):
@@ -634,7 +554,7 @@ def test_tensors_announced_together_stay_within_the_receive_budget():
     its memory is touched, and the pipe goes on serving."""
     cfg = make_config(receive_budget=64 * MiB, zero_copy_recv=False, timeout=5.0)
     with open_pipe(cfg, 1) as pipe:
-        with _raw_connect(pipe) as sock:
+        with raw_connect(pipe) as sock:
             _handshake(sock, pipe)
             sock.sendall(wire.encode_tensor(torch.uint8, (65 * MiB,), 65 * MiB))
             with pytest.raises(ProtocolError, match=r"announces a 68157440-byte tensor .*receive_budget 67108864"):
