@@ -82,8 +82,6 @@ class RemotePrefill:
     """Consumer: a producer prefilled this request; its KV waits at ``pipes[rank]``."""
 
     pipes: list[str]
-    engine_id: str
-    request_id: str
 
 
 def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> RemotePrefill | None:
@@ -103,7 +101,7 @@ def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> Remote
         raise ParamsError(f"{ENGINE} and {REQUEST} must be short strings")
     if secret:
         _check_proof(params, PROOF, _params_proof(secret, pipes, engine, request), f"the producer at {pipes[0]}")
-    return RemotePrefill(pipes, engine, request)
+    return RemotePrefill(pipes)
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int, secret: bytes = b"") -> list[str] | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
-from kv_connector import block_copy
+from kv_connector import block_copy, blocks
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
@@ -72,7 +72,7 @@ class PushTransfer(KVTransfer):
                             "of another TP size): pull", step.req_id)
             elif step.token_ids is not None:  # the request's first step: announce it if the consumer has room
                 key = entry_key(step.token_ids)
-                nblocks = -(-step.prompt_len // self.block_size)
+                nblocks = blocks.num_blocks(step.prompt_len, self.block_size)
                 nbytes = self.layout.kv_bytes(nblocks)
                 push = self.links.push_buffer(step.push_to[self.rank] if step.push_to else self.default_peer)
                 assert push is not None
@@ -85,7 +85,7 @@ class PushTransfer(KVTransfer):
             state = self.pushing.get(step.req_id)
             if state is None:
                 continue
-            upto = state.num_blocks if step.end >= step.prompt_len else step.end // self.block_size
+            upto = blocks.complete_blocks(step.end, step.prompt_len, self.block_size)
             if upto > state.next_block:
                 self.step_pushes.append((state, state.next_block, step.block_ids[state.next_block:upto]))
                 state.next_block = upto
@@ -117,7 +117,7 @@ class PushTransfer(KVTransfer):
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
-        peer = self.pull.producer(req)
+        peer = req.source.peer(self.rank)
         push = None if peer is None else self.links.push_buffer(peer)
         entry = None if push is None else push.take(entry_key(req.token_ids),
                                                     min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
@@ -137,12 +137,13 @@ class PushTransfer(KVTransfer):
         first, end = req.first_block, req.first_block + len(req.block_ids)
         covered = [0] * len(self.layout.layers)
         jobs = []
-        for layer, piece_first, blocks in entry.pieces:
-            self.layout.check_piece(layer, blocks)
-            lo, hi = max(piece_first, first), min(piece_first + blocks.shape[0], end)
-            if lo >= hi:
+        for layer, piece_first, piece in entry.pieces:
+            self.layout.check_piece(layer, piece)
+            shared = blocks.overlap(piece_first, piece.shape[0], first, end)
+            if shared is None:
                 continue
-            rows = blocks[lo - piece_first:hi - piece_first]
+            lo, hi = shared
+            rows = piece[lo - piece_first:hi - piece_first]
             if req.corrupt and self.corrupt_ok:
                 rows = rows.flip(-1)
             jobs.append((layer, req.block_ids[lo - first:hi - first], rows))

@@ -11,7 +11,7 @@ from kv_connector import params as kv_params
 def test_producer_params_round_trip():
     sent = kv_params.producer_params(["127.0.0.1:9000", "127.0.0.1:9001"], "engine-a", "req-1")
     got = kv_params.remote_prefill(sent)
-    assert got == kv_params.RemotePrefill(["127.0.0.1:9000", "127.0.0.1:9001"], "engine-a", "req-1")
+    assert got == kv_params.RemotePrefill(["127.0.0.1:9000", "127.0.0.1:9001"])
 
 
 def test_no_params_or_no_remote_prefill_means_the_configured_producer():
