@@ -62,7 +62,7 @@ class ConsumerScheduler:
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
-        corrupt = bool((request.kv_transfer_params or {}).get(CORRUPT_PARAM))
+        corrupt = bool(request.kv_transfer_params.get(CORRUPT_PARAM)) if request.kv_transfer_params else False
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source, corrupt))
 

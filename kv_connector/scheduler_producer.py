@@ -91,6 +91,7 @@ class ProducerScheduler:
         self.prompts.pop(req_id, None)
         self.pushing.discard(req_id)
         self.push_to.pop(req_id, None)
-        if not saved or not (request.kv_transfer_params or {}).get("do_remote_decode") or not self.pipes:
+        params = request.kv_transfer_params
+        if not saved or not isinstance(params, dict) or not params.get("do_remote_decode") or not self.pipes:
             return None
         return kv_params.producer_params(self.pipes, self.config.engine_id, req_id, self.config.secret)
