@@ -63,7 +63,6 @@ class PullTransfer(KVTransfer):
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
         self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
-        self._buffer_stats = dict(self.buffer.stats) if self.buffer is not None else {}
 
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
@@ -174,15 +173,7 @@ class PullTransfer(KVTransfer):
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
-    # ---------------------------------------------------------------- stats, closing
-    def collect_stats(self) -> None:
-        if self.buffer is None:
-            return
-        now = dict(self.buffer.stats)
-        for ours, theirs in (("expired", "expired"), ("evicted", "evicted"), ("served_bytes", "hit_key_bytes")):
-            self.stats.count(ours, now[theirs] - self._buffer_stats[theirs])
-        self._buffer_stats = now
-
+    # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """The buffers belong to the links (closed with them)."""
         if self._pieces is not None:

@@ -56,7 +56,6 @@ class PushTransfer(KVTransfer):
         self.targets: dict[str, PushBuffer] = {}  # producer: the link each request in flight goes to
         self.step_pushes: list[tuple[_PushState, int, list[int]]] = []  # producer: (entry, first block, ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
-        self._pushed_bytes = self._expired = 0
 
     # ---------------------------------------------------------------- producer
     def begin_step(self, meta: MooncakeConnectorMetadata) -> None:
@@ -156,14 +155,7 @@ class PushTransfer(KVTransfer):
             block_copy.scatter([self.layout.layers[layer]], self.layout.block_dim, ids, rows)
         return end - first
 
-    # ---------------------------------------------------------------- stats, closing
-    def collect_stats(self) -> None:
-        self.pull.collect_stats()
-        pushed, expired = self.links.push_totals()
-        self.stats.count("pushed_bytes", pushed - self._pushed_bytes)
-        self.stats.count("push_expired", expired - self._expired)
-        self._pushed_bytes, self._expired = pushed, expired
-
+    # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """The push buffers belong to the links (closed with them)."""
         self.pull.close()

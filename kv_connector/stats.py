@@ -14,6 +14,7 @@ prefix-cache hit even when it then fails and the prompt is recomputed):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,15 @@ class StatsRecorder:
         """One completed operation (``kind``: one of ``SAMPLES``)."""
         with self._lock:
             self._stats.data[kind].append([tokens, nbytes, seconds])
+
+    def counter(self, names: dict[str, str]) -> Callable[[str, int], None]:
+        """A buffer's ``on_count``: records its counts named in ``names`` under our names (the others are its own)."""
+        def record(name: str, n: int) -> None:
+            ours = names.get(name)
+            if ours is not None:
+                self.count(ours, n)
+
+        return record
 
     def gauge(self, name: str, delta: int) -> None:
         with self._lock:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+# the buffers' own counts that are connector metrics too (see stats.COUNTERS): their name -> ours
+BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes"}
+PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
 
@@ -91,12 +94,14 @@ class ConnectorWorker:
 
     def _links(self, endpoint: PipeEndpoint) -> PeerLinks:
         opts = self.options
-        buffer = SimpleBuffer(None, None, opts.buffer_size, role="producer", max_age=opts.entry_ttl,
-                              evict=True) if self.is_producer else None
+        # the buffers tell the stats of their counts that are ours too as they happen
+        buffer = SimpleBuffer(None, None, opts.buffer_size, role="producer", max_age=opts.entry_ttl, evict=True,
+                              on_count=self.stats.counter(BUFFER_COUNTS)) if self.is_producer else None
         make_push = None
         if self.push_mode:
+            push_counts = self.stats.counter(PUSH_COUNTS)
             make_push = lambda pipe, side: PushBuffer(pipe, side, capacity=opts.push_staging_size,  # noqa: E731
-                                                      ttl=opts.push_ttl)
+                                                      ttl=opts.push_ttl, on_count=push_counts)
         return PeerLinks(endpoint, buffer, opts.buffer_size, make_push)
 
     def _transfer(self, layout: KVCacheLayout, links: PeerLinks, split: HeadSplit, rank: int, peer: str
@@ -167,8 +172,6 @@ class ConnectorWorker:
             finished.bad_blocks
 
     def take_stats(self) -> MooncakeConnectorStats | None:
-        if self.transfer is not None:
-            self.transfer.collect_stats()
         return self.stats.take()
 
     def close(self) -> None:

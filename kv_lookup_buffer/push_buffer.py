@@ -32,6 +32,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,15 +95,17 @@ class PushedEntry:
 
 class PushBuffer:
     """One end of a push channel over ``pipe`` (a pipe of its own: the push traffic must not interleave with another
-    protocol). ``role`` "producer" pushes; "consumer" stages up to ``capacity`` bytes and serves ``take``."""
+    protocol). ``role`` "producer" pushes; "consumer" stages up to ``capacity`` bytes and serves ``take``.
+    ``on_count(name, n)``, if given, is told of the ``pushed_bytes`` and ``expired`` counts as they happen."""
 
     def __init__(self, pipe: KVPipeBase, role: Literal["producer", "consumer"], capacity: int = 1 << 30,
-                 ttl: float = 60.0) -> None:
+                 ttl: float = 60.0, on_count: Callable[[str, int], None] | None = None) -> None:
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
         if capacity <= 0 or ttl <= 0:
             raise ValueError(f"capacity and ttl must be > 0, got {capacity} bytes and {ttl} s")
         self.pipe, self.role, self.capacity, self.ttl = pipe, role, capacity, ttl
+        self.on_count = on_count
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self.stats = {"begun": 0, "pushed_bytes": 0, "committed": 0, "push_failed": 0, "no_credit": 0,
@@ -225,7 +228,7 @@ class PushBuffer:
                 if int(header[2]) in (DATA, COMMIT):
                     self.pipe.send_tensor(payload)
                     if payload is not None and int(header[2]) == DATA:
-                        self.stats["pushed_bytes"] += payload.numel() * payload.element_size()
+                        self._count("pushed_bytes", payload.numel() * payload.element_size())
                     if int(header[2]) == COMMIT:
                         self.stats["committed"] += 1
             except PipeClosed:
@@ -422,6 +425,11 @@ class PushBuffer:
         self._notices[key] = (why, time.monotonic())
         self._cv.notify_all()
 
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] += n
+        if self.on_count is not None:
+            self.on_count(name, n)
+
     def _expire(self) -> None:
         now = time.monotonic()
         with self._cv:
@@ -429,7 +437,7 @@ class PushBuffer:
             for key in old:
                 self._drop(key, "expired")
                 self._notices.pop(key, None)
-                self.stats["expired"] += 1
+                self._count("expired")
             for key in [k for k, (_, when) in self._notices.items() if now - when > self.ttl]:
                 del self._notices[key]
         if old:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -261,12 +262,15 @@ class SimpleBuffer(KVLookupBufferBase):
     Producer options: ``max_age`` (seconds; None: forever) drops entries nobody took within that time; ``evict``
     makes an insert that does not fit drop the oldest entries instead of waiting for a consumer to take some (the
     entries being sent at that moment still count, so the bytes held may pass the threshold by those). Both are
-    counted in ``stats`` (``expired``, ``evicted``) and logged once per entry.
+    counted in ``stats`` (``expired``, ``evicted``) and logged once per entry. ``on_count(name, n)``, if given, is
+    told of those counts and of the answers' (``hits``, ``hit_bytes``, ``hit_key_bytes``) as they happen (under
+    the buffer's lock: it must not call back into the buffer).
     """
 
     def __init__(self, signal_pipe: KVPipeBase | None, data_pipe: KVPipeBase | None, buffer_size_thresh: float,
                  timeout: float | None = None, role: Literal["producer", "consumer"] | None = None, *,
-                 max_age: float | None = None, evict: bool = False) -> None:
+                 max_age: float | None = None, evict: bool = False,
+                 on_count: Callable[[str, int], None] | None = None) -> None:
         if buffer_size_thresh <= 0:
             raise ValueError(f"buffer_size_thresh must be > 0 bytes, got {buffer_size_thresh}")
         if max_age is not None and not max_age > 0:
@@ -282,6 +286,7 @@ class SimpleBuffer(KVLookupBufferBase):
         self.timeout = timeout if timeout is not None else getattr(config, "timeout", DEFAULT_TIMEOUT)
         self.max_age = max_age
         self.evict = evict
+        self.on_count = on_count
         self.role = role
         self.buffer_size = 0  # bytes held (entries in the index and the one being sent)
         self._index: TokenIndex[_Entry] = TokenIndex()
@@ -361,6 +366,8 @@ class SimpleBuffer(KVLookupBufferBase):
         entry = self._index.remove(ident)
         self._release(entry)
         self.stats[why] += 1
+        if self.on_count is not None:
+            self.on_count(why, 1)
         logger.info("%s an entry of %d tokens (%.1f MiB) nobody took in %.1f s, %s", why, entry.tensors[0].numel(),
                     entry.nbytes / 2**20, time.monotonic() - entry.created, detail)
 
@@ -534,10 +541,12 @@ class SimpleBuffer(KVLookupBufferBase):
                 if last:
                     self._index.add(_masked_tokens(tokens, roi).tolist(), entry)
             raise
+        counts = {"hits": 1, "hit_bytes": _nbytes(answer), "hit_key_bytes": _nbytes(answer[2:3])}
         with self._cv:
-            self.stats["hits"] += 1
-            self.stats["hit_bytes"] += _nbytes(answer)
-            self.stats["hit_key_bytes"] += _nbytes(answer[2:3])
+            for name, n in counts.items():
+                self.stats[name] += n
+                if self.on_count is not None:
+                    self.on_count(name, n)
             if last:
                 self._release(entry)
 
