@@ -42,8 +42,8 @@ class _PushState:
 
 
 class PushTransfer(KVTransfer):
-    """``default_peer``: producer: the consumer a request without params is pushed to; consumer: the producer a
-    request without params was pushed from."""
+    """``default_peer``: producer: the consumer a request without params is pushed to (a consumer takes each request
+    from the producer its ``LoadRequest.source`` names)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, pull: PullTransfer, stats: StatsRecorder,
                  block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False) -> None:

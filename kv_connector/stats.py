@@ -177,7 +177,8 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames))
 
         try:
-            info = endpoint_info(ConnectorConfig.from_vllm(vllm_config))  # this process has no connector to ask
+            # built in vLLM's front-end process, where no connector exists to hand its parsed config over
+            info = endpoint_info(ConnectorConfig.from_vllm(vllm_config))
         except Exception as e:  # the connector itself reports a bad config; metrics go on without
             logger.warning("MooncakeConnector: no %s on /metrics: %s", ENDPOINT_INFO, e)
         else:
