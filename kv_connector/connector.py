@@ -1,8 +1,9 @@
 """MooncakeConnector: a vLLM v1 KV connector that ships each request's prompt KV from a kv_producer instance to a
 kv_consumer instance through SimpleBuffer over MooncakePipe.
 
-A thin facade: vLLM creates it twice, once in the scheduler process (``scheduler.ConnectorScheduler``: what to save
-and load) and once per worker (``worker.ConnectorWorker``: the KV cache, the pipe, the transfer). Transfers are
+A thin facade: vLLM creates it twice, once in the scheduler process (``scheduler_producer.ProducerScheduler``: what
+to save, or ``scheduler_consumer.ConsumerScheduler``: what to load) and once per worker (``worker.ConnectorWorker``:
+the KV cache, the pipe, the transfer). Transfers are
 ``pull.PullTransfer`` (the consumer fetches the blocks it lacks after the prefill) or ``push.PushTransfer`` (the
 producer streams each layer's blocks during the prefill). A miss, a timeout, a dead producer or a layout mismatch
 is reported as a failed load, and vLLM recomputes the prompt: the answer is the same, only slower.
@@ -22,18 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from kv_connector.config import ConnectorConfig
 from kv_connector.metadata import MooncakeConnectorMetadata
-from kv_connector.options import (
-    ConnectorOptions,
-    check_kv_cache_dtype,
-    load_mooncake_config,
-    pipe_addresses,
-    recompute_tokens,
-)
-from kv_connector.scheduler import ConnectorScheduler
+from kv_connector.options import check_kv_cache_dtype, recompute_tokens
+from kv_connector.scheduler_consumer import ConsumerScheduler
+from kv_connector.scheduler_producer import ProducerScheduler
 from kv_connector.stats import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.worker import ConnectorWorker
-from kv_pipe import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,33 +62,31 @@ class MooncakeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         route_stack_logs()
-        transfer = vllm_config.kv_transfer_config
-        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ConfigError(f"kv_role {transfer.kv_role!r}: MooncakeConnector needs \"kv_producer\" (prefill instance) or "
-                              "\"kv_consumer\" (decode instance)")
-        is_producer = transfer.kv_role == "kv_producer"
-        options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        config = ConnectorConfig.from_vllm(vllm_config)  # fail at start-up, not on the first request
         check_kv_cache_dtype(vllm_config)
-        mooncake = load_mooncake_config(options)  # fail at start-up, not on the first request
-        push_mode = options.transfer_mode == "push"
-        block_size = vllm_config.cache_config.block_size
         self._bad_blocks: set[int] = set()
-        if role == KVConnectorRole.SCHEDULER:
-            pipes = pipe_addresses(vllm_config, mooncake, is_producer)
-            recompute = recompute_tokens(vllm_config, options)
-            self._scheduler = ConnectorScheduler(is_producer, block_size, push_mode, pipes, transfer.engine_id or "",
-                                                 recompute, mooncake.secret)
-            if not is_producer and recompute > 1:
-                logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
-                            "(recompute_tokens%s)", recompute, "" if options.recompute_tokens else
-                            ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
-            if not is_producer and transfer.kv_load_failure_policy != "recompute":
-                # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
-                logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
-                            "load falls back to recomputing the prompt", transfer.kv_load_failure_policy)
-                transfer.kv_load_failure_policy = "recompute"
+        self._scheduler: ProducerScheduler | ConsumerScheduler
+        if role != KVConnectorRole.SCHEDULER:
+            self._worker = ConnectorWorker(vllm_config, config, kv_cache_config)
+        elif config.is_producer:
+            self._scheduler = ProducerScheduler(config, vllm_config.cache_config.block_size)
         else:
-            self._worker = ConnectorWorker(vllm_config, options, mooncake, is_producer, push_mode, kv_cache_config)
+            self._scheduler = self._consumer_scheduler(vllm_config, config)
+
+    @staticmethod
+    def _consumer_scheduler(vllm_config: VllmConfig, config: ConnectorConfig) -> ConsumerScheduler:
+        recompute = recompute_tokens(vllm_config, config.options)
+        if recompute > 1:
+            logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
+                        "(recompute_tokens%s)", recompute, "" if config.options.recompute_tokens else
+                        ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
+            logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
+                        "load falls back to recomputing the prompt", transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+        return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute)
 
     # ------------------------------------------------------------------ scheduler side (EngineCore process)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

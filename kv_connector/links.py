@@ -46,7 +46,6 @@ class PeerLinks:
         self._lock = threading.Lock()
         self._pull: dict[str, _Linked] = {}  # consumer: producer address -> its buffer
         self._push: dict[str, _Linked] = {}  # peer address -> its push end (producer: consumers; consumer: producers)
-        self._retired = [0, 0]  # pushed bytes and expired entries of push buffers replaced since
         endpoint.on_link(self._on_link)
 
     @property
@@ -106,24 +105,11 @@ class PeerLinks:
             old.buffer.close()
         return buffer
 
-    def push_totals(self) -> tuple[int, int]:
-        """Bytes pushed and staged entries expired, over every push buffer so far (the replaced ones too)."""
-        with self._lock:
-            buffers = [i.buffer for i in self._push.values()]
-            pushed, expired = self._retired
-        for b in buffers:
-            pushed += b.stats["pushed_bytes"]
-            expired += b.stats["expired"]
-        return pushed, expired
-
     def _new_push(self, pipe: MooncakePipe, role: str) -> tuple[PushEnd, _Linked | None]:
-        """A push end for ``pipe`` in place of the peer's old one (under the lock), whose counts are kept; the
-        caller closes the old one (returned) outside the lock."""
+        """A push end for ``pipe`` in place of the peer's old one (under the lock); the caller closes the old one
+        (returned) outside the lock."""
         assert self.make_push is not None
         old = self._push.get(pipe.peer)
-        if old is not None:
-            self._retired[0] += old.buffer.stats["pushed_bytes"]
-            self._retired[1] += old.buffer.stats["expired"]
         buffer = self.make_push(pipe, role)
         self._push[pipe.peer] = _Linked(pipe, buffer)
         return buffer, old

@@ -44,9 +44,6 @@ class Loads:
         self._running: dict[str, tuple[LoadRequest, Future[LoadResult | None]]] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._running)
-
     def start(self, req: LoadRequest) -> None:
         deadline = time.monotonic() + self.timeout  # from the claim: time queued behind other loads counts too
         self.stats.gauge("loads_in_flight", 1)
@@ -81,7 +78,7 @@ class Loads:
             self.stats.gauge("loads_in_flight", -1)
         seconds = time.perf_counter() - start
         self.stats.count("loaded")
-        if req.producers is not None:
+        if req.source.from_params:
             self.stats.count("param_loads")
         self.stats.count("loaded_bytes", result.loaded_bytes)
         self.stats.count("fetched_bytes", result.fetched_bytes)

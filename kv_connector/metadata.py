@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kv_connector.source import LoadSource
+
 CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
 
 
@@ -28,8 +30,8 @@ class LoadRequest:
     token_ids: list[int]  # the whole prompt: the producer's entry is found by it
     first_block: int
     block_ids: list[int]
-    num_tokens: int  # tokens claimed, for the stats
-    producers: list[str] | None = None  # the producer's pipe per TP rank (from the params); None: mooncake.json's
+    num_tokens: int  # tokens claimed
+    source: LoadSource  # the producer it reads from (``source.load_source``)
     corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
 
 

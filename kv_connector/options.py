@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_pipe import ConfigError, MooncakeTransferEngineConfig
-from kv_pipe.config import CONFIG_ENV, join_host_port
+from kv_pipe.config import CONFIG_ENV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,13 +109,6 @@ def load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineCon
         return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
     raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
                       "kv_connector_extra_config.mooncake_config_path")
-
-
-def pipe_addresses(vllm_config: VllmConfig, mooncake: MooncakeTransferEngineConfig, is_producer: bool) -> list[str]:
-    """This instance's pipe address per TP rank (rank i listens on mooncake.json's port + i)."""
-    kv_rank = 0 if is_producer else 1
-    tp_size = vllm_config.parallel_config.tensor_parallel_size
-    return [join_host_port(*mooncake.pipe_address(kv_rank, rank)) for rank in range(tp_size)]
 
 
 def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:

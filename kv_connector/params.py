@@ -58,6 +58,15 @@ def _check_proof(params: dict[str, Any], field: str, expected: str, what: str) -
                           "from an instance of this fleet (one that knows the secret)")
 
 
+def _checked(params: Any) -> dict[str, Any]:
+    """``params`` if a JSON object ({} for none)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params: expected a JSON object, got {type(params).__name__}")
+    return params
+
+
 def _addresses(value: Any, field: str, tp_size: int | None) -> list[str]:
     """``tp_size``: the number of addresses required (None: any)."""
     if not isinstance(value, list) or not 0 < len(value) <= MAX_RANKS:
@@ -76,14 +85,13 @@ class RemotePrefill:
     """Consumer: a producer prefilled this request; its KV waits at ``pipes[rank]``."""
 
     pipes: list[str]
-    engine_id: str
-    request_id: str
 
 
 def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> RemotePrefill | None:
     """The producer named by a decode request's params; None if they name none (load from the configured one). The
     producer may run another TP size than this instance (each rank reads the KV heads it holds from the producer
     ranks that hold them). With a secret the params must carry the producer's proof."""
+    params = _checked(params)
     if not params or not params.get("do_remote_prefill") or PIPE not in params:
         return None
     remote_tp = params.get(TP_SIZE)
@@ -97,12 +105,13 @@ def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> Remote
         raise ParamsError(f"{ENGINE} and {REQUEST} must be short strings")
     if secret:
         _check_proof(params, PROOF, _params_proof(secret, pipes, engine, request), f"the producer at {pipes[0]}")
-    return RemotePrefill(pipes, engine, request)
+    return RemotePrefill(pipes)
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int, secret: bytes = b"") -> list[str] | None:
     """Producer, push mode: the consumer the proxy chose for this request (None: the configured one; an empty list:
     no push, the request's consumer loads by pull). With a secret the consumer's proof must come with it."""
+    params = _checked(params)
     if not params or PUSH_TO not in params:
         return None
     if params[PUSH_TO] == []:

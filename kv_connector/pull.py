@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from vllm.logger import init_logger
 
-from kv_connector import block_copy
+from kv_connector import block_copy, blocks
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
@@ -47,18 +47,15 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class PullTransfer(KVTransfer):
-    """``split``: this worker's TP rank and the KV heads it holds (a request's params name the producer's pipe per
-    rank); ``default_producers``: the producer's pipe per rank for requests without params (mooncake.json's, assuming
-    the producer runs this instance's TP size); ``rank_to_rank`` (push mode, whose pushes go rank to rank, and so
-    does what falls back to pull): every producer rank saves, and with equal TP sizes consumer rank r reads producer
-    rank r."""
+    """``split``: this worker's TP rank and the KV heads it holds (a request's ``source`` names the producer's pipe
+    per rank); ``rank_to_rank`` (push mode, whose pushes go rank to rank, and so does what falls back to pull): every
+    producer rank saves, and with equal TP sizes consumer rank r reads producer rank r."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
-                 split: HeadSplit, default_producers: list[str], corrupt_ok: bool = False,
-                 concurrency: int = 1, rank_to_rank: bool = False) -> None:
+                 split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False) -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.block_size = block_size
-        self.split, self.default_producers = split, default_producers
+        self.split = split
         self.rank = split.rank
         self.rank_to_rank = rank_to_rank
         self._pieces: ThreadPoolExecutor | None = None  # a load's pieces from several producer ranks, in parallel
@@ -66,7 +63,6 @@ class PullTransfer(KVTransfer):
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
         self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
-        self._buffer_stats = dict(self.buffer.stats) if self.buffer is not None else {}
 
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
@@ -99,8 +95,8 @@ class PullTransfer(KVTransfer):
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
-        producers = self.producers(req)
-        if self.rank_to_rank and len(producers) == self.split.tp:
+        producers = req.source.pipes
+        if self.rank_to_rank and req.source.same_tp:
             pieces = [Piece(self.rank, (0, self.split.span[1] - self.split.span[0]), 0, 1, True)]
         else:
             pieces = self.split.plan(len(producers))
@@ -152,7 +148,9 @@ class PullTransfer(KVTransfer):
             self.layout.check(descriptor, kv, self.split.producer_span(len(producers), piece.producer), count)
             if tokens is None or tokens.dtype != torch.int64 or tokens.dim() != 1:
                 raise ValueError("the producer's entry has no valid token ids")
-            usable = self._usable_rows(req, query, tokens, kv.shape[0])
+            # the received blocks that hold this prompt's KV (its tokens agree with the prompt's)
+            usable = blocks.usable_blocks(req.first_block, len(req.block_ids), req.num_tokens,
+                                          common_prefix(query, tokens), kv.shape[0], self.block_size)
             if usable == 0:
                 raise KVMiss()
             ids = req.block_ids[:usable]
@@ -175,32 +173,7 @@ class PullTransfer(KVTransfer):
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
-    def producers(self, req: LoadRequest) -> list[str]:
-        """The pipe of each TP rank of the producer that holds ``req``'s KV."""
-        return req.producers or self.default_producers
-
-    def producer(self, req: LoadRequest) -> str | None:
-        """The producer rank that pushes to this rank (push mode: both instances run the same TP size), else None."""
-        producers = self.producers(req)
-        return producers[self.rank] if len(producers) == self.split.tp else None
-
-    def _usable_rows(self, req: LoadRequest, query: torch.Tensor, tokens: torch.Tensor, received: int) -> int:
-        """How many of the received rows hold this prompt's KV: all of them when the entry's tokens agree with the
-        prompt up to the end of the claim, else only the blocks lying wholly inside the common prefix."""
-        agree = common_prefix(query, tokens)
-        claim_end = req.first_block * self.block_size + req.num_tokens
-        end = req.first_block + len(req.block_ids) if agree >= claim_end else agree // self.block_size
-        return max(0, min(end - req.first_block, received))
-
-    # ---------------------------------------------------------------- stats, closing
-    def collect_stats(self) -> None:
-        if self.buffer is None:
-            return
-        now = dict(self.buffer.stats)
-        for ours, theirs in (("expired", "expired"), ("evicted", "evicted"), ("served_bytes", "hit_key_bytes")):
-            self.stats.count(ours, now[theirs] - self._buffer_stats[theirs])
-        self._buffer_stats = now
-
+    # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """The buffers belong to the links (closed with them)."""
         if self._pieces is not None:

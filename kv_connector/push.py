@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
-from kv_connector import block_copy
+from kv_connector import block_copy, blocks
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
@@ -42,8 +42,8 @@ class _PushState:
 
 
 class PushTransfer(KVTransfer):
-    """``default_peer``: producer: the consumer a request without params is pushed to; consumer: the producer a
-    request without params was pushed from."""
+    """``default_peer``: producer: the consumer a request without params is pushed to (a consumer takes each request
+    from the producer its ``LoadRequest.source`` names)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, pull: PullTransfer, stats: StatsRecorder,
                  block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False) -> None:
@@ -56,7 +56,6 @@ class PushTransfer(KVTransfer):
         self.targets: dict[str, PushSender] = {}  # producer: the link each request in flight goes to
         self.step_pushes: list[tuple[_PushState, int, list[int]]] = []  # producer: (entry, first block, ids) this step
         self.planned_for: MooncakeConnectorMetadata | None = None
-        self._pushed_bytes = self._expired = 0
 
     # ---------------------------------------------------------------- producer
     def begin_step(self, meta: MooncakeConnectorMetadata) -> None:
@@ -72,7 +71,7 @@ class PushTransfer(KVTransfer):
                             "of another TP size): pull", step.req_id)
             elif step.token_ids is not None:  # the request's first step: announce it if the consumer has room
                 key = entry_key(step.token_ids)
-                nblocks = -(-step.prompt_len // self.block_size)
+                nblocks = blocks.num_blocks(step.prompt_len, self.block_size)
                 nbytes = self.layout.kv_bytes(nblocks)
                 push = self.links.push_buffer(step.push_to[self.rank] if step.push_to else self.default_peer)
                 assert push is not None
@@ -85,7 +84,7 @@ class PushTransfer(KVTransfer):
             state = self.pushing.get(step.req_id)
             if state is None:
                 continue
-            upto = state.num_blocks if step.end >= step.prompt_len else step.end // self.block_size
+            upto = blocks.complete_blocks(step.end, step.prompt_len, self.block_size)
             if upto > state.next_block:
                 self.step_pushes.append((state, state.next_block, step.block_ids[state.next_block:upto]))
                 state.next_block = upto
@@ -117,7 +116,7 @@ class PushTransfer(KVTransfer):
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
-        peer = self.pull.producer(req)
+        peer = req.source.peer(self.rank)
         push = None if peer is None else self.links.push_buffer(peer)
         entry = None if push is None else push.take(entry_key(req.token_ids),
                                                     min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
@@ -137,12 +136,13 @@ class PushTransfer(KVTransfer):
         first, end = req.first_block, req.first_block + len(req.block_ids)
         covered = [0] * len(self.layout.layers)
         jobs = []
-        for layer, piece_first, blocks in entry.pieces:
-            self.layout.check_piece(layer, blocks)
-            lo, hi = max(piece_first, first), min(piece_first + blocks.shape[0], end)
-            if lo >= hi:
+        for layer, piece_first, piece in entry.pieces:
+            self.layout.check_piece(layer, piece)
+            shared = blocks.overlap(piece_first, piece.shape[0], first, end)
+            if shared is None:
                 continue
-            rows = blocks[lo - piece_first:hi - piece_first]
+            lo, hi = shared
+            rows = piece[lo - piece_first:hi - piece_first]
             if req.corrupt and self.corrupt_ok:
                 rows = rows.flip(-1)
             jobs.append((layer, req.block_ids[lo - first:hi - first], rows))
@@ -155,14 +155,7 @@ class PushTransfer(KVTransfer):
             block_copy.scatter([self.layout.layers[layer]], self.layout.block_dim, ids, rows)
         return end - first
 
-    # ---------------------------------------------------------------- stats, closing
-    def collect_stats(self) -> None:
-        self.pull.collect_stats()
-        pushed, expired = self.links.push_totals()
-        self.stats.count("pushed_bytes", pushed - self._pushed_bytes)
-        self.stats.count("push_expired", expired - self._expired)
-        self._pushed_bytes, self._expired = pushed, expired
-
+    # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """The push buffers belong to the links (closed with them)."""
         self.pull.close()

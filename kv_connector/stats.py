@@ -14,6 +14,7 @@ prefix-cache hit even when it then fails and the prompt is recomputed):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from kv_connector import params as kv_params
-from kv_connector.options import ConnectorOptions, load_mooncake_config, pipe_addresses
+from kv_connector.config import ConnectorConfig
 from kv_connector.protocol import ENDPOINT_INFO
 
 if TYPE_CHECKING:
@@ -114,6 +115,15 @@ class StatsRecorder:
         with self._lock:
             self._stats.data[kind].append([tokens, nbytes, seconds])
 
+    def counter(self, names: dict[str, str]) -> Callable[[str, int], None]:
+        """A buffer's ``on_count``: records its counts named in ``names`` under our names (the others are its own)."""
+        def record(name: str, n: int) -> None:
+            ours = names.get(name)
+            if ours is not None:
+                self.count(ours, n)
+
+        return record
+
     def gauge(self, name: str, delta: int) -> None:
         with self._lock:
             self._gauges[name] += delta
@@ -129,17 +139,13 @@ class StatsRecorder:
         return stats
 
 
-def endpoint_info(vllm_config: VllmConfig) -> dict[str, str]:
+def endpoint_info(config: ConnectorConfig) -> dict[str, str]:
     """What a proxy needs to know about this instance: role, transfer mode, pipe address per TP rank, engine id, and
     (a consumer, with a secret) the proof of its pipe addresses that a producer checks before pushing there."""
-    transfer = vllm_config.kv_transfer_config
-    options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-    mooncake = load_mooncake_config(options)
-    is_producer = transfer.kv_role == "kv_producer"
-    pipes = pipe_addresses(vllm_config, mooncake, is_producer)
-    return {"kv_role": transfer.kv_role, "transfer_mode": options.transfer_mode, "pipes": ",".join(pipes),
-            "kv_engine_id": transfer.engine_id or "",
-            "push_proof": "" if is_producer else kv_params.push_proof(mooncake.secret, pipes)}
+    pipes = config.pipes
+    return {"kv_role": config.kv_role, "transfer_mode": config.options.transfer_mode, "pipes": ",".join(pipes),
+            "kv_engine_id": config.engine_id,
+            "push_proof": "" if config.is_producer else kv_params.push_proof(config.secret, pipes)}
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
@@ -171,7 +177,8 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames))
 
         try:
-            info = endpoint_info(vllm_config)
+            # built in vLLM's front-end process, where no connector exists to hand its parsed config over
+            info = endpoint_info(ConnectorConfig.from_vllm(vllm_config))
         except Exception as e:  # the connector itself reports a bad config; metrics go on without
             logger.warning("MooncakeConnector: no %s on /metrics: %s", ENDPOINT_INFO, e)
         else:

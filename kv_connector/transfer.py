@@ -44,9 +44,5 @@ class KVTransfer(ABC):
         exception if it failed. ``deadline``: ``time.monotonic()`` value by which to give up."""
 
     @abstractmethod
-    def collect_stats(self) -> None:
-        """Move the counters kept below (buffer expirations, bytes served) into the worker's stats."""
-
-    @abstractmethod
     def close(self) -> None:
         """Stop threads and release links. Idempotent."""

@@ -6,12 +6,28 @@ Same names as vLLM v0's ``kv_transfer.kv_lookup_buffer.base.KVLookupBufferBase``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 
 class BufferClosed(RuntimeError):
     """The buffer, or the other side of it, was closed."""
+
+
+class Counts(dict[str, int]):
+    """A buffer's counters (a dict, read as one); ``add`` also tells ``on_count(name, n)``, if set, as it happens, so
+    that a caller records its own statistics where they happen instead of diffing these. ``on_count`` may be called
+    under the buffer's lock: it must not call back into the buffer."""
+
+    def __init__(self, names: tuple[str, ...], on_count: Callable[[str, int], None] | None = None) -> None:
+        super().__init__(dict.fromkeys(names, 0))
+        self.on_count = on_count
+
+    def add(self, name: str, n: int = 1) -> None:
+        self[name] += n
+        if self.on_count is not None:
+            self.on_count(name, n)
 
 
 class KVLookupBufferBase(ABC):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,17 +39,18 @@ class PushedEntry:
 
 class PushReceiver:
     """The consumer's end of a push channel over ``pipe`` (a pipe of its own): stages up to ``capacity`` bytes and
-    serves ``take``."""
+    serves ``take``. ``on_count``: see ``Counts``."""
 
     role = "consumer"
 
-    def __init__(self, pipe: KVPipeBase, capacity: int = 1 << 30, ttl: float = 60.0) -> None:
+    def __init__(self, pipe: KVPipeBase, capacity: int = 1 << 30, ttl: float = 60.0,
+                 on_count: Callable[[str, int], None] | None = None) -> None:
         if capacity <= 0 or ttl <= 0:
             raise ValueError(f"capacity and ttl must be > 0, got {capacity} bytes and {ttl} s")
         self.pipe, self.capacity, self.ttl = pipe, capacity, ttl
         self._cv = threading.Condition()
         self._closed = threading.Event()
-        self.stats = push_stats()
+        self.stats = push_stats(on_count)
         self._entries: dict[bytes, PushedEntry] = {}
         # keys whose staged entry is complete while the producer pushes the same prompt again (a repeated prompt):
         # the new push's messages are dropped and the staged copy kept
@@ -89,7 +91,7 @@ class PushReceiver:
                 if entry.committed:
                     del self._entries[key]
                     self._free += entry.nbytes
-                    self.stats["taken"] += 1
+                    self.stats.add("taken")
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed.is_set():
@@ -130,7 +132,7 @@ class PushReceiver:
             try:
                 header = self.pipe.recv_tensor(timeout=_POLL)  # _POLL bounds only the wait for a message to start
             except PipeStalled as e:
-                self.stats["lost"] += 1
+                self.stats.add("lost")
                 logger.warning("push channel: a message from the producer broke off (%s); an entry it belonged to "
                                "is not committed: it expires", e)
                 self._expire()
@@ -147,10 +149,10 @@ class PushReceiver:
             try:
                 self._handle(parse(header))
             except (PipeError, ValueError) as e:
-                self.stats["malformed"] += 1
+                self.stats.add("malformed")
                 logger.error("push channel: ignored a bad message from the producer: %s", e)
             except Exception:  # a bug must not end the receiving for good: log it, skip this message
-                self.stats["malformed"] += 1
+                self.stats.add("malformed")
                 logger.exception("push channel: handling a message from the producer failed; skipped")
             self._expire()
 
@@ -177,7 +179,7 @@ class PushReceiver:
                     self._cv.notify_all()
         elif isinstance(message, (Pull, Abort)):
             with self._cv:
-                self.stats["pulled" if isinstance(message, Pull) else "aborted"] += 1
+                self.stats.add("pulled" if isinstance(message, Pull) else "aborted")
                 if message.key in self._repeats:  # the repeat will not come: the staged copy stays
                     self._repeats.discard(message.key)
                 else:
@@ -194,16 +196,16 @@ class PushReceiver:
             self._repeats.discard(key)  # a repeat that never ended (its producer went away) ends here
             if staged is not None and staged.committed:
                 self._repeats.add(key)  # every message of the first push came before its COMMIT
-                self.stats["duplicates"] += 1
+                self.stats.add("duplicates")
             elif staged is not None or begin.nbytes > self._free or begin.num_layers <= 0 or begin.num_blocks <= 0:
-                self.stats["rejected"] += 1
+                self.stats.add("rejected")
                 self._cv.notify_all()
                 logger.warning("push channel: refused an entry of %d bytes (%d of %d staging bytes free)",
                                begin.nbytes, self._free, self.capacity)
             else:
                 self._entries[key] = PushedEntry(begin.nbytes, begin.num_layers, begin.num_blocks)
                 self._free -= begin.nbytes
-                self.stats["staged"] += 1
+                self.stats.add("staged")
 
     def _data(self, data: Data, blocks: torch.Tensor | None) -> None:
         with self._cv:
@@ -236,7 +238,7 @@ class PushReceiver:
             old = [k for k, e in self._entries.items() if now - e.created > self.ttl]
             for key in old:
                 self._drop(key)
-                self.stats["expired"] += 1
+                self.stats.add("expired")
         if old:
             logger.warning("push channel: dropped %d staged entr%s nobody took within %.0f s", len(old),
                            "y" if len(old) == 1 else "ies", self.ttl)

@@ -8,9 +8,11 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
+from kv_lookup_buffer.base import Counts
 from kv_lookup_buffer.push_wire import Begin, Commit, Credit, Data, Hello, Message, Pull, encode, key_of, parse
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 
@@ -20,24 +22,24 @@ _POLL = 0.5
 _Outgoing = tuple[Message, "torch.Tensor | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
 
 
-def push_stats() -> dict[str, int]:
+def push_stats(on_count: Callable[[str, int], None] | None = None) -> Counts:
     """The counters of either end of a push channel (one set for both, so that a caller can sum them over ends).
     lost: messages that broke off mid-way (PipeStalled)."""
-    return {"begun": 0, "pushed_bytes": 0, "committed": 0, "push_failed": 0, "no_credit": 0, "staged": 0, "taken": 0,
-            "rejected": 0, "expired": 0, "pulled": 0, "aborted": 0, "malformed": 0, "lost": 0, "duplicates": 0}
+    return Counts(("begun", "pushed_bytes", "committed", "push_failed", "no_credit", "staged", "taken", "rejected",
+                   "expired", "pulled", "aborted", "malformed", "lost", "duplicates"), on_count)
 
 
 class PushSender:
     """The producer's end of a push channel over ``pipe`` (a pipe of its own: the push traffic must not interleave
-    with another protocol)."""
+    with another protocol). ``on_count``: see ``Counts``."""
 
     role = "producer"
 
-    def __init__(self, pipe: KVPipeBase) -> None:
+    def __init__(self, pipe: KVPipeBase, on_count: Callable[[str, int], None] | None = None) -> None:
         self.pipe = pipe
         self._cv = threading.Condition()
         self._closed = threading.Event()
-        self.stats = push_stats()
+        self.stats = push_stats(on_count)
         self._epoch = random.randrange(1, 1 << 62)
         self._sent_begins: deque[int] = deque()  # sizes of BEGINs not yet counted by the consumer's last credit
         self._begins_total = 0
@@ -70,15 +72,15 @@ class PushSender:
         """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
         False means the consumer has no room (or has not been heard from): serve this entry by pull instead."""
         if not self.healthy:
-            self.stats["no_credit"] += 1
+            self.stats.add("no_credit")
             return False
         with self._cv:
             if self._credit_epoch != self._epoch or nbytes > self._credit_free - sum(self._sent_begins):
-                self.stats["no_credit"] += 1
+                self.stats.add("no_credit")
                 return False
             self._sent_begins.append(nbytes)
             self._begins_total += 1
-            self.stats["begun"] += 1
+            self.stats.add("begun")
         self._enqueue((Begin(key, nbytes, num_layers, num_blocks), None), control=True)
         return True
 
@@ -132,9 +134,9 @@ class PushSender:
                 if isinstance(message, (Data, Commit)):
                     self.pipe.send_tensor(payload)
                     if payload is not None and isinstance(message, Data):
-                        self.stats["pushed_bytes"] += payload.numel() * payload.element_size()
+                        self.stats.add("pushed_bytes", payload.numel() * payload.element_size())
                     if isinstance(message, Commit):
-                        self.stats["committed"] += 1
+                        self.stats.add("committed")
             except PipeClosed:
                 return
             except Exception as e:  # a PipeError, or a bug: this entry fails, the sending goes on
@@ -150,7 +152,7 @@ class PushSender:
                 with self._cv:
                     if key not in self._failed:
                         self._failed.add(key)
-                        self.stats["push_failed"] += 1
+                        self.stats.add("push_failed")
                 logger.warning("push channel: sending an entry failed (%s); the consumer will recompute it", e)
 
     def _credit_loop(self) -> None:
@@ -159,7 +161,7 @@ class PushSender:
             try:
                 message = parse(self.pipe.recv_tensor(timeout=_POLL))
             except PipeStalled as e:  # _POLL bounds only the wait for a message to start
-                self.stats["lost"] += 1
+                self.stats.add("lost")
                 logger.warning("push channel: a credit from the consumer broke off (%s); its next one replaces it", e)
                 continue
             except PipeTimeout:
@@ -167,15 +169,15 @@ class PushSender:
             except PipeClosed:
                 return
             except (PipeError, ValueError) as e:
-                self.stats["malformed"] += 1
+                self.stats.add("malformed")
                 logger.warning("push channel: ignored a bad message from the consumer: %s", e)
                 continue
             except Exception:  # a bug must not end the credit loop for good
-                self.stats["malformed"] += 1
+                self.stats.add("malformed")
                 logger.exception("push channel: reading the consumer's credit failed; skipped")
                 continue
             if not isinstance(message, Credit):
-                self.stats["malformed"] += 1
+                self.stats.add("malformed")
                 logger.warning("push channel: unexpected %s from the consumer", type(message).__name__.upper())
                 continue
             with self._cv:

@@ -22,11 +22,12 @@ one entry.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
-from kv_lookup_buffer.base import BufferClosed, KVLookupBufferBase
+from kv_lookup_buffer.base import BufferClosed, Counts, KVLookupBufferBase
 from kv_lookup_buffer.simple_consumer import BufferConsumer, died_error
 from kv_lookup_buffer.simple_producer import BufferProducer
 from kv_lookup_buffer.simple_wire import MAX_SHARES, masked_tokens
@@ -49,14 +50,15 @@ class SimpleBuffer(KVLookupBufferBase):
     Producer options: ``max_age`` (seconds; None: forever) drops entries nobody took within that time; ``evict``
     makes an insert that does not fit drop the oldest entries instead of waiting for a consumer to take some (the
     entries being sent at that moment still count, so the bytes held may pass the threshold by those). Both are
-    counted in ``stats`` (``expired``, ``evicted``) and logged once per entry.
+    counted in ``stats`` (``expired``, ``evicted``) and logged once per entry. ``on_count``: see ``Counts``.
 
     ``producer`` and ``consumer`` are its two halves (``consumer`` is None without pipes); both count into ``stats``.
     """
 
     def __init__(self, signal_pipe: KVPipeBase | None, data_pipe: KVPipeBase | None, buffer_size_thresh: float,
                  timeout: float | None = None, role: Literal["producer", "consumer"] | None = None, *,
-                 max_age: float | None = None, evict: bool = False) -> None:
+                 max_age: float | None = None, evict: bool = False,
+                 on_count: Callable[[str, int], None] | None = None) -> None:
         if buffer_size_thresh <= 0:
             raise ValueError(f"buffer_size_thresh must be > 0 bytes, got {buffer_size_thresh}")
         if max_age is not None and not max_age > 0:
@@ -77,8 +79,8 @@ class SimpleBuffer(KVLookupBufferBase):
         self._died: str | None = None  # the thread of ours that ended unexpectedly (see ``healthy``)
         # requests_lost (producer) / answers_lost (consumer): requests / answers that broke off mid-way (their
         # sender froze or died after they had begun to arrive); logged too
-        self.stats = {"hits": 0, "misses": 0, "malformed": 0, "late_hits_dropped": 0, "stray_frames": 0, "expired": 0,
-                      "evicted": 0, "hit_bytes": 0, "hit_key_bytes": 0, "requests_lost": 0, "answers_lost": 0}
+        self.stats = Counts(("hits", "misses", "malformed", "late_hits_dropped", "stray_frames", "expired", "evicted",
+                             "hit_bytes", "hit_key_bytes", "requests_lost", "answers_lost"), on_count)
         self.producer = BufferProducer(signal_pipe, data_pipe, buffer_size_thresh, self.timeout, max_age, evict,
                                        self._closed, self.stats, self._thread_died)
         self.consumer = None if signal_pipe is None or data_pipe is None else BufferConsumer(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_lookup_buffer.base import BufferClosed
+from kv_lookup_buffer.base import BufferClosed, Counts
 from kv_lookup_buffer.simple_wire import CLOSED, HIT, MISS, OP_CLOSE, OP_DROP_SELECT, read_answer, request_frame
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 from kv_pipe.scatter import Scatter
@@ -48,7 +48,7 @@ class BufferConsumer:
     """
 
     def __init__(self, signal_pipe: KVPipeBase, data_pipe: KVPipeBase, closed: threading.Event,
-                 stats: dict[str, int], died: Callable[[str], None]) -> None:
+                 stats: Counts, died: Callable[[str], None]) -> None:
         self.signal_pipe, self.data_pipe = signal_pipe, data_pipe
         self.stats = stats
         self._closed = closed
@@ -108,7 +108,7 @@ class BufferConsumer:
                 try:
                     status, seq = read_answer(frame, (HIT, MISS, CLOSED), "drop_select answer")
                 except ValueError as e:  # e.g. the rest of an answer that broke off, resent on a new connection
-                    self.stats["stray_frames"] += 1
+                    self.stats.add("stray_frames")
                     logger.warning("skipped a frame that starts no answer: %s", e)
                     continue
                 if status == CLOSED:
@@ -127,7 +127,7 @@ class BufferConsumer:
                         self.data_pipe.abandon_receive(f"answer {seq} broke off: {e}")
                         raise _AnswerBrokeOff(f"the answer to drop_select request {seq} broke off: {e}") from e
                     if pending is None:
-                        self.stats["late_hits_dropped"] += 1
+                        self.stats.add("late_hits_dropped")
                         logger.warning("dropped a late answer to drop_select request %d (its caller gave up)", seq)
                 if pending is not None:
                     pending.result = result
@@ -150,7 +150,7 @@ class BufferConsumer:
         requests in flight fail now (their answers are lost with it) rather than at their timeout."""
         if broke_off:
             with self._lock:
-                self.stats["answers_lost"] += 1
+                self.stats.add("answers_lost")
         logger.warning("drop_select answers lost: %s", error)
         self.fail_pending(error)
         self._closed.wait(0.01)

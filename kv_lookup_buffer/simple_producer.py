@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_lookup_buffer.base import BufferClosed
+from kv_lookup_buffer.base import BufferClosed, Counts
 from kv_lookup_buffer.simple_wire import (
     CLOSED,
     HIT,
@@ -92,7 +92,7 @@ class BufferProducer:
     """
 
     def __init__(self, signal_pipe: KVPipeBase | None, data_pipe: KVPipeBase | None, thresh: float, timeout: float,
-                 max_age: float | None, evict: bool, closed: threading.Event, stats: dict[str, int],
+                 max_age: float | None, evict: bool, closed: threading.Event, stats: Counts,
                  died: Callable[[str], None]) -> None:
         self.signal_pipe, self.data_pipe = signal_pipe, data_pipe
         self.thresh, self.timeout, self.max_age, self.evict = thresh, timeout, max_age, evict
@@ -164,7 +164,7 @@ class BufferProducer:
         assert ident is not None
         entry = self._index.remove(ident)
         self._release(entry)
-        self.stats[why] += 1
+        self.stats.add(why)
         logger.info("%s an entry of %d tokens (%.1f MiB) nobody took in %.1f s, %s", why, entry.tensors[0].numel(),
                     entry.nbytes / 2**20, time.monotonic() - entry.created, detail)
 
@@ -190,7 +190,7 @@ class BufferProducer:
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cv:
-            self.stats[name] += n
+            self.stats.add(name, n)
 
     # ------------------------------------------------------------------ serving
     def start_serving(self) -> None:
@@ -324,9 +324,9 @@ class BufferProducer:
                     self._index.add(masked_tokens(tokens, roi).tolist(), entry)
             raise
         with self._cv:
-            self.stats["hits"] += 1
-            self.stats["hit_bytes"] += nbytes_of(answer)
-            self.stats["hit_key_bytes"] += nbytes_of(answer[2:3])
+            self.stats.add("hits")
+            self.stats.add("hit_bytes", nbytes_of(answer))
+            self.stats.add("hit_key_bytes", nbytes_of(answer[2:3]))
             if last:
                 self._release(entry)
 

@@ -16,7 +16,10 @@ scripts/setup.sh
 echo "[test] ruff check"
 .venv/bin/ruff check .
 QUICK=(tests/kv_pipe tests/kv_lookup_buffer tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py
-       tests/kv_connector/test_heads.py tests/kv_connector/test_params.py)
+       tests/kv_connector/test_heads.py tests/kv_connector/test_params.py tests/kv_connector/test_scheduler.py
+       tests/kv_connector/test_blocks.py tests/kv_connector/test_loads.py tests/kv_connector/test_source.py
+       tests/kv_connector/test_config.py tests/kv_connector/test_stats.py
+       tests/kv_connector/test_push.py)
 if ((quick_only)); then
     echo "[test] pytest, quick tier"
     exec .venv/bin/python -m pytest "${QUICK[@]}" "$@"

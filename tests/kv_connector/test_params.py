@@ -11,7 +11,7 @@ from kv_connector import params as kv_params
 def test_producer_params_round_trip():
     sent = kv_params.producer_params(["127.0.0.1:9000", "127.0.0.1:9001"], "engine-a", "req-1")
     got = kv_params.remote_prefill(sent)
-    assert got == kv_params.RemotePrefill(["127.0.0.1:9000", "127.0.0.1:9001"], "engine-a", "req-1")
+    assert got == kv_params.RemotePrefill(["127.0.0.1:9000", "127.0.0.1:9001"])
 
 
 def test_no_params_or_no_remote_prefill_means_the_configured_producer():
@@ -74,3 +74,60 @@ def test_with_a_secret_push_targets_need_the_consumers_proof():
     with pytest.raises(kv_params.ParamsError, match="does not verify"):
         kv_params.push_targets({"mooncake_push_to": ["127.0.0.1:6001"], "mooncake_push_proof": proof}, 1, SECRET)
     assert kv_params.push_proof(b"", pipes) == ""
+
+
+@pytest.mark.parametrize("params", [["remote_pipe"], "do_remote_prefill", 7, True])
+def test_params_that_are_not_an_object_are_refused(params):
+    with pytest.raises(kv_params.ParamsError, match="expected a JSON object"):
+        kv_params.remote_prefill(params)
+    with pytest.raises(kv_params.ParamsError, match="expected a JSON object"):
+        kv_params.push_targets(params, 1)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"remote_pipe": [None]}, "remote_pipe"),
+    ({"remote_pipe": [["127.0.0.1", 1]]}, "remote_pipe"),
+    ({"remote_pipe": [{"host": "127.0.0.1"}]}, "remote_pipe"),
+    ({"remote_pipe": ["127.0.0.1:-1"]}, "remote_pipe"),
+    ({"remote_pipe": ["127.0.0.1:0x10"]}, "remote_pipe"),
+    ({"remote_pipe": ["127.0.0.1:1"] * 10**5}, "expected a list"),
+    ({"remote_pipe": {"0": "127.0.0.1:1"}}, "expected a list"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_tp_size": -1}, "remote_tp_size is -1"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_tp_size": 1.0}, "expected an integer"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_tp_size": "1"}, "expected an integer"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_tp_size": 2**70}, "remote_tp_size is"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_engine_id": None}, "short strings"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_request_id": 5}, "short strings"),
+    ({"remote_pipe": ["127.0.0.1:1"], "remote_request_id": "r" * 5000}, "short strings"),
+])
+def test_more_hostile_decode_params_are_refused(params, message):
+    with pytest.raises(kv_params.ParamsError, match=message):
+        kv_params.remote_prefill({"do_remote_prefill": True, **params})
+
+
+def test_unknown_keys_are_ignored_and_only_do_remote_prefill_names_a_producer():
+    got = kv_params.remote_prefill({"do_remote_prefill": True, "remote_pipe": ["127.0.0.1:1"], "remote_block_ids": [1],
+                                    "whatever": {"deep": [1, 2]}})
+    assert got == kv_params.RemotePrefill(["127.0.0.1:1"])
+    assert kv_params.remote_prefill({"remote_pipe": ["127.0.0.1:1"]}) is None  # no do_remote_prefill: none named
+    assert kv_params.remote_prefill({"do_remote_prefill": True}) is None  # e.g. another connector's params
+
+
+@pytest.mark.parametrize("push_to", [None, 7, "127.0.0.1:1", {}, [None], [7], ["127.0.0.1:1"] * 2000, ["x"]])
+def test_hostile_push_targets_are_refused(push_to):
+    with pytest.raises(kv_params.ParamsError, match="mooncake_push_to"):
+        kv_params.push_targets({"mooncake_push_to": push_to}, 1)
+
+
+def test_proofs_do_not_carry_over_between_kinds_or_requests():
+    pipes = ["127.0.0.1:5000"]
+    params = kv_params.producer_params(pipes, "e1", "r1", SECRET)
+    as_push = {"mooncake_push_to": pipes, "mooncake_push_proof": params[kv_params.PROOF]}
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        kv_params.push_targets(as_push, 1, SECRET)  # a params proof is no push proof
+    push = {"do_remote_prefill": True, "remote_pipe": pipes, "remote_engine_id": "e1", "remote_request_id": "r1",
+            kv_params.PROOF: kv_params.push_proof(SECRET, pipes)}
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        kv_params.remote_prefill(push, SECRET)  # nor the other way round
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        kv_params.remote_prefill({**params, kv_params.PROOF: params[kv_params.PROOF].upper()}, SECRET)

@@ -1,0 +1,70 @@
+"""The connector's configuration, parsed once: the role check, and the one rule from a role to its pipe addresses
+(also what /metrics publishes for the proxy)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kv_connector import params as kv_params
+from kv_connector.config import ConnectorConfig, kv_rank, role_pipe, role_pipes
+from kv_connector.stats import endpoint_info
+from kv_pipe import ConfigError
+from kv_pipe.config import CONFIG_ENV
+from tests.kv_connector.units import SECRET, config
+
+
+@pytest.fixture(autouse=True)
+def _no_secret_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+
+
+def vllm_config(role: str, extra: object = None, tp: int = 1) -> SimpleNamespace:
+    """The parts of vLLM's config the connector's configuration reads."""
+    transfer = SimpleNamespace(kv_role=role, kv_connector_extra_config=extra, engine_id="e-1")
+    return SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+
+def test_each_role_has_its_kv_rank_and_addresses():
+    mooncake = config().mooncake
+    assert (kv_rank(True), kv_rank(False)) == (0, 1)
+    assert role_pipes(mooncake, True, 3) == ["10.0.0.1:13003", "10.0.0.1:13004", "10.0.0.1:13005"]
+    assert role_pipes(mooncake, False, 2) == ["10.0.0.2:13103", "10.0.0.2:13104"]
+    assert role_pipe(mooncake, False, 1) == "10.0.0.2:13104"
+
+
+def test_an_instance_knows_its_pipes_and_its_configured_peers():
+    producer, consumer = config("kv_producer", tp=2), config("kv_consumer", tp=2)
+    assert producer.pipes == consumer.peer_pipes == ["10.0.0.1:13003", "10.0.0.1:13004"]
+    assert consumer.pipes == producer.peer_pipes == ["10.0.0.2:13103", "10.0.0.2:13104"]
+    assert producer.is_producer and not consumer.is_producer
+
+
+@pytest.mark.parametrize("role", ["kv_both", "producer", "", None])
+def test_one_role_per_instance(role):
+    with pytest.raises(ConfigError, match="kv_producer"):
+        ConnectorConfig.from_vllm(vllm_config(role))
+
+
+def test_parsed_from_vllms_config_and_mooncake_json(tmp_path, monkeypatch):
+    path = tmp_path / "mooncake.json"
+    path.write_text('{"prefill_url": "127.0.0.1:15000", "decode_url": "127.0.0.1:15100"}')
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    cfg = ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"transfer_mode": "push"}, tp=2))
+    assert cfg.push_mode and cfg.engine_id == "e-1" and cfg.tp_size == 2
+    assert cfg.pipes == ["127.0.0.1:15100", "127.0.0.1:15101"]
+    with pytest.raises(ConfigError, match="unknown key"):
+        ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"transfer_modes": "push"}))
+    monkeypatch.delenv(CONFIG_ENV)
+    with pytest.raises(ConfigError, match=CONFIG_ENV):
+        ConnectorConfig.from_vllm(vllm_config("kv_consumer"))
+
+
+def test_endpoint_info_publishes_the_pipes_and_a_consumers_push_proof():
+    info = endpoint_info(config("kv_consumer", tp=2, secret=SECRET, mode="push"))
+    assert info == {"kv_role": "kv_consumer", "transfer_mode": "push", "pipes": "10.0.0.2:13103,10.0.0.2:13104",
+                    "kv_engine_id": "engine-1",
+                    "push_proof": kv_params.push_proof(SECRET.encode(), ["10.0.0.2:13103", "10.0.0.2:13104"])}
+    assert endpoint_info(config("kv_producer"))["push_proof"] == ""
+    assert endpoint_info(config("kv_consumer"))["push_proof"] == ""  # no secret: nothing to prove

@@ -1,0 +1,198 @@
+"""Push mode's block arithmetic on a real KV cache layout, with stand-ins for the links and the pull fallback: the
+producer pushes each block once, when complete, and commits only a whole prompt; the consumer writes exactly the
+blocks it lacks from a pushed entry, and takes it from the producer its load source pairs with its rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kv_connector.kv_layout import KVCacheLayout
+from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, PushStep, SaveRequest
+from kv_connector.push import PushTransfer
+from kv_connector.source import LoadSource
+from kv_connector.stats import StatsRecorder
+from kv_connector.transfer import LoadResult
+from kv_lookup_buffer.push_buffer import PushedEntry
+
+BLOCK, LAYERS, WIDTH, NUM_BLOCKS = 4, 2, 3, 16
+PEER, PREFILL = "10.0.0.2:13103", "10.0.0.1:13003"
+
+
+class FakePush:
+    """A push link: records what the transfer asks of it."""
+
+    def __init__(self, room: bool = True) -> None:
+        self.room, self.begun, self.pushed, self.committed, self.notices = room, [], [], [], []
+        self.failed_keys: set[bytes] = set()
+        self.entry: PushedEntry | None = None
+
+    def begin(self, key, nbytes, layers, nblocks):
+        self.begun.append(nblocks)
+        return self.room
+
+    def push(self, key, layer, first, piece, n):
+        self.pushed.append((layer, first, n, piece.clone()))
+
+    def failed(self, key):
+        return key in self.failed_keys
+
+    def commit(self, key, tokens, meta):
+        self.committed.append(tokens)
+
+    def notify_pull(self, key):
+        self.notices.append(key)
+
+    def take(self, key, timeout):
+        return self.entry
+
+
+class FakeLinks:
+    def __init__(self, push: FakePush) -> None:
+        self.push, self.asked = push, []
+
+    def push_buffer(self, peer):
+        self.asked.append(peer)
+        return self.push
+
+
+class FakePull:
+    def __init__(self) -> None:
+        self.saved, self.loaded = [], []
+
+    def finish_prompt(self, save):
+        self.saved.append(save.req_id)
+
+    def load(self, req, deadline):
+        self.loaded.append(req.req_id)
+        return LoadResult(len(req.block_ids), 0, 0, "pulled", "")
+
+    def close(self):
+        pass
+
+
+def transfer(push: FakePush | None = None, rank: int = 0):
+    caches = {f"layer.{i}": torch.zeros(NUM_BLOCKS, BLOCK, WIDTH) for i in range(LAYERS)}
+    for i, t in enumerate(caches.values()):  # every block of every layer tells where it is
+        t += (torch.arange(NUM_BLOCKS) * 10 + i * 1000).view(-1, 1, 1)
+    layout = KVCacheLayout.from_caches(caches, NUM_BLOCKS, "model", block_size=BLOCK)
+    links, pull = FakeLinks(push or FakePush()), FakePull()
+    return PushTransfer(layout, links, pull, StatsRecorder(), BLOCK, rank, PEER, push_wait=1.0), links, pull
+
+
+def run_steps(t: PushTransfer, steps: list[PushStep]) -> None:
+    for s in steps:
+        meta = MooncakeConnectorMetadata(pushes=[s])
+        t.begin_step(meta)
+        for layer in range(LAYERS):
+            t.save_layer(layer, meta)
+
+
+def chunked(prompt_len: int, chunk: int, ids: list[int], push_to: list[str] | None = None) -> list[PushStep]:
+    steps, end = [], 0
+    while end < prompt_len:
+        end = min(end + chunk, prompt_len)
+        first = not steps
+        steps.append(PushStep("r", ids, end, prompt_len, list(range(prompt_len)) if first else None,
+                              push_to if first else None))
+    return steps
+
+
+@pytest.mark.parametrize("prompt_len, chunk", [(10, 10), (10, 3), (12, 4), (12, 5), (1, 1), (17, 16)])
+def test_each_block_is_pushed_once_per_layer_when_complete_then_committed(prompt_len, chunk):
+    t, links, _ = transfer()
+    nblocks = -(-prompt_len // BLOCK)
+    ids = [5 + i for i in range(nblocks)]
+    run_steps(t, chunked(prompt_len, chunk, ids))
+    push = links.push
+    assert push.begun == [nblocks] and links.asked == [PEER]  # no params: mooncake.json's consumer
+    for layer in range(LAYERS):
+        got = [(first, n) for lay, first, n, _ in push.pushed if lay == layer]
+        assert sum(n for _, n in got) == nblocks and [f for f, _ in got] == sorted({f for f, _ in got})
+        for lay, first, n, piece in push.pushed:
+            if lay == layer:  # the piece holds exactly the blocks it says, of the right layer
+                assert piece[:, 0, 0, 0].tolist() == [(5 + first + i) * 10 + layer * 1000 for i in range(n)]
+    t.finish_prompt(SaveRequest("r", list(range(prompt_len)), ids))
+    assert push.committed == [prompt_len] and t.stats.take().data["pushed"] == 1
+
+
+def test_the_request_goes_to_the_consumer_its_params_name_at_this_rank():
+    t, links, _ = transfer(rank=1)
+    run_steps(t, chunked(8, 8, [1, 2], push_to=["10.0.0.9:1", "10.0.0.9:2"]))
+    assert links.asked == ["10.0.0.9:2"]
+
+
+def test_without_room_the_prompt_is_saved_for_pull_and_the_consumer_told():
+    t, links, pull = transfer(FakePush(room=False))
+    run_steps(t, chunked(8, 8, [1, 2]))
+    assert links.push.pushed == []
+    t.finish_prompt(SaveRequest("r", list(range(8)), [1, 2]))
+    assert pull.saved == ["r"] and len(links.push.notices) == 1 and links.push.committed == []
+
+
+def test_a_failed_push_falls_back_to_pull():
+    t, links, pull = transfer()
+    run_steps(t, chunked(8, 8, [1, 2]))
+    links.push.failed_keys.add(t.pushing["r"].key)
+    t.finish_prompt(SaveRequest("r", list(range(8)), [1, 2]))
+    assert pull.saved == ["r"] and links.push.committed == [] and links.push.notices
+
+
+def test_a_request_the_params_keep_for_pull_is_not_pushed():
+    t, links, pull = transfer()
+    run_steps(t, chunked(8, 8, [1, 2], push_to=[]))
+    assert links.asked == [] and links.push.begun == []
+    t.finish_prompt(SaveRequest("r", list(range(8)), [1, 2]))
+    assert pull.saved == ["r"] and links.push.notices == []
+
+
+def pushed_entry(t: PushTransfer, nblocks: int, pieces_of: int) -> PushedEntry:
+    """What a producer pushed for a prompt of ``nblocks`` blocks, in pieces of ``pieces_of`` blocks per layer: row r
+    of layer l holds ``-(r * 10 + l * 1000) - 1``."""
+    entry = PushedEntry(0, LAYERS, nblocks, meta=t.layout.descriptor_tensor(), committed=True)
+    for layer in range(LAYERS):
+        for first in range(0, nblocks, pieces_of):
+            n = min(pieces_of, nblocks - first)
+            rows = -(torch.arange(first, first + n) * 10 + layer * 1000).float() - 1
+            entry.pieces.append((layer, first, rows.view(-1, 1, 1, 1).expand(n, 1, BLOCK, WIDTH).clone()))
+    return entry
+
+
+@pytest.mark.parametrize("first, n, pieces_of", [(0, 4, 4), (1, 3, 2), (2, 1, 1), (3, 1, 3)])
+def test_a_consumer_writes_exactly_the_blocks_it_lacks_from_the_pushed_entry(first, n, pieces_of):
+    t, links, pull = transfer()
+    links.push.entry = pushed_entry(t, 4, pieces_of)
+    ids = [9, 3, 12, 7][first:first + n]
+    req = LoadRequest("r", list(range(15)), first, ids, 15 - first * BLOCK, LoadSource([PREFILL], False, True))
+    before = [layer.clone() for layer in t.layout.layers]
+    result = t.load(req, time.monotonic() + 1)
+    assert (result.written, result.source) == (n, "pushed") and pull.loaded == []
+    for layer, (now, old) in enumerate(zip(t.layout.layers, before, strict=True)):
+        for block in range(NUM_BLOCKS):
+            if block in ids:  # prompt row first + i went into block ids[i]
+                row = first + ids.index(block)
+                assert torch.all(now[block] == -(row * 10 + layer * 1000) - 1)
+            else:
+                assert torch.equal(now[block], old[block])
+
+
+def test_an_entry_missing_blocks_is_refused():
+    t, links, _ = transfer()
+    entry = pushed_entry(t, 4, 2)
+    entry.pieces = [p for p in entry.pieces if not (p[0] == 1 and p[1] == 2)]  # layer 1 lacks blocks 2-3
+    links.push.entry = entry
+    req = LoadRequest("r", list(range(15)), 0, [1, 2, 3, 4], 15, LoadSource([PREFILL], False, True))
+    with pytest.raises(ValueError, match="covers 2 of the 4 blocks"):
+        t.load(req, time.monotonic() + 1)
+
+
+def test_a_producer_of_another_tp_size_or_no_push_means_pull():
+    t, links, pull = transfer()
+    req = LoadRequest("r", list(range(15)), 0, [1, 2, 3, 4], 15, LoadSource([PREFILL, PREFILL], True, False))
+    assert t.load(req, time.monotonic() + 1).source == "pulled" and links.asked == []  # no push link pairs with us
+    same = LoadRequest("s", list(range(15)), 0, [1, 2, 3, 4], 15, LoadSource(["10.0.0.7:1"], True, True))
+    assert t.load(same, time.monotonic() + 1).source == "pulled"  # nothing was pushed
+    assert links.asked == ["10.0.0.7:1"] and pull.loaded == ["r", "s"]
+

@@ -1,0 +1,223 @@
+"""The schedulers, on vLLM's own Request / KVCacheBlocks / SchedulerOutput: what a consumer claims and loads into
+which blocks, what a producer saves and pushes in which step, and the params it answers with."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_connector import params as kv_params
+from kv_connector.metadata import CORRUPT_PARAM
+from kv_connector.scheduler_consumer import ConsumerScheduler
+from kv_connector.scheduler_producer import ProducerScheduler
+from tests.kv_connector.units import DECODE, PREFILL, SECRET, config, kv_blocks, request, step
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _no_secret_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+
+
+def claim(sched: ConsumerScheduler, req, local: int, blocks: list[int]):
+    """vLLM's calls for one request: the match, then the allocation of every block of the prompt."""
+    tokens, is_async = sched.num_new_matched_tokens(req, local)
+    sched.after_alloc(req, kv_blocks(blocks), tokens)
+    return tokens, is_async
+
+
+# ---------------------------------------------------------------- consumer
+@pytest.mark.parametrize("prompt_len, local, recompute, tokens, first, end", [
+    (100, 0, 1, 99, 0, 7),  # 7 blocks, the last one partial; the last token is computed here
+    (96, 0, 1, 95, 0, 6),  # block aligned: the last block still holds loaded tokens
+    (100, 32, 1, 67, 2, 7),  # two blocks in the own prefix cache: loaded from the third on
+    (100, 0, 2, 98, 0, 7),  # MLA on the CPU: the last two tokens computed here
+    (17, 0, 1, 16, 0, 1),  # the recompute tail alone in the last block: that block is not loaded
+    (33, 16, 2, 15, 1, 2),
+])
+def test_a_consumer_claims_the_blocks_it_lacks_but_the_recompute_tail(prompt_len, local, recompute, tokens, first,
+                                                                      end):
+    sched = ConsumerScheduler(config(), BLOCK, recompute)
+    ids = [100 + i for i in range(-(-prompt_len // BLOCK))]
+    assert claim(sched, request("r", prompt_len), local, ids) == (tokens, True)
+    (load,) = sched.build_meta(step(new={"r": (local + tokens, 0)})).loads
+    assert (load.first_block, load.block_ids, load.num_tokens) == (first, ids[first:end], tokens)
+    assert load.token_ids == list(range(prompt_len))
+
+
+@pytest.mark.parametrize("prompt_len, local, recompute", [(1, 0, 1), (0, 0, 1), (2, 0, 2), (48, 32, 16), (32, 32, 1)])
+def test_nothing_to_claim_when_the_prefix_cache_and_the_tail_cover_the_prompt(prompt_len, local, recompute):
+    sched = ConsumerScheduler(config(), BLOCK, recompute)
+    assert sched.num_new_matched_tokens(request("r", prompt_len), local) == (0, False)
+    assert sched.build_meta(step()).loads == []
+
+
+def test_without_params_a_load_reads_from_the_producer_in_mooncake_json():
+    sched = ConsumerScheduler(config(tp=2), BLOCK)
+    claim(sched, request("r", 40), 0, [1, 2, 3])
+    (load,) = sched.build_meta(step()).loads
+    assert load.source.pipes == [PREFILL, "10.0.0.1:13004"] and not load.source.from_params
+    assert load.source.peer(1) == "10.0.0.1:13004"
+
+
+def test_a_load_reads_from_the_producer_the_verified_params_name():
+    params = kv_params.producer_params(["10.9.9.9:7000"], "p", "r", SECRET.encode())
+    sched = ConsumerScheduler(config(tp=2, secret=SECRET), BLOCK)
+    claim(sched, request("r", 40, params), 0, [1, 2, 3])
+    (load,) = sched.build_meta(step()).loads
+    assert load.source.pipes == ["10.9.9.9:7000"] and load.source.from_params
+    assert load.source.peer(0) is None  # another TP size: no rank-to-rank push link to take it from
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True, "remote_pipe": "10.0.0.9:1"},
+    {"do_remote_prefill": True, "remote_pipe": ["10.0.0.9:1"] * 5000},
+    {"do_remote_prefill": True, "remote_pipe": [7]},
+    {"do_remote_prefill": True, "remote_pipe": ["10.0.0.9:-1"]},
+    {"do_remote_prefill": True, "remote_pipe": ["10.0.0.9:1"], "remote_tp_size": -1},
+    {"do_remote_prefill": True, "remote_pipe": ["10.0.0.9:1"], "remote_request_id": ["x"]},
+])
+def test_hostile_params_are_recomputed_once_never_loaded(params):
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 40, params)
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)  # not asked again: no second error log
+    sched.after_alloc(req, kv_blocks([1, 2, 3]), 0)
+    assert sched.build_meta(step()).loads == []
+
+
+def test_with_a_secret_forged_params_are_recomputed():
+    params = kv_params.producer_params(["10.9.9.9:7000"], "p", "r", SECRET.encode())
+    sched = ConsumerScheduler(config(secret=SECRET), BLOCK)
+    forged = request("r", 40, {**params, "remote_pipe": ["6.6.6.6:1"]})
+    assert sched.num_new_matched_tokens(forged, 0) == (0, False)
+    unsigned = request("s", 40, {k: v for k, v in params.items() if k != kv_params.PROOF})
+    assert sched.num_new_matched_tokens(unsigned, 0) == (0, False)
+
+
+def test_one_load_attempt_per_request():
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 40)
+    claim(sched, req, 0, [1, 2, 3])
+    assert len(sched.build_meta(step()).loads) == 1
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)  # e.g. preempted after a failed load: recomputed
+    sched.finished(req)
+    assert sched.num_new_matched_tokens(req, 0) == (39, True)  # a new request reusing the id may claim again
+
+
+def test_an_allocation_without_external_tokens_starts_no_load():
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 40)
+    assert sched.num_new_matched_tokens(req, 0) == (39, True)
+    sched.after_alloc(req, kv_blocks([1, 2, 3]), 0)  # vLLM allocated without the claim (e.g. no room)
+    assert sched.build_meta(step()).loads == []
+    assert sched.num_new_matched_tokens(req, 0) == (39, True)  # and may claim at the next try
+
+
+def test_loads_go_out_once_and_an_empty_step_is_idle():
+    sched = ConsumerScheduler(config(), BLOCK)
+    claim(sched, request("r", 40, {CORRUPT_PARAM: True}), 0, [1, 2, 3])
+    meta = sched.build_meta(step())
+    assert meta.idle and len(meta.loads) == 1 and meta.loads[0].corrupt
+    assert sched.build_meta(step(cached={"x": (5, 1)})).loads == []
+    assert not sched.build_meta(step(cached={"x": (5, 1)})).idle
+
+
+def test_a_consumer_answers_no_params():
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 40, {"do_remote_decode": True})
+    claim(sched, req, 0, [1, 2, 3])
+    assert sched.finished(req) is None and not sched.claims and not sched.claimed
+
+
+# ---------------------------------------------------------------- producer
+def test_a_producer_claims_nothing_and_saves_the_prompt_in_the_step_that_completes_it():
+    sched = ProducerScheduler(config("kv_producer"), BLOCK)
+    req = request("r", 40, {"do_remote_decode": True})
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    sched.after_alloc(req, kv_blocks([]), 0)
+    ids = {"r": [7, 8, 9, 10]}  # one block more than the prompt's three (room for the decode)
+    first = sched.build_meta(step(new={"r": (0, 32)}, block_ids=ids))  # chunked prefill: 32 of 40 tokens
+    assert first.saves == [] and first.pushes == []
+    second = sched.build_meta(step(cached={"r": (32, 8)}, block_ids=ids))
+    (save,) = second.saves
+    assert (save.req_id, save.token_ids, save.block_ids) == ("r", list(range(40)), [7, 8, 9])
+    assert sched.build_meta(step(cached={"r": (40, 1)}, block_ids=ids)).saves == []  # decoding: nothing more
+
+
+def test_a_prefix_cache_hit_on_the_producer_still_saves_the_whole_prompt():
+    sched = ProducerScheduler(config("kv_producer"), BLOCK)
+    sched.after_alloc(request("r", 40), kv_blocks([]), 0)
+    (save,) = sched.build_meta(step(new={"r": (32, 8)}, block_ids={"r": [1, 2, 3]})).saves
+    assert save.block_ids == [1, 2, 3]
+
+
+def test_requests_the_producer_never_allocated_are_not_saved():
+    sched = ProducerScheduler(config("kv_producer"), BLOCK)
+    assert sched.build_meta(step(new={"x": (0, 40)}, block_ids={"x": [1, 2, 3]})).saves == []
+
+
+def test_a_finished_request_that_asked_for_remote_decode_says_where_its_kv_waits():
+    sched = ProducerScheduler(config("kv_producer", tp=2, secret=SECRET), BLOCK)
+    wants, plain = request("r", 40, {"do_remote_decode": True}), request("s", 40)
+    for req in (wants, plain):
+        sched.after_alloc(req, kv_blocks([]), 0)
+    sched.build_meta(step(new={"r": (0, 40), "s": (0, 40)}, block_ids={"r": [1, 2, 3], "s": [4, 5, 6]}))
+    answer = sched.finished(wants)
+    assert answer == kv_params.producer_params([PREFILL, "10.0.0.1:13004"], "engine-1", "r", SECRET.encode())
+    assert kv_params.remote_prefill(answer, SECRET.encode()).pipes == [PREFILL, "10.0.0.1:13004"]
+    assert sched.finished(plain) is None
+    assert sched.finished(wants) is None  # forgotten
+
+
+def test_a_request_aborted_before_its_prompt_completed_gets_no_params():
+    sched = ProducerScheduler(config("kv_producer"), BLOCK)
+    req = request("r", 40, {"do_remote_decode": True})
+    sched.after_alloc(req, kv_blocks([]), 0)
+    sched.build_meta(step(new={"r": (0, 16)}, block_ids={"r": [1, 2, 3]}))
+    assert sched.finished(req) is None and not sched.prompts
+
+
+def test_push_mode_announces_every_prefill_step_and_the_target_once():
+    sched = ProducerScheduler(config("kv_producer", mode="push"), BLOCK)
+    sched.after_alloc(request("r", 40, {"mooncake_push_to": [DECODE]}), kv_blocks([]), 0)
+    ids = {"r": [1, 2, 3, 4]}
+    (first,) = sched.build_meta(step(new={"r": (0, 20)}, block_ids=ids)).pushes
+    assert (first.block_ids, first.end, first.prompt_len, first.push_to) == ([1, 2, 3], 20, 40, [DECODE])
+    assert first.token_ids == list(range(40))
+    meta = sched.build_meta(step(cached={"r": (20, 30)}, block_ids=ids))  # scheduled past the prompt: capped
+    (last,) = meta.pushes
+    assert (last.end, last.token_ids, last.push_to) == (40, None, None) and len(meta.saves) == 1
+    assert sched.build_meta(step(cached={"r": (50, 1)}, block_ids=ids)).pushes == []
+
+
+@pytest.mark.parametrize("params, push_to", [
+    (None, None),  # mooncake.json's consumer
+    ({"mooncake_push_to": []}, []),  # the proxy asks for pull
+    ({"mooncake_push_to": [DECODE, DECODE]}, []),  # another TP size: kept for pull
+    ({"mooncake_push_to": "10.0.0.2:1"}, []),
+    ({"mooncake_push_to": [None]}, []),
+    ({"mooncake_push_to": ["10.0.0.2:1"] * 2000}, []),
+])
+def test_push_targets_from_params_and_hostile_ones_fall_back_to_pull(params, push_to):
+    sched = ProducerScheduler(config("kv_producer", mode="push"), BLOCK)
+    sched.after_alloc(request("r", 40, params), kv_blocks([]), 0)
+    (first,) = sched.build_meta(step(new={"r": (0, 40)}, block_ids={"r": [1, 2, 3]})).pushes
+    assert first.push_to == push_to
+
+
+def test_with_a_secret_an_unproven_push_target_is_not_pushed_to():
+    sched = ProducerScheduler(config("kv_producer", mode="push", secret=SECRET), BLOCK)
+    proof = kv_params.push_proof(SECRET.encode(), [DECODE])
+    sched.after_alloc(request("ok", 40, {"mooncake_push_to": [DECODE], "mooncake_push_proof": proof}), kv_blocks([]), 0)
+    sched.after_alloc(request("bad", 40, {"mooncake_push_to": ["6.6.6.6:1"], "mooncake_push_proof": proof}),
+                      kv_blocks([]), 0)
+    meta = sched.build_meta(step(new={"ok": (0, 40), "bad": (0, 40)}, block_ids={"ok": [1, 2, 3], "bad": [4, 5, 6]}))
+    assert {p.req_id: p.push_to for p in meta.pushes} == {"ok": [DECODE], "bad": []}
+
+
+def test_pull_mode_announces_no_pushes():
+    sched = ProducerScheduler(config("kv_producer"), BLOCK)
+    sched.after_alloc(request("r", 40, {"mooncake_push_to": [DECODE]}), kv_blocks([]), 0)
+    meta = sched.build_meta(step(new={"r": (0, 40)}, block_ids={"r": [1, 2, 3]}))
+    assert meta.pushes == [] and len(meta.saves) == 1

@@ -1,0 +1,48 @@
+"""Where a load reads from, decided in one place: the producer the request's verified params name, else the one
+mooncake.json names; rank-to-rank pairing (push links) only when both instances run the same TP size."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_connector import params as kv_params
+from kv_connector.source import LoadSource, load_source
+from tests.kv_connector.units import SECRET, config
+
+
+@pytest.fixture(autouse=True)
+def _no_secret_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False, "remote_pipe": ["10.9.9.9:1"]},
+                                    {"do_remote_decode": True}])
+def test_without_a_named_producer_the_configured_one_at_this_tp_size(params):
+    source = load_source(params, config(tp=2))
+    assert source == LoadSource(["10.0.0.1:13003", "10.0.0.1:13004"], from_params=False, same_tp=True)
+    assert [source.peer(r) for r in (0, 1)] == ["10.0.0.1:13003", "10.0.0.1:13004"]
+
+
+def test_the_producer_the_params_name_with_its_own_tp_size():
+    same = load_source(kv_params.producer_params(["10.9.9.9:1", "10.9.9.9:2"], "p", "r"), config(tp=2))
+    assert same == LoadSource(["10.9.9.9:1", "10.9.9.9:2"], from_params=True, same_tp=True)
+    assert same.peer(1) == "10.9.9.9:2"
+    other = load_source(kv_params.producer_params(["10.9.9.9:1"], "p", "r"), config(tp=2))
+    assert other.pipes == ["10.9.9.9:1"] and not other.same_tp and other.peer(0) is None
+
+
+def test_with_a_secret_only_proven_params_name_the_producer():
+    cfg = config(secret=SECRET)
+    params = kv_params.producer_params(["10.9.9.9:1"], "p", "r", SECRET.encode())
+    assert load_source(params, cfg).from_params
+    with pytest.raises(kv_params.ParamsError, match="does not verify"):
+        load_source({**params, "remote_pipe": ["6.6.6.6:1"]}, cfg)
+    with pytest.raises(kv_params.ParamsError, match="missing"):
+        load_source(kv_params.producer_params(["10.9.9.9:1"], "p", "r"), cfg)
+    assert not load_source(None, cfg).from_params  # no params: the configured producer, nothing to prove
+
+
+def test_the_secret_may_come_from_the_environment(monkeypatch):
+    params = kv_params.producer_params(["10.9.9.9:1"], "p", "r", b"e" * 40)
+    monkeypatch.setenv("MOONCAKE_KV_SECRET", "e" * 40)
+    assert load_source(params, config(secret=SECRET)).from_params
