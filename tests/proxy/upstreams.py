@@ -290,8 +290,10 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
         await asyncio.sleep(0.01)
 
 
-def assert_idle(env: Environment) -> None:
-    """No request outstanding in the proxy and no connection checked out of its pool."""
+async def assert_idle(env: Environment) -> None:
+    """No request outstanding in the proxy and no connection checked out of its pool (once the proxy's background
+    reads of the instances' /metrics ended)."""
+    await env.proxy.proxy.router.settle()
     assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
     connector = env.proxy.proxy.session.connector
     assert connector is not None and not getattr(connector, "_acquired", set())
