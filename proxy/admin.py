@@ -8,7 +8,7 @@
   still in flight.
 - ``POST {"role": "prefill"|"decode", "url": "http://host:port"}`` (``"bootstrap": URL`` too for a prefill instance
   with ``--protocol bootstrap``; default port 8998 on its host): 201 and the instance; 409 if it is there already.
-- ``DELETE {"role": ..., "url": ...}``: no new request goes to it, those in flight finish; 200 and the instance,
+- ``DELETE {"role": ..., "url": ...}`` (nothing else): no new request goes to it, those in flight finish; 200 and the instance,
   404 if there is no such instance, 409 if it is the last of its role.
 
 Bodies are checked as the command line checks its options (``normalize_upstream_url``); anything else -> 400.
@@ -137,7 +137,7 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
         if (denied := refused()) is not None:
             return denied
         try:
-            role, url, _ = parse_instance(await request.get_data(), True)
+            role, url, _ = parse_instance(await request.get_data(), False)
             balancer = proxy.balancer(role)
             if (upstream := balancer.find(url)) is None:
                 raise ProxyError(404, "not_found", f"{url} is not a {role} instance")
