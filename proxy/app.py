@@ -103,7 +103,7 @@ class Proxy:
         Returns the instance (acquired: the caller releases it) and the response (headers read).
         """
         tried: list[Upstream] = []
-        while (upstream := reserved or getattr(balancer.pick(exclude=tried, hint=hint), "upstream", None)) is not None:
+        while (upstream := reserved or balancer.pick_upstream(exclude=tried, hint=hint)) is not None:
             tried.append(upstream)
             if reserved is None:
                 balancer.acquire(upstream)
@@ -202,7 +202,7 @@ class Proxy:
             log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)",
                      headers[REQUEST_ID_HEADER])
         chat = path == CHAT_COMPLETIONS
-        hint = fingerprint(payload, chat) if self.config.prefix_index_entries else None
+        hint = fingerprint(payload, chat)
         request_id = headers[REQUEST_ID_HEADER]
         choice = self.router.reserve(self.decode_balancer, hint, request_id)
         decode = choice.upstream

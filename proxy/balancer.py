@@ -42,6 +42,7 @@ class Upstream:
     learned_at: dict[str, float] = field(default_factory=dict)
     learning: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
+    cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
 
     @property
@@ -110,6 +111,11 @@ class Balancer:
         if hint is not None:
             chosen.upstream.prefix.add(hint.chunks)
         return chosen
+
+    def pick_upstream(self, exclude: Iterable[Upstream] = (), hint: Fingerprint | None = None) -> Upstream | None:
+        """``pick``'s instance."""
+        choice = self.pick(exclude, hint)
+        return None if choice is None else choice.upstream
 
     def _rotate(self, group: list[Upstream]) -> Upstream:
         """Of ``group``, the one with the fewest outstanding requests, the next in round robin order on ties."""

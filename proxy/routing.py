@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from proxy.app import Proxy
 
 log = logging.getLogger(__name__)
+
+RETRY = 5.0  # seconds before an instance whose /metrics could not be read is asked again (by the router)
 
 @dataclass(frozen=True)
 class InstanceInfo:
@@ -133,9 +136,11 @@ class Router:
 
     def refresh(self, upstream: Upstream) -> None:
         """Read the instance's /metrics in the background (``Proxy.learn``: at most once per DISCOVERY_TTL)."""
+        now = time.monotonic()
         if self.config.prefix_index_entries == 0 or id(upstream) in self._refreshing or \
-                self.proxy.knows(upstream, METRICS_TOPIC):
+                self.proxy.knows(upstream, METRICS_TOPIC) or now - upstream.cache_asked < RETRY:
             return
+        upstream.cache_asked = now
 
         async def run() -> None:
             try:
