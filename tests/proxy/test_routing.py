@@ -175,25 +175,26 @@ def test_a_restarted_instance_is_forgotten_and_its_cache_size_bounds_its_index()
 
 
 def test_the_index_stays_bounded_under_a_flood_of_unique_prompts() -> None:
-    """--prefix-index-entries 60 over three instances: 20 chunks each at most; an instance whose KV cache holds
-    128 tokens: 2 chunks. 120 unique prompts of 10 chunks each go through; the last one is still indexed."""
+    """--prefix-index-entries 60 over three instances: 20 chunks each at most; the prefill instance's KV cache holds
+    128 tokens (its /metrics, read by the router alone): 2 chunks. 120 unique prompts of 10 chunks each go through;
+    the last one is still indexed."""
 
     async def test(env: Environment) -> None:
         proxy = env.proxy.proxy
-        env.decode[1].metrics_text = cache_metrics(8, 16, 1.0)
+        env.prefill[0].metrics_text = cache_metrics(8, 16, 1.0)
         await complete(env, "warm up")
-        await complete(env, "warm up again")
         await proxy.router.settle()
         upstreams = proxy.prefill_balancer.upstreams + proxy.decode_balancer.upstreams
-        assert [u.prefix.capacity for u in upstreams] == [20, 20, 2]
+        assert [u.prefix.capacity for u in upstreams] == [2, 20, 20]
         prompts = [text_of(1000 + i, 10 * CHUNK_CHARS) for i in range(120)]
         for batch in range(0, len(prompts), 20):
             await asyncio.gather(*(complete(env, p) for p in prompts[batch:batch + 20]))
             assert all(len(u.prefix) <= u.prefix.capacity for u in upstreams)
-        assert [len(u.prefix) for u in upstreams] == [20, 20, 2]
-        assert await proxy_metric(env, "mooncake_proxy_prefix_index_entries", role="decode") == 22
+        assert [len(u.prefix) for u in upstreams] == [2, 20, 20]
+        assert await proxy_metric(env, "mooncake_proxy_prefix_index_entries", role="prefill") == 2
+        assert await proxy_metric(env, "mooncake_proxy_prefix_index_entries", role="decode") == 40
         last = fingerprint({**COMPLETION, "prompt": prompts[-1]}, False)
-        assert last is not None and proxy.prefill_balancer.upstreams[0].prefix.match(last.chunks) == 10
+        assert last is not None and max(u.prefix.match(last.chunks) for u in upstreams[1:]) == 10
 
     run(test, 1, 2, prefix_index_entries=60)
 
