@@ -253,7 +253,8 @@ class Proxy:
                     return value
                 finally:
                     del upstream.learning[topic]
-            upstream.learning[topic] = asyncio.ensure_future(run())
+            future = upstream.learning[topic] = asyncio.ensure_future(run())
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
         return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
 
     async def instance_info(self, upstream: Upstream) -> InstanceInfo:
