@@ -9,13 +9,43 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 
 1. The body is parsed (invalid JSON or not an object -> 400). A request id is taken from ``X-Request-Id`` or
    generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
-2. The decode instance is chosen first (fewest outstanding requests, round robin on ties) and counted as busy
-   from then on: in push mode the producer must know where the KV goes before it prefills.
-3. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
+2. The decode instance is chosen first (see Routing) and counted as busy from then on: in push mode the producer
+   must know where the KV goes before it prefills.
+3. Skip rule (``--skip-prefill-below N``, 0 = off, the default): if the part of the prompt the chosen decode
+   instance does not hold is estimated below N tokens, there is no remote prefill: the request goes straight to
+   the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (vLLM's
+   connectors then load nothing; this project's connector still looks the prompt up at its configured producer, a
+   miss in milliseconds, until it honours an explicit false). Logged at INFO with the numbers; counted.
+   N must be chosen by measurement (the prefill that is no longer disaggregated delays the decode instance's
+   other requests); until then the default is off.
+4. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
    false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
    same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.
-4. Decode: the original request, with the protocol's ``kv_transfer_params`` in place of any of its own, goes to the chosen
+5. Decode: the original request, with the protocol's ``kv_transfer_params`` in place of any of its own, goes to the chosen
    decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is.
+
+Routing (``Balancer.pick``, ``prefix_index``, ``routing``): the proxy has no tokenizer. It cuts each prompt into
+chunks of 256 characters (a chat: its messages serialized in order, so a follow-up turn extends the previous turn's
+prefix; a prompt of token ids: 64 ids) and chains their hashes, so one hash names a whole prefix. Each instance has
+an index of the chunks routed to it. A request goes to the instance holding the longest prefix of its prompt unless
+that instance is overloaded: it has more than ``--balance-slack`` (default 4) outstanding requests beyond the least
+loaded instance of its role; otherwise (and when nobody holds a prefix) to the fewest outstanding requests, round
+robin on ties. The default slack keeps affinity while the fleet is lightly loaded (where a prefix hit saves the most)
+and bounds the skew under load to a few requests, small next to a vLLM batch. Tokens are estimated from characters
+(3 per token until the prefill answers' ``usage.prompt_tokens`` calibrate it). Bounds: an instance's index holds at
+most what its KV cache holds (``vllm:cache_config_info`` on its ``/metrics``, read in the background at most once per
+``DISCOVERY_TTL``; 128k tokens if it does not say), least recently routed first out, and all indexes together at most
+``--prefix-index-entries`` chunks (0: no prefix routing); a request's first 2048 chunks at most are hashed. An
+instance that fails, is removed, or restarted (another process start time or cache size on its /metrics, another
+push address or engine id) loses its index. ``/metrics`` counts ``mooncake_proxy_routed_total{role,rule}``
+(rule ``prefix`` or ``balance``), ``mooncake_proxy_prefix_passed_over_total{role}``,
+``mooncake_proxy_cached_prefix_tokens_total{role}`` (estimated), ``mooncake_proxy_prefill_skipped_total`` and
+the index size ``mooncake_proxy_prefix_index_entries{role}``.
+
+Admin (``admin``; only with ``--admin-token`` or ``MOONCAKE_PROXY_ADMIN_TOKEN``, else 404): ``/admin/instances`` on the
+proxy's own port, with ``Authorization: Bearer <token>`` (missing -> 401, wrong -> 403): ``GET`` lists the instances
+(with their URLs: only here), ``POST {"role", "url"}`` adds one, ``DELETE {"role", "url"}`` removes one (its requests
+in flight finish; the last instance of a role cannot be removed: 409). Malformed bodies -> 400.
 
 Protocols (``--protocol``):
 
@@ -55,6 +85,9 @@ Modules (this package imports none of them itself, nor anything heavy: no torch,
 
 - ``config``: ``ProxyConfig`` (the options, validated), ``parse_args``, upstream URL normalization.
 - ``balancer``: ``Upstream`` (one instance and its bookkeeping) and ``Balancer`` (``pick``: which instance next).
+- ``prefix_index``: prompts as chained chunk hashes, the per-instance LRU index, token estimates, cache sizes.
+- ``routing``: ``Router``, the choices counted and bounded, the skip rule.
+- ``admin``: ``/admin/instances``.
 - ``validate``: the request checked as vLLM would check it.
 - ``errors``: ``ProxyError`` (a JSON error of the proxy's own) and ``RelayedError`` (an upstream's, as is).
 - ``relay``: ``StreamRelay``, an upstream SSE answer relayed chunk by chunk.

@@ -15,11 +15,23 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from quart import Quart, Response, g, request
 
+from proxy.admin import register_admin
 from proxy.balancer import Balancer, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
 from proxy.errors import ProxyError, RelayedError
-from proxy.protocols import BootstrapProtocol, ParamsProtocol, decode_payload, kv_transfer_params, prefill_payload
+from proxy.prefix_index import Fingerprint, fingerprint
+from proxy.protocols import (
+    METRICS_TOPIC,
+    NO_LOAD,
+    BootstrapProtocol,
+    ParamsProtocol,
+    answer_params,
+    decode_payload,
+    json_answer,
+    prefill_payload,
+)
 from proxy.relay import SSE_CONTENT_TYPE, StreamRelay
+from proxy.routing import InstanceInfo, Router, instance_info
 from proxy.validate import parse_json_object, validate
 
 log = logging.getLogger(__name__)
@@ -35,9 +47,13 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown)
-        self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown)
+        self.prefill_balancer = Balancer.from_urls(PREFILL, config.prefill, config.cooldown, config.balance_slack)
+        self.decode_balancer = Balancer.from_urls(DECODE, config.decode, config.cooldown, config.balance_slack)
+        if config.protocol == "bootstrap":
+            for upstream in self.prefill_balancer.upstreams:
+                upstream.bootstrap = config.bootstrap_url(upstream.url)
         self.metrics = CollectorRegistry()
+        self.router = Router(self, config, self.metrics)
         self._dropped = Counter("mooncake_proxy_client_kv_params_dropped", "Requests whose client-supplied "
                                 "kv_transfer_params the proxy dropped (only the proxy sets them).", registry=self.metrics)
         seconds = config.timeout
@@ -60,10 +76,13 @@ class Proxy:
         # as the server closes it.
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
-        log.info("proxy ready (protocol %s): prefill %s, decode %s", self.config.protocol, list(self.config.prefill),
-                 list(self.config.decode))
+        log.info("proxy ready (protocol %s): prefill %s, decode %s; prefix index of %d chunks, balance slack %d, "
+                 "skip the prefill below %d tokens%s", self.config.protocol, list(self.config.prefill),
+                 list(self.config.decode), self.config.prefix_index_entries, self.config.balance_slack,
+                 self.config.skip_prefill_below, "; admin endpoints on" if self.config.admin_token else "")
 
     async def stop(self) -> None:
+        await self.router.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -71,9 +90,12 @@ class Proxy:
     def outstanding(self) -> dict[str, int]:
         return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
 
+    def balancer(self, role: str) -> Balancer:
+        return self.prefill_balancer if role == PREFILL else self.decode_balancer
+
     async def send(
         self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
-        timeout: aiohttp.ClientTimeout, reserved: Upstream | None = None,
+        timeout: aiohttp.ClientTimeout, reserved: Upstream | None = None, hint: Fingerprint | None = None,
     ) -> tuple[Upstream, aiohttp.ClientResponse]:
         """Send to ``reserved`` (already acquired), else to the best instance of ``balancer``'s role, until one
         accepts the connection.
@@ -81,7 +103,7 @@ class Proxy:
         Returns the instance (acquired: the caller releases it) and the response (headers read).
         """
         tried: list[Upstream] = []
-        while (upstream := reserved or balancer.pick(exclude=tried)) is not None:
+        while (upstream := reserved or balancer.pick_upstream(exclude=tried, hint=hint)) is not None:
             tried.append(upstream)
             if reserved is None:
                 balancer.acquire(upstream)
@@ -133,26 +155,29 @@ class Proxy:
                 response.close()
             balancer.release(upstream)
 
-    async def prefill(self, path: str, body: bytes, headers: dict[str, str],
-                      reserved: Upstream) -> tuple[Upstream, dict[str, Any] | None]:
+    async def prefill(self, path: str, body: bytes, headers: dict[str, str], reserved: Upstream,
+                      hint: Fingerprint | None) -> tuple[Upstream, dict[str, Any] | None]:
         """Run the prefill copy on the reserved instance (another one if it cannot be reached) to completion; the
         instance that ran it and its answer's kv_transfer_params."""
         upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout,
-                                             reserved)
+                                             reserved, hint)
         data = await self.read_body(self.prefill_balancer, upstream, response)
         log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status >= 400:
             raise RelayedError(response.status, data, response.headers.get("Content-Type"))
-        return upstream, kv_transfer_params(data)
+        answer = json_answer(data)
+        self.router.calibrate(hint, answer)
+        return upstream, answer_params(answer)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                             headers: dict[str, str], reserved: Upstream, streaming: bool) -> Response:
+                             headers: dict[str, str], reserved: Upstream, streaming: bool,
+                             hint: Fingerprint | None = None) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
         cannot be reached) and relay its answer."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer
-        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved)
+        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, hint)
         content_type = response.headers.get("Content-Type", "application/json")
         log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
@@ -176,40 +201,69 @@ class Proxy:
             self._dropped.inc()
             log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)",
                      headers[REQUEST_ID_HEADER])
-        decode = self.decode_balancer.reserve()
+        chat = path == CHAT_COMPLETIONS
+        hint = fingerprint(payload, chat)
+        request_id = headers[REQUEST_ID_HEADER]
+        choice = self.router.reserve(self.decode_balancer, hint, request_id)
+        decode = choice.upstream
         try:
-            transfer = self.protocol.new_transfer()
-            prefill_params = await self.protocol.prefill_params(transfer, decode)
-            body = json.dumps(prefill_payload(payload, path == CHAT_COMPLETIONS, prefill_params)).encode()
-            chosen = self.prefill_balancer.reserve()
-            try:  # what the decode will need to know about the prefill instance, asked before it prefills
-                await self.protocol.prepare(chosen)
-            except BaseException:
-                self.prefill_balancer.release(chosen)
-                raise
-            prefill, answer = await self.prefill(path, body, headers, chosen)
-            decode_params = await self.protocol.decode_params(transfer, prefill, answer)
+            if self.router.skip_prefill(choice, hint, request_id):
+                decode_params: dict[str, Any] | None = dict(NO_LOAD)
+            else:
+                decode_params = await self.remote_prefill(path, payload, chat, headers, decode, hint)
         except BaseException:
             self.decode_balancer.release(decode)
             raise
-        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming)
+        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming, hint)
 
-    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]]) -> Any:
-        """What ``fetch`` says about an instance, asked at most once per DISCOVERY_TTL (concurrent requests share one
-        call; a failed call is not remembered)."""
-        fresh = upstream.learned_at is not None and time.monotonic() - upstream.learned_at < DISCOVERY_TTL
-        if fresh:
-            return upstream.learned
-        if upstream.learning is None:
+    async def remote_prefill(self, path: str, payload: dict[str, Any], chat: bool, headers: dict[str, str],
+                             decode: Upstream, hint: Fingerprint | None) -> dict[str, Any] | None:
+        """The prefill copy run on a prefill instance, before the decode; the decode's kv_transfer_params."""
+        transfer = self.protocol.new_transfer()
+        prefill_params = await self.protocol.prefill_params(transfer, decode)
+        body = json.dumps(prefill_payload(payload, chat, prefill_params)).encode()
+        chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER]).upstream
+        try:  # what the decode will need to know about the prefill instance, asked before it prefills
+            await self.protocol.prepare(chosen)
+        except BaseException:
+            self.prefill_balancer.release(chosen)
+            raise
+        prefill, answer = await self.prefill(path, body, headers, chosen, hint)
+        return await self.protocol.decode_params(transfer, prefill, answer)
+
+    def knows(self, upstream: Upstream, topic: str) -> bool:
+        """Whether what the instance said on ``topic`` was learned less than DISCOVERY_TTL ago."""
+        at = upstream.learned_at.get(topic)
+        return at is not None and time.monotonic() - at < DISCOVERY_TTL
+
+    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]], topic: str) -> Any:
+        """What ``fetch`` says about an instance on ``topic``, asked at most once per DISCOVERY_TTL (concurrent
+        requests share one call; a failed call is not remembered). An instance that says something new about
+        itself may have restarted: its prefix index is emptied."""
+        if self.knows(upstream, topic):
+            return upstream.learned[topic]
+        if topic not in upstream.learning:
             async def run() -> Any:
                 try:
-                    upstream.learned = await fetch(upstream)
-                    upstream.learned_at = time.monotonic()
-                    return upstream.learned
+                    value = await fetch(upstream)
+                    if topic in upstream.learned and upstream.learned[topic] != value:
+                        upstream.forget(f"its {topic} changed")
+                    upstream.learned[topic] = value
+                    upstream.learned_at[topic] = time.monotonic()
+                    return value
                 finally:
-                    upstream.learning = None
-            upstream.learning = asyncio.ensure_future(run())
-        return await asyncio.shield(upstream.learning)  # a client leaving does not cancel the others' call
+                    del upstream.learning[topic]
+            future = upstream.learning[topic] = asyncio.ensure_future(run())
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
+
+    async def instance_info(self, upstream: Upstream) -> InstanceInfo:
+        """What the instance's /metrics say (push address, cache size, start time); the router is told."""
+        info = instance_info(await self.get_text(upstream.url + "/metrics"))
+        self.router.observe(upstream, info)
+        if info.push_target and upstream.learned.get(METRICS_TOPIC) != info:
+            log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
+        return info
 
     async def get_text(self, url: str) -> str:
         """The body of a GET; "" if there is no such page (404: nothing to learn there)."""
@@ -267,6 +321,8 @@ def create_app(config: ProxyConfig) -> Quart:
     app.extensions["proxy"] = proxy
     app.before_serving(proxy.start)
     app.after_serving(proxy.stop)
+    if config.admin_token:
+        register_admin(app, proxy)
 
     @app.before_request
     async def assign_request_id() -> None:

@@ -1,8 +1,12 @@
-"""Which instance of a role serves the next request: ``Upstream`` (one instance and its bookkeeping) and
-``Balancer`` (one per role).
+"""Which instance of a role serves the next request: ``Upstream`` (one instance and its bookkeeping), ``Choice`` (a
+pick and why) and ``Balancer`` (one per role).
 
-``Balancer.pick`` is the one choice; ``reserve``/``acquire``/``release`` count what each instance has under way and
-``mark_failed`` puts a failed instance aside for the cooldown.
+``Balancer.pick`` is the one choice: given a request's ``Fingerprint`` it prefers the instance that holds the longest
+prefix of the prompt (``PrefixIndex``) unless that instance is overloaded, i.e. has more than ``slack`` requests
+outstanding beyond the least loaded one; among equals (and without a prefix anywhere) the fewest outstanding
+requests win, round robin on ties. ``reserve``/``acquire``/``release`` count what each instance has under way,
+``mark_failed`` puts a failed instance aside for the cooldown (and forgets what it held), ``add``/``remove`` change
+the instances while the proxy runs.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
+
 log = logging.getLogger(__name__)
+
+PREFIX, BALANCE = "prefix", "balance"  # the rules of a choice, as /metrics names them
 
 
 @dataclass(eq=False)
@@ -23,14 +31,19 @@ class Upstream:
 
     url: str
     role: str
-    index: int = 0  # its place among the instances of its role (--prefill/--decode order): what clients are told
+    index: int = 0  # its number among the instances its role ever had (never reused): what clients are told
+    bootstrap: str = ""  # --protocol bootstrap, a prefill instance: its bootstrap server
     outstanding: int = 0  # requests sent and not finished (a stream counts until its last byte)
     down_until: float = 0.0  # time.monotonic() before which the instance is skipped
     failures: int = 0
     last_error: str | None = None
-    learned: Any = None  # what the instance said about itself (push address, engine id), see Proxy.learn
-    learned_at: float | None = None
-    learning: asyncio.Future[Any] | None = None
+    removed: bool = False  # taken out by the admin API: its requests in flight finish, no new one comes
+    learned: dict[str, Any] = field(default_factory=dict)  # what it said about itself, by topic (see Proxy.learn)
+    learned_at: dict[str, float] = field(default_factory=dict)
+    learning: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+    cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
+    cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
 
     @property
     def name(self) -> str:
@@ -40,44 +53,89 @@ class Upstream:
     def cooling_down(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.down_until
 
+    def forget(self, why: str) -> None:
+        """It may hold nothing of what was routed to it (a restart, a failure): its prefix index is emptied."""
+        if len(self.prefix):
+            log.info("%s (%s): forgetting its %d indexed prefix chunks (%s)", self.name, self.url, len(self.prefix), why)
+        self.prefix.clear()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A pick: the instance, the rule that chose it, how many chunks of the prompt it holds, and whether an instance
+    holding a longer prefix was passed over for its load."""
+
+    upstream: Upstream
+    rule: str = BALANCE
+    cached: int = 0
+    passed_over: bool = False
+
 
 @dataclass
 class Balancer:
-    """Picks the instance of one role with the fewest outstanding requests, round robin on ties."""
+    """The instances of one role and the choice among them (see the module docstring)."""
 
     role: str
     upstreams: list[Upstream]
     cooldown: float
+    slack: int = 4
     _next: int = field(default=0, repr=False)
+    _numbered: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._numbered = max((u.index + 1 for u in self.upstreams), default=0)
 
     @classmethod
-    def from_urls(cls, role: str, urls: Iterable[str], cooldown: float) -> Balancer:
-        return cls(role, [Upstream(url, role, i) for i, url in enumerate(urls)], cooldown)
+    def from_urls(cls, role: str, urls: Iterable[str], cooldown: float, slack: int = 4) -> Balancer:
+        return cls(role, [Upstream(url, role, i) for i, url in enumerate(urls)], cooldown, slack)
 
-    def pick(self, exclude: Iterable[Upstream] = ()) -> Upstream | None:
-        """The best instance not in ``exclude``; cooling-down ones only if nothing else is left. None if none."""
+    def pick(self, exclude: Iterable[Upstream] = (), hint: Fingerprint | None = None) -> Choice | None:
+        """The best instance not in ``exclude``; cooling-down ones only if nothing else is left. None if none. With
+        a ``hint`` the chosen instance is recorded as holding the prompt from now on."""
         excluded = {id(u) for u in exclude}
         now = time.monotonic()
         candidates = [u for u in self.upstreams if id(u) not in excluded]
         pool = [u for u in candidates if not u.cooling_down(now)] or candidates
         if not pool:
             return None
-        fewest = min(u.outstanding for u in pool)
+        least = min(u.outstanding for u in pool)
+        held = {id(u): u.prefix.match(hint.chunks) for u in pool} if hint is not None and hint.chunks else {}
+        longest = max(held.values(), default=0)
+        eligible = [u for u in pool if u.outstanding <= least + self.slack]
+        best = max((held.get(id(u), 0) for u in eligible), default=0)
+        if best > 0:
+            group = [u for u in eligible if held[id(u)] == best]
+            chosen = Choice(self._rotate(group), PREFIX, best, longest > best)
+        else:
+            chosen = Choice(self._rotate(pool), BALANCE, 0, longest > 0)
+        if hint is not None:
+            chosen.upstream.prefix.add(hint.chunks)
+        return chosen
+
+    def pick_upstream(self, exclude: Iterable[Upstream] = (), hint: Fingerprint | None = None) -> Upstream | None:
+        """``pick``'s instance."""
+        choice = self.pick(exclude, hint)
+        return None if choice is None else choice.upstream
+
+    def _rotate(self, group: list[Upstream]) -> Upstream:
+        """Of ``group``, the one with the fewest outstanding requests, the next in round robin order on ties."""
+        fewest = min(u.outstanding for u in group)
+        members = {id(u) for u in group if u.outstanding == fewest}
         count = len(self.upstreams)
         for step in range(count):
             index = (self._next + step) % count
             upstream = self.upstreams[index]
-            if upstream in pool and upstream.outstanding == fewest:
+            if id(upstream) in members:
                 self._next = (index + 1) % count
                 return upstream
-        raise AssertionError("unreachable: the pool is a subset of the upstreams")
+        raise AssertionError("unreachable: the group is a subset of the upstreams")
 
-    def reserve(self) -> Upstream:
+    def reserve(self, hint: Fingerprint | None = None) -> Choice:
         """Pick an instance and count it as busy now (the caller releases it)."""
-        upstream = self.pick()
-        assert upstream is not None, "a balancer has at least one instance"
-        self.acquire(upstream)
-        return upstream
+        choice = self.pick(hint=hint)
+        assert choice is not None, "a balancer has at least one instance"
+        self.acquire(choice.upstream)
+        return choice
 
     def acquire(self, upstream: Upstream) -> None:
         upstream.outstanding += 1
@@ -89,8 +147,25 @@ class Balancer:
         upstream.failures += 1
         upstream.last_error = error
         upstream.down_until = time.monotonic() + self.cooldown
-        upstream.learned_at = None  # it may come back as another engine (a restart): ask again
+        upstream.learned_at.clear()  # it may come back as another engine (a restart): ask again
+        upstream.forget("it failed")
         log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
 
     def outstanding(self) -> int:
         return sum(u.outstanding for u in self.upstreams)
+
+    def find(self, url: str) -> Upstream | None:
+        return next((u for u in self.upstreams if u.url == url), None)
+
+    def add(self, url: str, bootstrap: str = "") -> Upstream:
+        """A new instance (``url`` normalized and not already there), numbered after every one its role ever had."""
+        upstream = Upstream(url, self.role, self._numbered, bootstrap)
+        self._numbered += 1
+        self.upstreams = [*self.upstreams, upstream]
+        return upstream
+
+    def remove(self, upstream: Upstream) -> None:
+        """No new request goes to ``upstream``; those in flight finish (they hold it and release it as usual)."""
+        self.upstreams = [u for u in self.upstreams if u is not upstream]
+        upstream.removed = True
+        upstream.forget("removed")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import proxy
@@ -14,6 +15,11 @@ PREFILL = "prefill"  # the roles, as the command line and the clients' errors na
 DECODE = "decode"
 PROTOCOLS = ("params", "bootstrap")
 DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
+ADMIN_TOKEN_ENV = "MOONCAKE_PROXY_ADMIN_TOKEN"  # the admin token, if --admin-token is not given
+MIN_ADMIN_TOKEN = 16  # characters
+DEFAULT_BALANCE_SLACK = 4
+DEFAULT_SKIP_PREFILL_BELOW = 0  # off: to be chosen by measurement (and see the package docstring)
+DEFAULT_PREFIX_INDEX_ENTRIES = 200_000  # chunks, all instances together (~150 bytes each)
 
 
 class ConfigError(ValueError):
@@ -39,6 +45,13 @@ def normalize_upstream_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def default_bootstrap_url(prefill_url: str) -> str:
+    """A prefill instance's bootstrap server when none is given: port 8998 on its host."""
+    parts = urlsplit(prefill_url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Options of the proxy; URLs are validated and normalized on construction."""
@@ -57,6 +70,11 @@ class ProxyConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     protocol: str = "params"  # see the package docstring
     bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
+    balance_slack: int = DEFAULT_BALANCE_SLACK  # outstanding requests an instance may have beyond the least loaded
+    # one and still be preferred for the prefix it holds
+    skip_prefill_below: int = DEFAULT_SKIP_PREFILL_BELOW  # estimated uncached tokens below which no remote prefill
+    prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
+    admin_token: str = field(default="", repr=False)  # "": no admin endpoints
 
     def __post_init__(self) -> None:
         for role in (PREFILL, DECODE):
@@ -84,14 +102,20 @@ class ProxyConfig:
             raise ConfigError(f"give one --bootstrap URL per --prefill URL, in the same order (got {len(self.bootstrap)} "
                               f"for {len(self.prefill)})")
         object.__setattr__(self, "bootstrap", tuple(normalize_upstream_url(url) for url in self.bootstrap))
+        for name, top in (("balance_slack", 1 << 20), ("skip_prefill_below", 1 << 24), ("prefix_index_entries", 1 << 26)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                raise ConfigError(f"{name} must be an integer from 0 to {top}, got {value!r}")
+        if self.admin_token and (len(self.admin_token) < MIN_ADMIN_TOKEN or not self.admin_token.isprintable()
+                                 or not self.admin_token.isascii() or " " in self.admin_token):
+            raise ConfigError(f"the admin token must be at least {MIN_ADMIN_TOKEN} printable ASCII characters, no "
+                              "spaces")
 
     def bootstrap_url(self, prefill_url: str) -> str:
         """The bootstrap server of a prefill instance: given in order, else port 8998 on its host."""
         if self.bootstrap:
             return self.bootstrap[self.prefill.index(prefill_url)]
-        parts = urlsplit(prefill_url)
-        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-        return f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+        return default_bootstrap_url(prefill_url)
 
 
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:
@@ -123,6 +147,19 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--bootstrap", action="append", default=[], metavar="URL",
                         help="--protocol bootstrap: a prefill instance's bootstrap server, one per --prefill in the same "
                              f"order (default http://<prefill host>:{DEFAULT_BOOTSTRAP_PORT})")
+    parser.add_argument("--balance-slack", type=int, default=DEFAULT_BALANCE_SLACK, metavar="N",
+                        help="an instance holding a longer prompt prefix is preferred unless it has more than N "
+                             f"outstanding requests beyond the least loaded one (default {DEFAULT_BALANCE_SLACK})")
+    parser.add_argument("--skip-prefill-below", type=int, default=DEFAULT_SKIP_PREFILL_BELOW, metavar="TOKENS",
+                        help="send a request straight to the decode instance when the part of its prompt that "
+                             "instance does not hold is estimated below TOKENS (default 0: never; choose it by "
+                             "measurement)")
+    parser.add_argument("--prefix-index-entries", type=int, default=DEFAULT_PREFIX_INDEX_ENTRIES, metavar="N",
+                        help="prompt prefix chunks the proxy remembers, all instances together (default "
+                             f"{DEFAULT_PREFIX_INDEX_ENTRIES}; 0: no prefix routing)")
+    parser.add_argument("--admin-token", default=None, metavar="TOKEN",
+                        help=f"enables /admin/instances, guarded by this bearer token (or set {ADMIN_TOKEN_ENV}, "
+                             "which other users cannot read from the process list)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -132,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            health_timeout=args.health_timeout,
                            max_connections=args.max_connections, max_clients=args.max_clients,
                            client_timeout=args.client_timeout, protocol=args.protocol,
-                           bootstrap=tuple(args.bootstrap))
+                           bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
+                           skip_prefill_below=args.skip_prefill_below, prefix_index_entries=args.prefix_index_entries,
+                           admin_token=args.admin_token if args.admin_token is not None
+                           else os.environ.get(ADMIN_TOKEN_ENV, ""))
     except ConfigError as error:
         parser.error(str(error))

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+METRICS_TOPIC = "metrics"  # Proxy.learn's topics: what an instance's /metrics say (see routing.InstanceInfo)
+ENGINE_TOPIC = "engine"  # a prefill instance's engine id, from its bootstrap server
+
 
 def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill copy: one token, not streamed, with the protocol's kv_transfer_params; everything else
@@ -57,14 +60,28 @@ def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[s
     return {**payload, "kv_transfer_params": dict(kv_params)}
 
 
-def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
-    """``kv_transfer_params`` of a prefill answer, None if absent, not an object, or the body is not JSON."""
+def json_answer(body: bytes) -> dict[str, Any] | None:
+    """An upstream's answer as a JSON object, None if it is not one."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def answer_params(answer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``kv_transfer_params`` of a prefill answer, None if absent or not an object."""
+    params = answer.get("kv_transfer_params") if answer is not None else None
     return params if isinstance(params, dict) else None
+
+
+def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
+    """``kv_transfer_params`` of a prefill answer, None if absent, not an object, or the body is not JSON."""
+    return answer_params(json_answer(body))
+
+
+NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped (see the package
+# docstring: our connector still looks for the prompt at its configured producer; vLLM's connectors load nothing)
 
 
 def push_target(metrics: str) -> tuple[list[str], str] | None:
@@ -110,13 +127,14 @@ class ParamsProtocol:
     async def prefill_params(self, transfer: None, decode: Upstream) -> dict[str, Any]:
         params: dict[str, Any] = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False}
         try:
-            target = await self.proxy.learn(decode, self._push_target)
+            info = await self.proxy.learn(decode, self.proxy.instance_info, METRICS_TOPIC)
+            target = info.push_target
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             log.debug("no push address from %s: %r", decode.url, error)  # it fails the decode too if it is down
             target = None
         # a decode instance that takes no push (or did not say) loads by pull: an empty list tells a push-mode
         # producer to keep the KV for it instead of pushing it to the consumer in its own mooncake.json
-        params[PUSH_TO] = target[0] if target else []
+        params[PUSH_TO] = list(target[0]) if target else []
         if target and target[1]:
             params[PUSH_PROOF] = target[1]
         return params
@@ -125,11 +143,6 @@ class ParamsProtocol:
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:
         return answer
 
-    async def _push_target(self, decode: Upstream) -> tuple[list[str], str] | None:
-        target = push_target(await self.proxy.get_text(decode.url + "/metrics"))
-        if target:
-            log.info("decode instance %s takes pushed KV at %s", decode.url, target[0])
-        return target
 
 
 class BootstrapProtocol:
@@ -154,17 +167,17 @@ class BootstrapProtocol:
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:
         engine_id = await self._learned_engine_id(prefill)  # the one it was prepared for, unless a retry moved it
         return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, "transfer_id": transfer,
-                "remote_engine_id": engine_id, "remote_bootstrap_addr": self.proxy.config.bootstrap_url(prefill.url)}
+                "remote_engine_id": engine_id, "remote_bootstrap_addr": prefill.bootstrap}
 
     async def _learned_engine_id(self, prefill: Upstream) -> str:
-        bootstrap = self.proxy.config.bootstrap_url(prefill.url)
+        bootstrap = prefill.bootstrap
         try:
-            return await self.proxy.learn(prefill, self._engine_id)
+            return await self.proxy.learn(prefill, self._engine_id, ENGINE_TOPIC)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             raise ProxyError(502, "upstream_error", f"the bootstrap server of {prefill.name} did not say its engine "
                              "id", PREFILL, prefill.name,
                              f"{bootstrap} ({error!r}) for {prefill.url}; check --bootstrap") from None
 
     async def _engine_id(self, prefill: Upstream) -> str:
-        text = await self.proxy.get_text(self.proxy.config.bootstrap_url(prefill.url) + "/query")
+        text = await self.proxy.get_text(prefill.bootstrap + "/query")
         return bootstrap_engine_id(json.loads(text))

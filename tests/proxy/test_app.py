@@ -33,7 +33,7 @@ def test_completion_prefill_then_decode() -> None:
         assert prefill.path == decode.path == "/v1/completions"
         assert prefill.body == {**COMPLETION, "max_tokens": 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
         assert decode.body == COMPLETION
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)
 
@@ -126,7 +126,7 @@ def test_upstream_error_status_relayed(stage: str, status: int) -> None:
         got_status, headers, body = await env.post("/v1/completions", COMPLETION)
         assert (got_status, body) == (status, error) and headers["Content-Type"].startswith("application/json")
         assert len(env.decode[0].received) == (0 if stage == "prefill" else 1)
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)
 
@@ -141,7 +141,7 @@ def test_unreachable_upstream_is_502_naming_the_stage(stage: str) -> None:
         assert dead.split("//")[1] not in json.dumps(body)  # finding 6: the 502 named the internal URL
         if stage == "prefill":
             assert not env.decode[0].received
-        assert_idle(env)
+        await assert_idle(env)
 
     if stage == "prefill":
         run(test, 0, 1, prefill_urls=[dead])
@@ -160,7 +160,7 @@ def test_timeout_is_504_naming_the_stage(stage: str, stream: bool) -> None:
         assert time.monotonic() - start < 3.0
         assert status == 504 and body["error"]["stage"] == stage and body["error"]["type"] == "upstream_timeout"
         await asyncio.wait_for(slow.cancelled.wait(), 5)  # the proxy gave up on the upstream request
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test, timeout=0.5)
 
@@ -174,6 +174,6 @@ def test_client_disconnect_during_prefill_cancels_it() -> None:
         await asyncio.wait_for(env.prefill[0].cancelled.wait(), 5)
         assert env.prefill[0].received[0].cancelled and not env.decode[0].received
         await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)

@@ -29,7 +29,7 @@ def test_balancing_2p2d_round_robin_and_least_outstanding() -> None:
             assert [len(u.received) for u in env.prefill] == [4, 4]  # prefill is idle between requests
             hold.set()
             await read_sse(held)
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test, 2, 2)
 

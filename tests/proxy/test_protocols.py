@@ -53,7 +53,7 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         assert [len(d.received) for d in env.decode] == [2, 2, 2]
         assert [d.metrics_requests for d in env.decode] == [1, 1, 1]
         # the same at once: requests in flight while /metrics is read share one read
-        env.proxy.proxy.decode_balancer.upstreams[0].learned_at = None
+        env.proxy.proxy.decode_balancer.upstreams[0].learned_at.clear()
         statuses = await asyncio.gather(*(env.post("/v1/completions", COMPLETION) for _ in range(9)))
         assert [s[0] for s in statuses] == [200] * 9 and env.decode[0].metrics_requests == 2
 
@@ -88,7 +88,7 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
     async def test(env: Environment) -> None:
         bootstrap = await FakeBootstrap({"0": {"engine_id": "prefill-engine", "worker_addr": {"0": {"0": "x"}}}}).start()
         try:
-            env.proxy.proxy.config.__dict__["bootstrap"] = (bootstrap.url,)
+            env.proxy.proxy.prefill_balancer.upstreams[0].bootstrap = bootstrap.url  # its --bootstrap
             env.prefill[0].kv_params = {"ignored": True}
             for _ in range(2):
                 assert (await env.post("/v1/completions", COMPLETION))[0] == 200
@@ -105,11 +105,11 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
             await bootstrap.stop()
         # a bootstrap server that is gone (the cached engine id expired): 502 naming it, and nothing sent upstream:
         # the engine id is asked before the prefill, so no prefilled KV waits for a decode that never comes
-        env.proxy.proxy.prefill_balancer.upstreams[0].learned_at = None
+        env.proxy.proxy.prefill_balancer.upstreams[0].learned_at.clear()
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 502 and "bootstrap server of prefill instance 0" in body["error"]["message"]
         assert body["error"]["stage"] == "prefill" and bootstrap.url not in json.dumps(body)  # internal addresses
         assert len(env.prefill[0].received) == 2 and len(env.decode[0].received) == 2
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test, protocol="bootstrap", bootstrap=(f"http://127.0.0.1:{unused_port()}",))

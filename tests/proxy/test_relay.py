@@ -30,7 +30,7 @@ def test_streaming_chunks_pass_through_before_the_upstream_finishes() -> None:
         assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False,
                                                    "kv_transfer_params": REMOTE_DECODE}
         assert env.decode[0].received[0].body == request
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)
 
@@ -45,7 +45,7 @@ def test_stream_stalling_mid_way_ends_with_an_error_event() -> None:
         error = json.loads(data[2])["error"]
         assert (error["stage"], error["code"], len(data)) == ("decode", 504, 3)
         await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test, timeout=0.5)
 
@@ -59,7 +59,7 @@ def test_client_disconnect_during_stream_cancels_decode() -> None:
         await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
         assert env.decode[0].received[0].cancelled
         await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)
 
@@ -78,6 +78,6 @@ def test_200_concurrent_streams() -> None:
         assert prompts == {f"request {i}" for i in range(200)}
         assert sum(len(u.received) for u in env.prefill) == 200
         assert all(len(u.received) > 50 for u in env.prefill + env.decode)  # spread over both instances
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test, 2, 2)

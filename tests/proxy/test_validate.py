@@ -61,7 +61,7 @@ def test_proxy_edges_a_request_vllm_would_refuse_is_refused_before_the_prefill(p
         assert field in answer["error"]["message"]
         assert not env.prefill[0].received and not env.decode[0].received
         assert (await env.post(path, base))[0] == 200
-        assert_idle(env)
+        await assert_idle(env)
 
     run(test)
 

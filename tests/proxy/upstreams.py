@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
 from proxy.app import Proxy, create_app
@@ -65,6 +66,7 @@ class FakeUpstream:
     health_status: int = 200
     metrics_text: str | None = None  # the body of GET /metrics (404 if None)
     metrics_requests: int = 0
+    chars_per_token: float | None = None  # non-streaming answers say usage.prompt_tokens (a string prompt's length / it)
     received: list[Received] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -114,6 +116,8 @@ class FakeUpstream:
                                       "choices": [{"index": 0, "text": "".join(self.chunks)}]}
             if self.kv_params is not None:
                 answer["kv_transfer_params"] = self.kv_params
+            if self.chars_per_token and isinstance(body.get("prompt"), str):
+                answer["usage"] = {"prompt_tokens": round(len(body["prompt"]) / self.chars_per_token)}
             return web.json_response(answer)
         except asyncio.CancelledError:
             record.cancelled = True
@@ -290,8 +294,10 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
         await asyncio.sleep(0.01)
 
 
-def assert_idle(env: Environment) -> None:
-    """No request outstanding in the proxy and no connection checked out of its pool."""
+async def assert_idle(env: Environment) -> None:
+    """No request outstanding in the proxy and no connection checked out of its pool (once the proxy's background
+    reads of the instances' /metrics ended)."""
+    await env.proxy.proxy.router.settle()
     assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
     connector = env.proxy.proxy.session.connector
     assert connector is not None and not getattr(connector, "_acquired", set())
@@ -314,3 +320,20 @@ async def start_main(env: Environment, *args: str, **options: Any) -> tuple[asyn
                 return process, url
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.05)
+
+
+async def proxy_metric(env: Environment, name: str, **labels: str) -> float:
+    """A sample of the proxy's own /metrics (0.0 if it has none such)."""
+    async with env.client.get(env.url + "/metrics") as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def text_of(seed: int, chars: int) -> str:
+    """A prompt of ``chars`` characters whose every chunk differs from another seed's."""
+    words = f"seed {seed} says lorem ipsum dolor sit amet, consectetur adipiscing elit. "
+    return (words * (chars // len(words) + 1))[:chars]

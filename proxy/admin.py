@@ -1,0 +1,154 @@
+"""The admin endpoint: instances added and removed while the proxy runs (``register_admin``, only with an admin token).
+
+``/admin/instances`` (on the proxy's own host and port, so every request must carry ``Authorization: Bearer
+<token>``: none -> 401, another token -> 403; the token is compared in constant time and never logged):
+
+- ``GET``: ``{"prefill": [...], "decode": [...], "draining": [...]}``, each instance with its URL, number,
+  outstanding requests, failures, cooldown and prefix index size; ``draining``: removed instances whose requests are
+  still in flight.
+- ``POST {"role": "prefill"|"decode", "url": "http://host:port"}`` (``"bootstrap": URL`` too for a prefill instance
+  with ``--protocol bootstrap``; default port 8998 on its host): 201 and the instance; 409 if it is there already.
+- ``DELETE {"role": ..., "url": ...}`` (nothing else): no new request goes to it, those in flight finish; 200 and the instance,
+  404 if there is no such instance, 409 if it is the last of its role.
+
+Bodies are checked as the command line checks its options (``normalize_upstream_url``); anything else -> 400.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from quart import Quart, Response, request
+
+from proxy.balancer import Upstream
+from proxy.config import DECODE, PREFILL, ConfigError, default_bootstrap_url, normalize_upstream_url
+from proxy.errors import ProxyError
+from proxy.validate import parse_json_object
+
+if TYPE_CHECKING:
+    from proxy.app import Proxy
+
+log = logging.getLogger(__name__)
+
+PATH = "/admin/instances"
+MAX_INSTANCES = 256  # per role
+MAX_URL = 2048
+
+
+def describe(upstream: Upstream) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": upstream.role, "instance": upstream.index, "url": upstream.url,
+                             "outstanding": upstream.outstanding, "failures": upstream.failures,
+                             "cooling_down": upstream.cooling_down(), "prefix_chunks": len(upstream.prefix),
+                             "cache_tokens": upstream.cache.tokens}
+    if upstream.bootstrap:
+        entry["bootstrap"] = upstream.bootstrap
+    return entry
+
+
+def _bad(message: str) -> ProxyError:
+    return ProxyError(400, "invalid_request_error", message)
+
+
+def _url(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_URL:
+        raise _bad(f"{field} must be a URL string of at most {MAX_URL} characters")
+    try:
+        return normalize_upstream_url(value)
+    except ConfigError as error:
+        raise _bad(f"{field}: {error}") from None
+
+
+def parse_instance(body: bytes, bootstrap_allowed: bool) -> tuple[str, str, str]:
+    """Role, URL and bootstrap URL ("" unless given or needed) of an admin body; ProxyError 400 if malformed."""
+    payload = parse_json_object(body)
+    allowed = {"role", "url"} | ({"bootstrap"} if bootstrap_allowed else set())
+    if unknown := sorted(set(payload) - allowed):
+        raise _bad(f"unknown field(s) {json.dumps(unknown)[:200]}; expected {sorted(allowed)}")
+    role = payload.get("role")
+    if role not in (PREFILL, DECODE):
+        raise _bad(f'role must be "{PREFILL}" or "{DECODE}", got {json.dumps(role)[:100]}')
+    url = _url(payload.get("url"), "url")
+    bootstrap = ""
+    if "bootstrap" in payload:
+        if role != PREFILL:
+            raise _bad("bootstrap is given for prefill instances only")
+        bootstrap = _url(payload["bootstrap"], "bootstrap")
+    elif bootstrap_allowed and role == PREFILL:
+        bootstrap = default_bootstrap_url(url)
+    return role, url, bootstrap
+
+
+def register_admin(app: Quart, proxy: Proxy) -> None:
+    """Add the admin endpoint to ``app`` (call it only with a token: without one the endpoint does not exist)."""
+    token = proxy.config.admin_token.encode()
+    draining: list[Upstream] = []
+
+    def refused() -> Response | None:
+        header = request.headers.get("Authorization")
+        if header is None:
+            response = ProxyError(401, "unauthorized", "the admin endpoint needs Authorization: Bearer <token>").response()
+            response.headers["WWW-Authenticate"] = 'Bearer realm="mooncake-proxy-admin"'
+            return response
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                                 token):
+            log.warning("admin: refused a %s %s with a wrong token from %s", request.method, request.path,
+                        request.remote_addr)
+            return ProxyError(403, "forbidden", "wrong admin token").response()
+        return None
+
+    def listing() -> dict[str, Any]:
+        draining[:] = [u for u in draining if u.outstanding > 0]
+        return {PREFILL: [describe(u) for u in proxy.prefill_balancer.upstreams],
+                DECODE: [describe(u) for u in proxy.decode_balancer.upstreams],
+                "draining": [describe(u) for u in draining]}
+
+    def answer(status: int, payload: Any) -> Response:
+        return Response(json.dumps(payload), status=status, content_type="application/json")
+
+    @app.get(PATH)
+    async def instances() -> Response:
+        return refused() or answer(200, listing())
+
+    @app.post(PATH)
+    async def add_instance() -> Response:
+        if (denied := refused()) is not None:
+            return denied
+        try:
+            role, url, bootstrap = parse_instance(await request.get_data(), proxy.config.protocol == "bootstrap")
+            balancer = proxy.balancer(role)
+            if balancer.find(url) is not None:
+                raise ProxyError(409, "conflict", f"{url} is already a {role} instance")
+            if len(balancer.upstreams) >= MAX_INSTANCES:
+                raise ProxyError(409, "conflict", f"{role} has {MAX_INSTANCES} instances already (the most allowed)")
+        except ProxyError as error:
+            return error.response()
+        upstream = balancer.add(url, bootstrap)
+        proxy.router.resize()
+        proxy.router.refresh(upstream)
+        log.info("admin: added %s (%s)", upstream.name, url)
+        return answer(201, describe(upstream))
+
+    @app.delete(PATH)
+    async def remove_instance() -> Response:
+        if (denied := refused()) is not None:
+            return denied
+        try:
+            role, url, _ = parse_instance(await request.get_data(), False)
+            balancer = proxy.balancer(role)
+            if (upstream := balancer.find(url)) is None:
+                raise ProxyError(404, "not_found", f"{url} is not a {role} instance")
+            if len(balancer.upstreams) == 1:
+                raise ProxyError(409, "conflict", f"{url} is the last {role} instance: add another one first")
+        except ProxyError as error:
+            return error.response()
+        balancer.remove(upstream)
+        proxy.router.resize()
+        if upstream.outstanding:
+            draining.append(upstream)
+        log.info("admin: removed %s (%s); %d request(s) of it in flight finish there", upstream.name, url,
+                 upstream.outstanding)
+        return answer(200, describe(upstream))
