@@ -86,12 +86,17 @@ Modules (this package imports none of them itself, nor anything heavy: no torch,
 - ``config``: ``ProxyConfig`` (the options, validated), ``parse_args``, upstream URL normalization.
 - ``balancer``: ``Upstream`` (one instance and its bookkeeping) and ``Balancer`` (``pick``: which instance next).
 - ``prefix_index``: prompts as chained chunk hashes, the per-instance LRU index, token estimates, cache sizes.
+- ``discovery``: ``Discovery``, what each instance says about itself (its /metrics: ``InstanceInfo``; a bootstrap
+  server's engine id), asked over the client session and kept per topic for ``DISCOVERY_TTL``.
 - ``routing``: ``Router``, the choices counted and bounded, the skip rule.
-- ``admin``: ``/admin/instances``.
+- ``admin``: ``/admin/instances`` (given the config and the router).
 - ``validate``: the request checked as vLLM would check it.
 - ``errors``: ``ProxyError`` (a JSON error of the proxy's own) and ``RelayedError`` (an upstream's, as is).
 - ``relay``: ``StreamRelay``, an upstream SSE answer relayed chunk by chunk.
 - ``protocols``: ``ParamsProtocol`` and ``BootstrapProtocol``, what each request tells the instances.
 - ``app``: ``Proxy`` (the state and the request flow) and ``create_app``.
 - ``gate``: ``ClientGate``, the listening socket and who may hold a connection to it.
+
+Imports run one way: ``app`` imports ``admin``, ``routing`` and ``protocols`` (``admin`` also ``routing``); those
+import ``discovery``, which imports ``balancer`` and ``prefix_index``; none of them imports ``app``.
 """

@@ -12,6 +12,8 @@
   404 if there is no such instance, 409 if it is the last of its role.
 
 Bodies are checked as the command line checks its options (``normalize_upstream_url``); anything else -> 400.
+``register_admin`` is given the config and the ``Router``: it changes the router's balancers, and the router then
+bounds the prefix indexes anew.
 """
 
 from __future__ import annotations
@@ -19,17 +21,15 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quart import Quart, Response, request
 
 from proxy.balancer import Upstream
-from proxy.config import DECODE, PREFILL, ConfigError, default_bootstrap_url, normalize_upstream_url
+from proxy.config import DECODE, PREFILL, ConfigError, ProxyConfig, default_bootstrap_url, normalize_upstream_url
 from proxy.errors import ProxyError
+from proxy.routing import Router
 from proxy.validate import parse_json_object
-
-if TYPE_CHECKING:
-    from proxy.app import Proxy
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,10 @@ def parse_instance(body: bytes, bootstrap_allowed: bool) -> tuple[str, str, str]
     return role, url, bootstrap
 
 
-def register_admin(app: Quart, proxy: Proxy) -> None:
-    """Add the admin endpoint to ``app`` (call it only with a token: without one the endpoint does not exist)."""
-    token = proxy.config.admin_token.encode()
+def register_admin(app: Quart, config: ProxyConfig, router: Router) -> None:
+    """Add the admin endpoint to ``app`` (call it only with a token: without one the endpoint does not exist);
+    instances are added to and removed from ``router``'s balancers."""
+    token = config.admin_token.encode()
     draining: list[Upstream] = []
 
     def refused() -> Response | None:
@@ -102,8 +103,8 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
 
     def listing() -> dict[str, Any]:
         draining[:] = [u for u in draining if u.outstanding > 0]
-        return {PREFILL: [describe(u) for u in proxy.prefill_balancer.upstreams],
-                DECODE: [describe(u) for u in proxy.decode_balancer.upstreams],
+        return {PREFILL: [describe(u) for u in router.balancer(PREFILL).upstreams],
+                DECODE: [describe(u) for u in router.balancer(DECODE).upstreams],
                 "draining": [describe(u) for u in draining]}
 
     def answer(status: int, payload: Any) -> Response:
@@ -118,8 +119,8 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
         if (denied := refused()) is not None:
             return denied
         try:
-            role, url, bootstrap = parse_instance(await request.get_data(), proxy.config.protocol == "bootstrap")
-            balancer = proxy.balancer(role)
+            role, url, bootstrap = parse_instance(await request.get_data(), config.protocol == "bootstrap")
+            balancer = router.balancer(role)
             if balancer.find(url) is not None:
                 raise ProxyError(409, "conflict", f"{url} is already a {role} instance")
             if len(balancer.upstreams) >= MAX_INSTANCES:
@@ -127,8 +128,8 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
         except ProxyError as error:
             return error.response()
         upstream = balancer.add(url, bootstrap)
-        proxy.router.resize()
-        proxy.router.refresh(upstream)
+        router.resize()
+        router.refresh(upstream)
         log.info("admin: added %s (%s)", upstream.name, url)
         return answer(201, describe(upstream))
 
@@ -138,7 +139,7 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
             return denied
         try:
             role, url, _ = parse_instance(await request.get_data(), False)
-            balancer = proxy.balancer(role)
+            balancer = router.balancer(role)
             if (upstream := balancer.find(url)) is None:
                 raise ProxyError(404, "not_found", f"{url} is not a {role} instance")
             if len(balancer.upstreams) == 1:
@@ -146,7 +147,7 @@ def register_admin(app: Quart, proxy: Proxy) -> None:
         except ProxyError as error:
             return error.response()
         balancer.remove(upstream)
-        proxy.router.resize()
+        router.resize()
         if upstream.outstanding:
             draining.append(upstream)
         log.info("admin: removed %s (%s); %d request(s) of it in flight finish there", upstream.name, url,

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -18,10 +16,10 @@ from quart import Quart, Response, g, request
 from proxy.admin import register_admin
 from proxy.balancer import Balancer, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
+from proxy.discovery import Discovery
 from proxy.errors import ProxyError, RelayedError
 from proxy.prefix_index import Fingerprint, fingerprint
 from proxy.protocols import (
-    METRICS_TOPIC,
     NO_LOAD,
     BootstrapProtocol,
     ParamsProtocol,
@@ -31,7 +29,7 @@ from proxy.protocols import (
     prefill_payload,
 )
 from proxy.relay import SSE_CONTENT_TYPE, StreamRelay
-from proxy.routing import InstanceInfo, Router, instance_info
+from proxy.routing import Router
 from proxy.validate import parse_json_object, validate
 
 log = logging.getLogger(__name__)
@@ -39,11 +37,11 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
-DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
 
 
 class Proxy:
-    """State shared by the handlers: the config, one balancer per role and the client session."""
+    """State shared by the handlers: the config, one balancer per role, the client session, and what the instances
+    said about themselves (``discovery``, shared with the router and the protocol)."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -53,16 +51,17 @@ class Proxy:
             for upstream in self.prefill_balancer.upstreams:
                 upstream.bootstrap = config.bootstrap_url(upstream.url)
         self.metrics = CollectorRegistry()
-        self.router = Router(self, config, self.metrics)
+        self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
+        self.discovery = Discovery(lambda: self.session, self.health_timeout)
+        self.router = Router(config, self.prefill_balancer, self.decode_balancer, self.discovery, self.metrics)
         self._dropped = Counter("mooncake_proxy_client_kv_params_dropped", "Requests whose client-supplied "
                                 "kv_transfer_params the proxy dropped (only the proxy sets them).", registry=self.metrics)
         seconds = config.timeout
         connect = config.connect_timeout
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=seconds)
-        self.health_timeout = aiohttp.ClientTimeout(total=config.health_timeout)
         self.protocol: ParamsProtocol | BootstrapProtocol = \
-            BootstrapProtocol(self) if config.protocol == "bootstrap" else ParamsProtocol(self)
+            BootstrapProtocol(self.discovery) if config.protocol == "bootstrap" else ParamsProtocol(self.discovery)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -89,9 +88,6 @@ class Proxy:
 
     def outstanding(self) -> dict[str, int]:
         return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
-
-    def balancer(self, role: str) -> Balancer:
-        return self.prefill_balancer if role == PREFILL else self.decode_balancer
 
     async def send(
         self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
@@ -231,48 +227,6 @@ class Proxy:
         prefill, answer = await self.prefill(path, body, headers, chosen, hint)
         return await self.protocol.decode_params(transfer, prefill, answer)
 
-    def knows(self, upstream: Upstream, topic: str) -> bool:
-        """Whether what the instance said on ``topic`` was learned less than DISCOVERY_TTL ago."""
-        at = upstream.learned_at.get(topic)
-        return at is not None and time.monotonic() - at < DISCOVERY_TTL
-
-    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]], topic: str) -> Any:
-        """What ``fetch`` says about an instance on ``topic``, asked at most once per DISCOVERY_TTL (concurrent
-        requests share one call; a failed call is not remembered). An instance that says something new about
-        itself may have restarted: its prefix index is emptied."""
-        if self.knows(upstream, topic):
-            return upstream.learned[topic]
-        if topic not in upstream.learning:
-            async def run() -> Any:
-                try:
-                    value = await fetch(upstream)
-                    if topic in upstream.learned and upstream.learned[topic] != value:
-                        upstream.forget(f"its {topic} changed")
-                    upstream.learned[topic] = value
-                    upstream.learned_at[topic] = time.monotonic()
-                    return value
-                finally:
-                    del upstream.learning[topic]
-            future = upstream.learning[topic] = asyncio.ensure_future(run())
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
-        return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
-
-    async def instance_info(self, upstream: Upstream) -> InstanceInfo:
-        """What the instance's /metrics say (push address, cache size, start time); the router is told."""
-        info = instance_info(await self.get_text(upstream.url + "/metrics"))
-        self.router.observe(upstream, info)
-        if info.push_target and upstream.learned.get(METRICS_TOPIC) != info:
-            log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
-        return info
-
-    async def get_text(self, url: str) -> str:
-        """The body of a GET; "" if there is no such page (404: nothing to learn there)."""
-        async with self.session.get(url, timeout=self.health_timeout) as response:
-            if response.status == 404:
-                return ""
-            response.raise_for_status()
-            return await response.text()
-
     async def models(self, headers: dict[str, str]) -> Response:
         upstream, response = await self.send(self.decode_balancer, "GET", "/v1/models", None, headers,
                                              self.whole_timeout)
@@ -322,7 +276,7 @@ def create_app(config: ProxyConfig) -> Quart:
     app.before_serving(proxy.start)
     app.after_serving(proxy.stop)
     if config.admin_token:
-        register_admin(app, proxy)
+        register_admin(app, config, proxy.router)
 
     @app.before_request
     async def assign_request_id() -> None:

@@ -38,7 +38,7 @@ class Upstream:
     failures: int = 0
     last_error: str | None = None
     removed: bool = False  # taken out by the admin API: its requests in flight finish, no new one comes
-    learned: dict[str, Any] = field(default_factory=dict)  # what it said about itself, by topic (see Proxy.learn)
+    learned: dict[str, Any] = field(default_factory=dict)  # what it said about itself, by topic (see Discovery.learn)
     learned_at: dict[str, float] = field(default_factory=dict)
     learning: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics

@@ -1,11 +1,12 @@
 """What each request tells the instances (``--protocol``), and what the proxy learns from them to say it.
 
 - ``ParamsProtocol``: vLLM's disaggregation protocol as this project's MooncakeConnector answers it; a push-mode
-  consumer's pipe addresses, read from its /metrics (``push_target``), go on the prefill.
+  consumer's pipe addresses, read from its /metrics (``discovery.push_target``), go on the prefill.
 - ``BootstrapProtocol``: vLLM's built-in MooncakeConnector; a transfer id on both requests, and the decode names the
   prefill instance's bootstrap server and engine id (``bootstrap_engine_id``, from that server's /query).
 
-Both build the ``kv_transfer_params`` that ``prefill_payload`` and ``decode_payload`` put on the two requests.
+Both build the ``kv_transfer_params`` that ``prefill_payload`` and ``decode_payload`` put on the two requests; what
+they need to know about an instance they learn through the ``Discovery`` they are given.
 """
 
 from __future__ import annotations
@@ -13,33 +14,19 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.protocol import (
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
-    ENDPOINT_INFO,
-    KV_ROLE_LABEL,
-    PIPES_LABEL,
-    PUSH_PROOF,
-    PUSH_PROOF_LABEL,
-    PUSH_TO,
-    TRANSFER_MODE_LABEL,
-)
+from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
 from proxy.balancer import Upstream
 from proxy.config import PREFILL
+from proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
 from proxy.errors import ProxyError
-
-if TYPE_CHECKING:
-    from proxy.app import Proxy
 
 log = logging.getLogger(__name__)
 
-METRICS_TOPIC = "metrics"  # Proxy.learn's topics: what an instance's /metrics say (see routing.InstanceInfo)
-ENGINE_TOPIC = "engine"  # a prefill instance's engine id, from its bootstrap server
+ENGINE_TOPIC = "engine"  # Discovery.learn's topic for a prefill instance's engine id, from its bootstrap server
 
 
 def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
@@ -84,21 +71,8 @@ NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose 
 # docstring: our connector still looks for the prompt at its configured producer; vLLM's connectors load nothing)
 
 
-def push_target(metrics: str) -> tuple[list[str], str] | None:
-    """A decode instance's pipe addresses and their proof ("" without a secret) if its /metrics text says it runs
-    our connector as a push-mode consumer."""
-    lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            labels = sample.labels
-            if (labels.get(KV_ROLE_LABEL) == "kv_consumer" and labels.get(TRANSFER_MODE_LABEL) == "push"
-                    and labels.get(PIPES_LABEL)):
-                return labels[PIPES_LABEL].split(","), labels.get(PUSH_PROOF_LABEL, "")
-    return None
-
-
 def push_address(metrics: str) -> list[str] | None:
-    """The pipe addresses of ``push_target``."""
+    """The pipe addresses of ``discovery.push_target`` (a decode instance's, from its /metrics text)."""
     target = push_target(metrics)
     return None if target is None else target[0]
 
@@ -115,8 +89,8 @@ def bootstrap_engine_id(answer: Any) -> str:
 class ParamsProtocol:
     """vLLM's disaggregation protocol as our MooncakeConnector answers it (see the package docstring)."""
 
-    def __init__(self, proxy: Proxy):
-        self.proxy = proxy
+    def __init__(self, discovery: Discovery):
+        self.discovery = discovery
 
     def new_transfer(self) -> None:
         return None
@@ -127,7 +101,7 @@ class ParamsProtocol:
     async def prefill_params(self, transfer: None, decode: Upstream) -> dict[str, Any]:
         params: dict[str, Any] = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False}
         try:
-            info = await self.proxy.learn(decode, self.proxy.instance_info, METRICS_TOPIC)
+            info = await self.discovery.metrics(decode)
             target = info.push_target
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             log.debug("no push address from %s: %r", decode.url, error)  # it fails the decode too if it is down
@@ -149,8 +123,8 @@ class BootstrapProtocol:
     """vLLM's built-in MooncakeConnector: a transfer id on both requests; the decode names the prefill instance's
     bootstrap server and engine id."""
 
-    def __init__(self, proxy: Proxy):
-        self.proxy = proxy
+    def __init__(self, discovery: Discovery):
+        self.discovery = discovery
 
     def new_transfer(self) -> str:
         return uuid.uuid4().hex
@@ -172,12 +146,12 @@ class BootstrapProtocol:
     async def _learned_engine_id(self, prefill: Upstream) -> str:
         bootstrap = prefill.bootstrap
         try:
-            return await self.proxy.learn(prefill, self._engine_id, ENGINE_TOPIC)
+            return await self.discovery.learn(prefill, self._engine_id, ENGINE_TOPIC)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             raise ProxyError(502, "upstream_error", f"the bootstrap server of {prefill.name} did not say its engine "
                              "id", PREFILL, prefill.name,
                              f"{bootstrap} ({error!r}) for {prefill.url}; check --bootstrap") from None
 
     async def _engine_id(self, prefill: Upstream) -> str:
-        text = await self.proxy.get_text(prefill.bootstrap + "/query")
+        text = await self.discovery.get_text(prefill.bootstrap + "/query")
         return bootstrap_engine_id(json.loads(text))

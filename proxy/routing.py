@@ -4,8 +4,9 @@ proxy's /metrics, calibrates token estimates, and decides when the remote prefil
 Bounds: every instance's index holds at most the chunks its KV cache holds (``vllm:cache_config_info`` on its
 /metrics: ``num_gpu_blocks * block_size`` tokens, ``DEFAULT_CACHE_TOKENS`` if it does not say), and all indexes
 together at most ``--prefix-index-entries`` chunks (each instance gets an equal share). An instance's /metrics are
-read in the background at most once per ``DISCOVERY_TTL``; one whose process start time or cache size changed (a
-restart) loses its index, as does one that failed or was removed.
+read in the background at most once per ``DISCOVERY_TTL`` (``Discovery``, which tells the router what they say
+whoever reads them); one whose process start time or cache size changed (a restart) loses its index, as does one
+that failed or was removed.
 """
 
 from __future__ import annotations
@@ -13,42 +14,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.balancer import Balancer, Choice, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint, cache_info
-from proxy.protocols import METRICS_TOPIC, push_target
-
-if TYPE_CHECKING:
-    from proxy.app import Proxy
+from proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
+from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
 
 log = logging.getLogger(__name__)
 
 RETRY = 5.0  # seconds before an instance whose /metrics could not be read is asked again (by the router)
 
-@dataclass(frozen=True)
-class InstanceInfo:
-    """What an instance's /metrics say: where it takes pushed KV (ParamsProtocol) and its cache (the router)."""
-
-    push_target: tuple[tuple[str, ...], str] | None
-    cache: CacheInfo
-
-
-def instance_info(metrics: str) -> InstanceInfo:
-    target = push_target(metrics)
-    return InstanceInfo(None if target is None else (tuple(target[0]), target[1]), cache_info(metrics))
-
 
 class Router:
     """The choices of both roles, their bounds and their counters (see the module docstring)."""
 
-    def __init__(self, proxy: Proxy, config: ProxyConfig, registry: CollectorRegistry) -> None:
-        self.proxy = proxy
+    def __init__(self, config: ProxyConfig, prefill: Balancer, decode: Balancer, discovery: Discovery,
+                 registry: CollectorRegistry) -> None:
         self.config = config
+        self.balancers = {PREFILL: prefill, DECODE: decode}
+        self.discovery = discovery
+        discovery.watch(self.observe)  # whoever reads an instance's /metrics, the router hears what they say
         self.calibration = {True: CharsPerToken(), False: CharsPerToken()}  # chat, text
         self._refreshing: dict[int, asyncio.Task[None]] = {}
         self.routed = Counter("mooncake_proxy_routed", "Requests sent to an instance, by role and by the rule that "
@@ -64,12 +52,13 @@ class Router:
         entries = Gauge("mooncake_proxy_prefix_index_entries", "Prefix chunks indexed, all instances of the role.",
                         ["role"], registry=registry)
         for role in (PREFILL, DECODE):
-            entries.labels(role=role).set_function(lambda role=role: sum(len(u.prefix) for u in self._balancer(role)
+            entries.labels(role=role).set_function(lambda role=role: sum(len(u.prefix) for u in self.balancer(role)
                                                                         .upstreams))
         self.resize()
 
-    def _balancer(self, role: str) -> Balancer:
-        return self.proxy.prefill_balancer if role == PREFILL else self.proxy.decode_balancer
+    def balancer(self, role: str) -> Balancer:
+        """The balancer of ``role`` (prefill or decode)."""
+        return self.balancers[role]
 
     # ---------------------------------------------------------------- estimates
     def tokens(self, hint: Fingerprint, units: int | None = None) -> float:
@@ -120,7 +109,7 @@ class Router:
     # ---------------------------------------------------------------- bounds and freshness
     def resize(self) -> None:
         """Every index's capacity: its cache's size in chunks, within an equal share of --prefix-index-entries."""
-        upstreams = self.proxy.prefill_balancer.upstreams + self.proxy.decode_balancer.upstreams
+        upstreams = self.balancers[PREFILL].upstreams + self.balancers[DECODE].upstreams
         share = self.config.prefix_index_entries // max(len(upstreams), 1)
         for upstream in upstreams:
             upstream.prefix.resize(min(max((upstream.cache.tokens or DEFAULT_CACHE_TOKENS) // CHUNK_TOKENS, 1), share))
@@ -135,16 +124,16 @@ class Router:
             self.resize()
 
     def refresh(self, upstream: Upstream) -> None:
-        """Read the instance's /metrics in the background (``Proxy.learn``: at most once per DISCOVERY_TTL)."""
+        """Read the instance's /metrics in the background (``Discovery.metrics``: at most once per DISCOVERY_TTL)."""
         now = time.monotonic()
         if self.config.prefix_index_entries == 0 or id(upstream) in self._refreshing or \
-                self.proxy.knows(upstream, METRICS_TOPIC) or now - upstream.cache_asked < RETRY:
+                self.discovery.knows(upstream, METRICS_TOPIC) or now - upstream.cache_asked < RETRY:
             return
         upstream.cache_asked = now
 
         async def run() -> None:
             try:
-                await self.proxy.learn(upstream, self.proxy.instance_info, METRICS_TOPIC)
+                await self.discovery.metrics(upstream)
             except Exception as error:  # whatever it is, a request to it will meet it too
                 log.debug("%s: no /metrics (%r)", upstream.url, error)
             finally:

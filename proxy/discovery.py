@@ -1,0 +1,119 @@
+"""What the instances say about themselves: ``Discovery`` asks them over the proxy's client session and remembers
+each answer per instance and topic for ``DISCOVERY_TTL``.
+
+- ``Discovery.learn``: what a fetch says about an instance on a topic, asked at most once per ``DISCOVERY_TTL``
+  (concurrent requests share one call); ``knows``: whether that answer is still fresh.
+- ``Discovery.instance_info`` (topic ``METRICS_TOPIC``): what an instance's /metrics say (``InstanceInfo``: where it
+  takes pushed KV, ``push_target``, and its KV cache, ``cache_info``); whoever ``watch``-es is told (the router).
+- ``Discovery.get_text``: the body of a GET to an instance (or its bootstrap server).
+
+It knows neither the request flow nor the routing: ``app`` creates one and hands it to the protocols and the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_connector.protocol import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
+from proxy.balancer import Upstream
+from proxy.prefix_index import CacheInfo, cache_info
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
+METRICS_TOPIC = "metrics"  # Discovery.learn's topic for what an instance's /metrics say (InstanceInfo)
+
+
+def push_target(metrics: str) -> tuple[list[str], str] | None:
+    """A decode instance's pipe addresses and their proof ("" without a secret) if its /metrics text says it runs
+    our connector as a push-mode consumer."""
+    lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            labels = sample.labels
+            if (labels.get(KV_ROLE_LABEL) == "kv_consumer" and labels.get(TRANSFER_MODE_LABEL) == "push"
+                    and labels.get(PIPES_LABEL)):
+                return labels[PIPES_LABEL].split(","), labels.get(PUSH_PROOF_LABEL, "")
+    return None
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """What an instance's /metrics say: where it takes pushed KV (ParamsProtocol) and its cache (the router)."""
+
+    push_target: tuple[tuple[str, ...], str] | None
+    cache: CacheInfo
+
+
+def instance_info(metrics: str) -> InstanceInfo:
+    target = push_target(metrics)
+    return InstanceInfo(None if target is None else (tuple(target[0]), target[1]), cache_info(metrics))
+
+
+class Discovery:
+    """What each instance said about itself, by topic (kept on its ``Upstream``), and how to ask it."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], timeout: aiohttp.ClientTimeout) -> None:
+        self._session = session  # the proxy's client session (it exists only while the proxy serves)
+        self._timeout = timeout
+        self._watchers: list[Callable[[Upstream, InstanceInfo], None]] = []
+
+    def watch(self, watcher: Callable[[Upstream, InstanceInfo], None]) -> None:
+        """Tell ``watcher`` every time an instance's /metrics are read (before the answer is remembered)."""
+        self._watchers.append(watcher)
+
+    def knows(self, upstream: Upstream, topic: str) -> bool:
+        """Whether what the instance said on ``topic`` was learned less than DISCOVERY_TTL ago."""
+        at = upstream.learned_at.get(topic)
+        return at is not None and time.monotonic() - at < DISCOVERY_TTL
+
+    async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]], topic: str) -> Any:
+        """What ``fetch`` says about an instance on ``topic``, asked at most once per DISCOVERY_TTL (concurrent
+        requests share one call; a failed call is not remembered). An instance that says something new about
+        itself may have restarted: its prefix index is emptied."""
+        if self.knows(upstream, topic):
+            return upstream.learned[topic]
+        if topic not in upstream.learning:
+            async def run() -> Any:
+                try:
+                    value = await fetch(upstream)
+                    if topic in upstream.learned and upstream.learned[topic] != value:
+                        upstream.forget(f"its {topic} changed")
+                    upstream.learned[topic] = value
+                    upstream.learned_at[topic] = time.monotonic()
+                    return value
+                finally:
+                    del upstream.learning[topic]
+            future = upstream.learning[topic] = asyncio.ensure_future(run())
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
+
+    async def metrics(self, upstream: Upstream) -> InstanceInfo:
+        """``instance_info`` learned (topic ``METRICS_TOPIC``: at most one read per DISCOVERY_TTL)."""
+        info: InstanceInfo = await self.learn(upstream, self.instance_info, METRICS_TOPIC)
+        return info
+
+    async def instance_info(self, upstream: Upstream) -> InstanceInfo:
+        """What the instance's /metrics say (push address, cache size, start time); the watchers are told."""
+        info = instance_info(await self.get_text(upstream.url + "/metrics"))
+        for watcher in self._watchers:
+            watcher(upstream, info)
+        if info.push_target and upstream.learned.get(METRICS_TOPIC) != info:
+            log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
+        return info
+
+    async def get_text(self, url: str) -> str:
+        """The body of a GET; "" if there is no such page (404: nothing to learn there)."""
+        async with self._session().get(url, timeout=self._timeout) as response:
+            if response.status == 404:
+                return ""
+            response.raise_for_status()
+            return await response.text()
