@@ -243,9 +243,9 @@ class BufferProducer:
                 # header) may take the pipe's own timeout, and a request that breaks off raises PipeStalled
                 frame = signal_pipe.recv_tensor(timeout=_POLL)
             except PipeStalled as e:
-                self._count("requests_lost")
                 logger.warning("a request from the consumer broke off and is lost (its drop_select fails or times out; "
                                "the consumer's next request connects afresh): %s", e)
+                self._count("requests_lost")  # after the log: whoever sees the count can read the reason
                 continue
             except PipeTimeout:
                 with self._cv:
