@@ -22,7 +22,7 @@ UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy
        tests/kv_connector/test_params.py tests/kv_connector/test_scheduler.py tests/kv_connector/test_blocks.py
        tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
        tests/kv_connector/test_stats.py tests/kv_connector/test_push.py)
-WORKERS=${MKV_TEST_WORKERS:-6}
+WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # quick_tier FIRST_PORT: both runs, each in its own port range (tests/servers.py: MKV_TEST_PORTS); their reports
