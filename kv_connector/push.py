@@ -128,9 +128,11 @@ class PushTransfer(KVTransfer):
         start = time.perf_counter()
         peer = req.source.peer(self.rank)
         push = None if peer is None else self.links.push_buffer(peer)
-        entry = None if push is None else push.take(entry_key(req.token_ids),
-                                                    min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
+        key = entry_key(req.token_ids)
+        entry = None if push is None else push.take(key, min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
         if entry is None:  # never linked, announced, refused, aborted or sent by pull: ask the producer
+            if push is not None:
+                push.take_notice(key)  # acted on here: not for a later request of the same tokens
             return self.pull.load(req, deadline)
         return self._copy(req, entry, start, f"waited {(time.perf_counter() - start) * 1e3:.1f} ms for the push to "
                                              "be committed")

@@ -120,7 +120,6 @@ class PushReceiver:
         if not self.healthy:
             return None
         with self._cv:
-            self._notices.pop(key, None)  # this load asks now: an older notice of the same tokens is not about it
             while True:
                 entry = self._entries.get(key)
                 if entry is None:

@@ -52,6 +52,9 @@ class FakePush:
     def take(self, key, timeout):
         return self.entry
 
+    def take_notice(self, key):
+        self.notices_taken = getattr(self, "notices_taken", 0) + 1
+
 
 class FakeLinks:
     def __init__(self, push: FakePush) -> None:
@@ -331,13 +334,16 @@ def test_a_push_that_begins_or_commits_after_the_load_started_is_awaited(awaitin
     assert_written(t, awaited())
 
 
-@pytest.mark.parametrize("rank, notice_first", [(0, False), (0, True), (1, False)])
-def test_a_pull_notice_loads_from_that_links_producer_at_this_rank(awaiting, rank, notice_first):
+@pytest.mark.parametrize("rank, notice_first, begun", [(0, False, False), (0, True, False), (1, False, False),
+                                                       (0, False, True)])
+def test_a_pull_notice_loads_from_that_links_producer_at_this_rank(awaiting, rank, notice_first, begun):
     t, links, pull = awaiting(rank=rank)
     sender = links.ends[PEER_B][0]
     key = entry_key(list(range(15)))
     asked = []
     pull.load = lambda req, deadline: asked.append(req.source) or LoadResult(len(req.block_ids), 7, 7, "pulled", "")
+    if begun:  # the push began, then failed: the load, waiting for its commit, hears "pull"
+        push_prompt(t, sender, list(range(15)), 4, commit=False)
     if notice_first:  # no room: the producer saved it for pull before this load started
         sender.notify_pull(key)
         assert until(lambda: links.ends[PEER_B][1].look(key) == "pull")
