@@ -5,7 +5,8 @@ and the buffers that talk over its links.
   holds a consumer-side ``SimpleBuffer`` per producer it loads from, made on first use and made again once the link
   was closed (idle for ``link_idle`` seconds, or its producer gone).
 - ``push`` channel: a producer holds a ``PushSender`` per consumer it pushes to (made on first use); a consumer gets
-  a ``PushReceiver`` per producer that pushes to it (made when that producer links).
+  a ``PushReceiver`` per producer that pushes to it (made when that producer links), all sharing one
+  ``PushArrivals`` (``arrivals``) that wakes a load waiting for a push on any of them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from vllm.logger import init_logger
 
 from kv_lookup_buffer import SimpleBuffer
-from kv_lookup_buffer.push_buffer import PushEnd
+from kv_lookup_buffer.push_buffer import PushArrivals, PushEnd, PushReceiver
 from kv_pipe import MooncakePipe
 from kv_pipe.endpoint import PipeEndpoint
 
@@ -35,14 +36,17 @@ class _Linked:
 
 class PeerLinks:
     """See the module docstring. ``producer_buffer``: the producer's one buffer (None on a consumer);
-    ``make_push``: builds the push end (sender or receiver) for a link in a role (None: no push mode)."""
+    ``make_push``: builds the push end (sender or receiver) for a link in a role (None: no push mode);
+    ``arrivals``: the one its receivers tell (a consumer in push mode)."""
 
     def __init__(self, endpoint: PipeEndpoint, producer_buffer: SimpleBuffer | None, buffer_size: int,
-                 make_push: Callable[[MooncakePipe, str], PushEnd] | None = None) -> None:
+                 make_push: Callable[[MooncakePipe, str], PushEnd] | None = None,
+                 arrivals: PushArrivals | None = None) -> None:
         self.endpoint = endpoint
         self.producer_buffer = producer_buffer
         self.buffer_size = buffer_size
         self.make_push = make_push
+        self.arrivals = arrivals or PushArrivals()
         self._lock = threading.Lock()
         self._pull: dict[str, _Linked] = {}  # consumer: producer address -> its buffer
         self._push: dict[str, _Linked] = {}  # peer address -> its push end (producer: consumers; consumer: producers)
@@ -104,6 +108,13 @@ class PeerLinks:
         if old is not None:
             old.buffer.close()
         return buffer
+
+    def push_receivers(self) -> list[tuple[str, PushReceiver]]:
+        """Consumer: the push end of every producer linked to it now, with that producer's pipe address (the one it
+        named in the pipe's handshake, authenticated with a secret)."""
+        with self._lock:
+            return [(peer, linked.buffer) for peer, linked in self._push.items()
+                    if not linked.pipe.closed and isinstance(linked.buffer, PushReceiver)]
 
     def _new_push(self, pipe: MooncakePipe, role: str) -> tuple[PushEnd, _Linked | None]:
         """A push end for ``pipe`` in place of the peer's old one (under the lock); the caller closes the old one

@@ -2,6 +2,9 @@
 deadline, so the fetch of one overlaps the copy of another and a slow producer delays only its own requests. The
 engine loop collects finished ones every step. A load never raises into vLLM: whatever goes wrong is logged,
 counted, and reported as a failed load, which vLLM recomputes.
+
+A load awaiting a push (a decode sent together with its prefill) spends most of its time waiting for the producer's
+prefill: it runs in a pool of its own, so that such waits never hold the ``concurrency`` slots other loads need.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kv_lookup_buffer import BufferClosed
 from kv_pipe import PipeError
 
 logger = init_logger(f"vllm.{__name__}")
+AWAITING_LOADS = 64  # threads for loads awaiting a push: nearly all of their time is a wait on a condition
 
 
 @dataclass
@@ -41,13 +45,15 @@ class Loads:
         self.timeout = timeout
         self.stats = stats
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mooncake-kv-load")
+        self._awaiting = ThreadPoolExecutor(max_workers=AWAITING_LOADS, thread_name_prefix="mooncake-kv-await")
         self._running: dict[str, tuple[LoadRequest, Future[LoadResult | None]]] = {}
         self._lock = threading.Lock()
 
     def start(self, req: LoadRequest) -> None:
         deadline = time.monotonic() + self.timeout  # from the claim: time queued behind other loads counts too
         self.stats.gauge("loads_in_flight", 1)
-        self._running[req.req_id] = (req, self._pool.submit(self._run, req, deadline))
+        pool = self._awaiting if req.source.await_push else self._pool
+        self._running[req.req_id] = (req, pool.submit(self._run, req, deadline))
 
     def _run(self, req: LoadRequest, deadline: float) -> LoadResult | None:
         """One load, start to end; None if nothing was written. Never raises."""
@@ -119,3 +125,4 @@ class Loads:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._awaiting.shutdown(wait=False, cancel_futures=True)

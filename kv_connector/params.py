@@ -3,8 +3,21 @@
 The proxy sends the prefill with ``{"do_remote_decode": true}`` and ``"mooncake_push_to"``: the consumer's pipe
 address per TP rank if it takes pushed KV, else ``[]`` (a push-mode producer then keeps the KV for pull). The
 producer's ``request_finished`` answers with ``producer_params``: where the KV waits. The proxy puts those on the
-decode request; the consumer loads from exactly that producer. A request without them (a proxy that forwards none,
-or prefill and decode sent by hand) loads from the producer named by mooncake.json's ``prefill_url``.
+decode request; the consumer loads from exactly that producer.
+
+What a decode request's params ask of a consumer (``decode_params``):
+
+- ``{"do_remote_prefill": true, "remote_pipe": [...], ...}`` (a producer's answer): load from that producer.
+- ``{"do_remote_prefill": false}``: load nothing, compute the whole prompt here (as vLLM's protocol has it: only
+  ``true`` loads). A proxy sends this when it skips the remote prefill, e.g. because this instance already holds
+  most of the prompt in its prefix cache.
+- ``{"do_remote_prefill": true, "mooncake_await_push": true}`` (push mode; the decode is sent together with its
+  prefill, so no producer has answered yet): a producer will push this prompt's KV here; wait up to ``push_wait``
+  seconds for a push of it to begin on any of this consumer's push links (authenticated by the pipe's handshake,
+  so nothing in the params needs proving), and if that producer answers "pull", load from it. A pull-mode consumer
+  loads nothing for it.
+- No params, or none of the above (a proxy that forwards none, or prefill and decode sent by hand): load from the
+  producer named by mooncake.json's ``prefill_url``.
 
 Params reach us from the network through the proxy: every field is checked (``ParamsError`` says which and why) and
 a request with bad params is recomputed, never loaded from a guessed place. With a secret (mooncake.json's
@@ -14,14 +27,13 @@ size and request id) and a consumer loads only from params whose proof verifies;
 push address beside it on /metrics, which the proxy passes on (``mooncake_push_proof``) and a producer checks before
 it pushes. Proofs can be replayed, but only to name the same genuine instances.
 """
-
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
 from typing import Any
 
-from kv_connector.protocol import ENGINE, PIPE, PROOF, PUSH_PROOF, PUSH_TO, REQUEST, TP_SIZE
+from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_PREFILL, ENGINE, PIPE, PROOF, PUSH_PROOF, PUSH_TO, REQUEST, TP_SIZE
 from kv_pipe import ConfigError, auth
 from kv_pipe.config import join_host_port, parse_host_port
 
@@ -81,19 +93,39 @@ def _addresses(value: Any, field: str, tp_size: int | None) -> list[str]:
 
 
 @dataclass(frozen=True)
-class RemotePrefill:
-    """Consumer: a producer prefilled this request; its KV waits at ``pipes[rank]``."""
+class DecodeParams:
+    """Consumer: what a decode request's params ask for (see the module docstring)."""
 
-    pipes: list[str]
+    load: bool = True  # False: load nothing (``do_remote_prefill: false``)
+    pipes: list[str] | None = None  # the producer whose KV waits there, per its TP rank; None: mooncake.json's
+    await_push: bool = False  # wait for whichever producer pushes this prompt (``pipes`` is None)
 
 
-def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> RemotePrefill | None:
-    """The producer named by a decode request's params; None if they name none (load from the configured one). The
-    producer may run another TP size than this instance (each rank reads the KV heads it holds from the producer
-    ranks that hold them). With a secret the params must carry the producer's proof."""
+def _flag(params: dict[str, Any], field: str) -> bool | None:
+    """A true/false field (None: absent or null)."""
+    value = params.get(field)
+    if value is not None and not isinstance(value, bool):
+        raise ParamsError(f"{field}: expected true or false, got {value!r:.100}")
+    return value
+
+
+def decode_params(params: dict[str, Any] | None, secret: bytes = b"") -> DecodeParams:
+    """What a decode request's params ask of this consumer. A named producer may run another TP size than this
+    instance (each rank reads the KV heads it holds from the producer ranks that hold them). With a secret the params
+    naming a producer must carry its proof."""
     params = _checked(params)
-    if not params or not params.get("do_remote_prefill") or PIPE not in params:
-        return None
+    remote, await_push = _flag(params, DO_REMOTE_PREFILL), _flag(params, AWAIT_PUSH)
+    if await_push and not remote:
+        raise ParamsError(f"{AWAIT_PUSH}: true needs {DO_REMOTE_PREFILL}: true (got {remote!r})")
+    if remote is False:
+        return DecodeParams(load=False)
+    if await_push:
+        if PIPE in params:  # a producer's answer and a wait for a push: which one is meant cannot be told
+            raise ParamsError(f"{AWAIT_PUSH} and {PIPE} together: a decode either names the producer whose KV waits "
+                              "or awaits a push, not both")
+        return DecodeParams(await_push=True)
+    if not remote or PIPE not in params:  # no producer named (e.g. another connector's params)
+        return DecodeParams()
     remote_tp = params.get(TP_SIZE)
     if remote_tp is not None and (isinstance(remote_tp, bool) or not isinstance(remote_tp, int)):
         raise ParamsError(f"{TP_SIZE}: expected an integer, got {remote_tp!r:.100}")
@@ -105,7 +137,7 @@ def remote_prefill(params: dict[str, Any] | None, secret: bytes = b"") -> Remote
         raise ParamsError(f"{ENGINE} and {REQUEST} must be short strings")
     if secret:
         _check_proof(params, PROOF, _params_proof(secret, pipes, engine, request), f"the producer at {pipes[0]}")
-    return RemotePrefill(pipes)
+    return DecodeParams(pipes=pipes)
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int, secret: bytes = b"") -> list[str] | None:

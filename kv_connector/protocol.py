@@ -15,6 +15,9 @@ TP_SIZE = "remote_tp_size"
 REQUEST = "remote_request_id"
 PROOF = "mooncake_proof"  # decode: the producer's proof of its params (with a secret)
 
+# what the proxy puts on a decode it sends together with its prefill (push mode): no producer has answered yet
+AWAIT_PUSH = "mooncake_await_push"  # with do_remote_prefill true: wait for whichever producer pushes this prompt
+
 # what the proxy adds to a prefill, push mode: where the KV goes
 PUSH_TO = "mooncake_push_to"  # the consumer's pipe address per TP rank ([]: do not push)
 PUSH_PROOF = "mooncake_push_proof"  # the consumer's proof of its push address (with a secret)

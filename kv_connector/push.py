@@ -7,7 +7,11 @@ The producer cannot know the consumer's prefix cache when it prefills, so a push
 prompt; the load still writes exactly the blocks the consumer lacks.
 
 A load waits for a push only if it has begun (the consumer has its BEGIN): a request nobody pushes is a miss in
-milliseconds, never a ``push_wait``.
+milliseconds, never a ``push_wait``. Except a decode the proxy sent together with its prefill (``mooncake_await_push``
+in its params): its load waits up to ``push_wait`` seconds for any producer to begin pushing the prompt (woken by
+every arrival on any push link, not by polling), then for the commit until the load's deadline; if that producer
+says "pull", the load pulls from it (the peer of that push link); if nothing begins, or the push is dropped, the
+load fails and vLLM recomputes the prompt.
 
 XpYd: the producer pushes each request to the consumer its params name (``mooncake_push_to``, chosen by the proxy
 before the prefill), else to the consumer in mooncake.json; the consumer takes it from the push link of the producer
@@ -16,6 +20,7 @@ its decode params name (else the configured one).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -26,11 +31,14 @@ from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
+from kv_connector.source import push_link_source
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
-from kv_lookup_buffer.push_buffer import PushedEntry, PushSender, entry_key
+from kv_lookup_buffer.push_buffer import PushedEntry, PushReceiver, PushSender, entry_key
+from kv_lookup_buffer.push_receiver import DROPPED, PULL, STAGED
 
 logger = init_logger(f"vllm.{__name__}")
+_PREFERRED = {STAGED: 0, PULL: 1, DROPPED: 2}  # which link's news of a key an awaiting load acts on
 
 
 @dataclass
@@ -115,20 +123,72 @@ class PushTransfer(KVTransfer):
 
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
+        if req.source.await_push:
+            return self._load_awaited(req, deadline)
         start = time.perf_counter()
         peer = req.source.peer(self.rank)
         push = None if peer is None else self.links.push_buffer(peer)
-        entry = None if push is None else push.take(entry_key(req.token_ids),
-                                                    min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
+        key = entry_key(req.token_ids)
+        entry = None if push is None else push.take(key, min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
         if entry is None:  # never linked, announced, refused, aborted or sent by pull: ask the producer
+            if push is not None:
+                push.take_notice(key)  # acted on here: not for a later request of the same tokens
             return self.pull.load(req, deadline)
-        waited = time.perf_counter() - start
+        return self._copy(req, entry, start, f"waited {(time.perf_counter() - start) * 1e3:.1f} ms for the push to "
+                                             "be committed")
+
+    def _load_awaited(self, req: LoadRequest, deadline: float) -> LoadResult:
+        """A decode sent together with its prefill: wait up to ``push_wait`` s for any producer to begin pushing the
+        prompt (it may have begun, even committed, before this load started), then take the entry once committed
+        (by ``deadline``); if that producer serves it by pull, pull from it."""
+        start = time.perf_counter()
+        key = entry_key(req.token_ids)
+        begin_by = min(time.monotonic() + self.push_wait, deadline)
+        while True:
+            seen = self.links.arrivals.seq  # read before looking: whatever arrives meanwhile ends the wait at once
+            found = self._look(key)
+            if found is not None:
+                break
+            if time.monotonic() >= begin_by:
+                self.stats.count("await_push_timeouts")
+                raise TimeoutError(f"no producer began pushing its prompt within {self.push_wait:g} s (push_wait)")
+            self.links.arrivals.wait(seen, begin_by - time.monotonic())
+        peer, receiver, state = found
+        begun = time.perf_counter()
+        entry = receiver.take(key, max(deadline - time.monotonic(), 0.0)) if state == STAGED else None
+        if entry is not None:
+            result = self._copy(req, entry, start, f"waited {(begun - start) * 1e3:.1f} ms for a producer to begin "
+                                                   f"the push and {(time.perf_counter() - begun) * 1e3:.1f} ms for "
+                                                   "its commit")
+        elif receiver.take_notice(key) == PULL:  # no room, or the push failed: the producer saved it for pull
+            logger.info("MooncakeConnector: the producer at %s serves request %s by pull", peer, req.req_id)
+            result = self.pull.load(dataclasses.replace(req, source=push_link_source(peer, self.rank)), deadline)
+        elif receiver.look(key) == STAGED:
+            raise TimeoutError(f"the push of its prompt from {peer} was not committed by the load's deadline")
+        else:
+            raise ValueError(f"the push of its prompt from {peer} was refused, aborted, dropped or taken by another request")
+        self.stats.count("await_push_loads")
+        return result
+
+    def _look(self, key: bytes) -> tuple[str, PushReceiver, str] | None:
+        """The push link with news of ``key`` (its producer's address, its receiver, what it knows): a staged entry
+        before a pull notice before a drop."""
+        best = None
+        for peer, receiver in self.links.push_receivers():
+            state = receiver.look(key)
+            if state is not None and (best is None or _PREFERRED[state] < _PREFERRED[best[2]]):
+                best = (peer, receiver, state)
+        return best
+
+    def _copy(self, req: LoadRequest, entry: PushedEntry, start: float, waited: str) -> LoadResult:
+        """Write a taken entry into the cache: the result of a push load that began at ``start``."""
+        copy_start = time.perf_counter()
         written = self._write(req, entry)
         self.stats.count("push_loaded")
-        copied = time.perf_counter() - start - waited
+        copied = time.perf_counter() - copy_start
         return LoadResult(written, self.layout.kv_bytes(written), 0, "pushed",
-                          f"waited {waited * 1e3:.1f} ms for the push to be committed (not a transfer time: the KV "
-                          f"moved during the prefill), copied from the staging area in {copied * 1e3:.1f} ms")
+                          f"{waited} (not a transfer time: the KV moved during the prefill), copied from the staging "
+                          f"area in {copied * 1e3:.1f} ms")
 
     def _write(self, req: LoadRequest, entry: PushedEntry) -> int:
         """Copy the pushed pieces that fall in the request's blocks into the KV cache; all of them must be there."""

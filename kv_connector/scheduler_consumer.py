@@ -3,8 +3,9 @@ requests and block ids, never touches KV.
 
 A request claims its prompt, except the blocks this instance already holds in its own prefix cache and its last
 ``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly the blocks
-it lacks, from the producer ``source.load_source`` picks. A request gets one load attempt: a failed one is
-recomputed, not retried.
+it lacks, from the producer ``source.load_source`` picks (none: a request whose params say
+``do_remote_prefill: false`` claims nothing). A request gets one load attempt: a failed one is recomputed, not
+retried.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class ConsumerScheduler:
         except kv_params.ParamsError as e:
             logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): recomputing its prompt",
                          request.request_id, e)
+            self.claimed.add(request.request_id)
+            return 0, False
+        if source is None:  # its params ask for no load: computed here
             self.claimed.add(request.request_id)
             return 0, False
         self.claims[request.request_id] = (source, num_computed_tokens)

@@ -38,6 +38,10 @@ COUNTERS = {  # name -> help text
     "pushed": "Prompts whose KV the producer pushed to the consumer in full (push mode).",
     "loaded": "Loads that wrote the producer's KV into this instance's cache.",
     "push_loaded": "Loads served from KV the producer had pushed (push mode).",
+    "await_push_loads": "Loads of decodes sent together with their prefill (mooncake_await_push) that got the KV: "
+                        "pushed, or pulled from the producer that began the push (push mode).",
+    "await_push_timeouts": "Loads of decodes sent together with their prefill for which no producer began a push "
+                           "within push_wait (recomputed; also counted as load_failures).",
     "param_loads": "Loads from the producer the request's params named (verified against the secret if one is set); "
                    "the others load from mooncake.json's prefill_url.",
     "partial_loads": "Loads that got only some of the blocks they claimed (the rest is recomputed).",

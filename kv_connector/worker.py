@@ -21,7 +21,7 @@ from kv_connector.push import PushTransfer
 from kv_connector.stats import MooncakeConnectorStats, StatsRecorder
 from kv_connector.transfer import KVTransfer
 from kv_lookup_buffer import SimpleBuffer
-from kv_lookup_buffer.push_buffer import PushBuffer
+from kv_lookup_buffer.push_buffer import PushArrivals, PushBuffer
 from kv_pipe.endpoint import PipeEndpoint
 
 if TYPE_CHECKING:
@@ -98,11 +98,12 @@ class ConnectorWorker:
         buffer = SimpleBuffer(None, None, opts.buffer_size, role="producer", max_age=opts.entry_ttl, evict=True,
                               on_count=self.stats.counter(BUFFER_COUNTS)) if self.is_producer else None
         make_push = None
+        arrivals = PushArrivals()  # wakes loads awaiting a push on any producer's link
         if self.push_mode:
             push_counts = self.stats.counter(PUSH_COUNTS)
             make_push = lambda pipe, side: PushBuffer(pipe, side, capacity=opts.push_staging_size,  # noqa: E731
-                                                      ttl=opts.push_ttl, on_count=push_counts)
-        return PeerLinks(endpoint, buffer, opts.buffer_size, make_push)
+                                                      ttl=opts.push_ttl, on_count=push_counts, arrivals=arrivals)
+        return PeerLinks(endpoint, buffer, opts.buffer_size, make_push, arrivals)
 
     def _transfer(self, layout: KVCacheLayout, links: PeerLinks, split: HeadSplit, rank: int, peer: str
                   ) -> KVTransfer:

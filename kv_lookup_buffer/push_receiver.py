@@ -1,13 +1,19 @@
 """The consumer's end of a push channel: stages the entries a producer pushes (at most ``capacity`` bytes, announced
 by credits) until a load for the same tokens takes them; entries nobody takes within ``ttl`` seconds are dropped and
 counted. The messages are those of ``push_wire``; a bad one is logged, counted and skipped, and the entry it belonged
-to is dropped."""
+to is dropped.
+
+A load may also wait for a push nobody has begun yet (the decode sent together with its prefill): the receivers of
+one consumer share a ``PushArrivals`` that wakes such a load whenever something arrives on any of them, and each
+remembers for a while which entries its producer sent by pull or gave up (``look``), since that may come before the
+load asks."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +26,33 @@ from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5
+MAX_NOTICES = 4096  # keys whose push ended without an entry, remembered for a load that has not asked yet
+STAGED, PULL, DROPPED = "staged", "pull", "dropped"  # what ``look`` says about a key
+
+
+class PushArrivals:
+    """Wakes loads waiting for a push on any of a consumer's push links: each receiver calls ``notify`` when a
+    BEGIN, COMMIT, PULL or ABORT arrives or an entry is dropped. A waiter reads ``seq``, looks at the receivers, then
+    ``wait``s for a notice after that ``seq`` (so none that came while it looked is missed)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._seq = 0
+
+    @property
+    def seq(self) -> int:
+        with self._cv:
+            return self._seq
+
+    def notify(self) -> None:
+        with self._cv:
+            self._seq += 1
+            self._cv.notify_all()
+
+    def wait(self, seq: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a notice after the one ``seq`` was read at; True if one came."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._seq != seq, max(timeout, 0.0))
 
 
 @dataclass
@@ -39,12 +72,12 @@ class PushedEntry:
 
 class PushReceiver:
     """The consumer's end of a push channel over ``pipe`` (a pipe of its own): stages up to ``capacity`` bytes and
-    serves ``take``. ``on_count``: see ``Counts``."""
+    serves ``take``. ``on_count``: see ``Counts``; ``arrivals``: shared with the consumer's other receivers."""
 
     role = "consumer"
 
     def __init__(self, pipe: KVPipeBase, capacity: int = 1 << 30, ttl: float = 60.0,
-                 on_count: Callable[[str, int], None] | None = None) -> None:
+                 on_count: Callable[[str, int], None] | None = None, arrivals: PushArrivals | None = None) -> None:
         if capacity <= 0 or ttl <= 0:
             raise ValueError(f"capacity and ttl must be > 0, got {capacity} bytes and {ttl} s")
         self.pipe, self.capacity, self.ttl = pipe, capacity, ttl
@@ -52,6 +85,9 @@ class PushReceiver:
         self._closed = threading.Event()
         self.stats = push_stats(on_count)
         self._entries: dict[bytes, PushedEntry] = {}
+        self._arrivals = arrivals or PushArrivals()
+        # keys whose push ended without an entry to take: PULL (served by pull) or DROPPED, and when
+        self._notices: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         # keys whose staged entry is complete while the producer pushes the same prompt again (a repeated prompt):
         # the new push's messages are dropped and the staged copy kept
         self._repeats: set[bytes] = set()
@@ -104,6 +140,29 @@ class PushReceiver:
         """A push of ``key`` has begun (its BEGIN arrived) and the entry was not taken or dropped."""
         with self._cv:
             return key in self._entries
+
+    def look(self, key: bytes) -> str | None:
+        """What this link knows of ``key``: ``STAGED`` (a push of it began, not taken or dropped), ``PULL`` (its
+        producer serves it by pull), ``DROPPED`` (refused, aborted, broken or expired before anyone took it), or None
+        (nothing)."""
+        with self._cv:
+            if key in self._entries:
+                return STAGED
+            notice = self._notices.get(key)
+            return None if notice is None else notice[0]
+
+    def take_notice(self, key: bytes) -> str | None:
+        """``PULL`` or ``DROPPED`` if that is what this link last heard of ``key``, forgetting it (a load acts on it)."""
+        with self._cv:
+            notice = self._notices.pop(key, None)
+            return None if notice is None else notice[0]
+
+    def _notice(self, key: bytes, what: str) -> None:
+        """Remember how the push of ``key`` ended (under the lock)."""
+        self._notices.pop(key, None)
+        self._notices[key] = (what, time.monotonic())
+        while len(self._notices) > MAX_NOTICES:
+            self._notices.popitem(last=False)
 
     def has_producer(self) -> bool:
         """A producer has said HELLO on this channel (before that, ``take`` does not wait)."""
@@ -164,6 +223,7 @@ class PushReceiver:
             self._send_credit()
         elif isinstance(message, Begin):
             self._begin(message)
+            self._arrivals.notify()
             self._send_credit()
         elif isinstance(message, Data):
             self._data(message, self.pipe.recv_tensor())
@@ -177,13 +237,15 @@ class PushReceiver:
                 if entry is not None:
                     entry.committed, entry.meta, entry.num_tokens = True, meta, message.num_tokens
                     self._cv.notify_all()
+            self._arrivals.notify()
         elif isinstance(message, (Pull, Abort)):
             with self._cv:
                 self.stats.add("pulled" if isinstance(message, Pull) else "aborted")
                 if message.key in self._repeats:  # the repeat will not come: the staged copy stays
                     self._repeats.discard(message.key)
                 else:
-                    self._drop(message.key)
+                    self._drop(message.key, PULL if isinstance(message, Pull) else DROPPED)
+            self._arrivals.notify()
             self._send_credit()
         else:
             raise ValueError(f"unexpected {type(message).__name__.upper()} from the producer")
@@ -199,10 +261,13 @@ class PushReceiver:
                 self.stats.add("duplicates")
             elif staged is not None or begin.nbytes > self._free or begin.num_layers <= 0 or begin.num_blocks <= 0:
                 self.stats.add("rejected")
+                if staged is None:
+                    self._notice(key, DROPPED)
                 self._cv.notify_all()
                 logger.warning("push channel: refused an entry of %d bytes (%d of %d staging bytes free)",
                                begin.nbytes, self._free, self.capacity)
             else:
+                self._notices.pop(key, None)  # a new push of these tokens: what became of an older one is past
                 self._entries[key] = PushedEntry(begin.nbytes, begin.num_layers, begin.num_blocks)
                 self._free -= begin.nbytes
                 self.stats.add("staged")
@@ -218,18 +283,21 @@ class PushReceiver:
             if blocks is None or data.layer >= entry.num_layers or data.num_blocks <= 0 or \
                     data.first_block + data.num_blocks > entry.num_blocks or entry.received + nbytes > entry.nbytes or \
                     entry.committed:
-                self._drop(data.key)
+                self._drop(data.key, DROPPED)
+                self._arrivals.notify()
                 raise ValueError(f"DATA (layer {data.layer}, blocks {data.first_block}+{data.num_blocks}, {nbytes} "
                                  f"bytes) does not fit its entry ({entry.num_layers} layers, {entry.num_blocks} "
                                  f"blocks, {entry.received} of {entry.nbytes} bytes received): entry dropped")
             entry.pieces.append((data.layer, data.first_block, blocks))
             entry.received += nbytes
 
-    def _drop(self, key: bytes) -> None:
-        """Forget a staged entry (under the lock) and wake a waiting ``take``."""
+    def _drop(self, key: bytes, notice: str | None = None) -> None:
+        """Forget a staged entry (under the lock) and wake a waiting ``take``; ``notice``: remember that (``look``)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._free += entry.nbytes
+        if notice is not None:
+            self._notice(key, notice)
         self._cv.notify_all()
 
     def _expire(self) -> None:
@@ -239,6 +307,8 @@ class PushReceiver:
             for key in old:
                 self._drop(key)
                 self.stats.add("expired")
+            while self._notices and now - next(iter(self._notices.values()))[1] > self.ttl:
+                self._notices.popitem(last=False)
         if old:
             logger.warning("push channel: dropped %d staged entr%s nobody took within %.0f s", len(old),
                            "y" if len(old) == 1 else "ies", self.ttl)

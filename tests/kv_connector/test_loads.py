@@ -154,3 +154,28 @@ def test_collect_waits_for_a_load_only_when_asked():
         assert finish(loads, 1)[0] == {"a"}
     finally:
         loads.close()
+
+
+def test_loads_awaiting_a_push_hold_no_slot_of_the_others():
+    """Decodes sent with their prefills wait for the producer: meanwhile a plain load still runs at once."""
+    release = threading.Event()
+    awaited = LoadSource([], from_params=False, same_tp=True, await_push=True)
+
+    def outcome(req, deadline):
+        if req.source.await_push:
+            release.wait(5)
+        return result(3)
+
+    stats = StatsRecorder()
+    loads = Loads(outcome, 1, 10.0, stats)
+    try:
+        for i in range(3):
+            loads.start(load_request(f"await-{i}", source=awaited))
+        loads.start(load_request("plain"))
+        done, _, _ = finish(loads, 1)
+        assert done == {"plain"}
+        release.set()
+        done, failed, _ = finish(loads, 3)
+        assert done == {"await-0", "await-1", "await-2"} and not failed
+    finally:
+        loads.close()

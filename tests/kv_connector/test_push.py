@@ -4,6 +4,7 @@ blocks it lacks from a pushed entry, and takes it from the producer its load sou
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,7 +16,10 @@ from kv_connector.push import PushTransfer
 from kv_connector.source import LoadSource
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import LoadResult
-from kv_lookup_buffer.push_buffer import PushedEntry
+from kv_lookup_buffer import push_receiver, push_sender
+from kv_lookup_buffer import push_wire as pw
+from kv_lookup_buffer.push_buffer import PushArrivals, PushedEntry, PushReceiver, PushSender, entry_key
+from kv_pipe.local_pipe import LocalPipe, local_pipe_pair
 
 BLOCK, LAYERS, WIDTH, NUM_BLOCKS = 4, 2, 3, 16
 PEER, PREFILL = "10.0.0.2:13103", "10.0.0.1:13003"
@@ -47,6 +51,9 @@ class FakePush:
 
     def take(self, key, timeout):
         return self.entry
+
+    def take_notice(self, key):
+        self.notices_taken = getattr(self, "notices_taken", 0) + 1
 
 
 class FakeLinks:
@@ -196,3 +203,189 @@ def test_a_producer_of_another_tp_size_or_no_push_means_pull():
     assert t.load(same, time.monotonic() + 1).source == "pulled"  # nothing was pushed
     assert links.asked == ["10.0.0.7:1"] and pull.loaded == ["r", "s"]
 
+
+
+# ---------------------------------------------------------------- a decode sent together with its prefill
+# Real receivers over in-process pipes stand in for the consumer's push links (two producers linked); the wait is
+# woken by their shared PushArrivals.
+PEER_B = "10.0.0.3:13003"
+AWAIT = LoadSource([], from_params=False, same_tp=True, await_push=True)
+
+
+class AwaitLinks:
+    """A consumer's push links: one receiver per linked producer, sharing one PushArrivals."""
+
+    def __init__(self, peers: list[str]) -> None:
+        self.arrivals = PushArrivals()
+        self.ends: dict[str, tuple[PushSender, PushReceiver, LocalPipe]] = {}
+        for peer in peers:
+            a, b = local_pipe_pair(timeout=5.0)
+            self.ends[peer] = (PushSender(a), PushReceiver(b, capacity=1 << 20, ttl=30, arrivals=self.arrivals), a)
+
+    def push_receivers(self):
+        return [(peer, receiver) for peer, (_, receiver, _) in self.ends.items()]
+
+    def push_buffer(self, peer):
+        raise AssertionError("an awaited push is looked for on every link, not on a named one")
+
+    def close(self) -> None:
+        for sender, receiver, _ in self.ends.values():
+            sender.close()
+            receiver.close()
+
+
+@pytest.fixture(autouse=True)
+def quick_poll(monkeypatch):
+    monkeypatch.setattr(push_sender, "_POLL", 0.02)
+    monkeypatch.setattr(push_receiver, "_POLL", 0.02)
+
+
+@pytest.fixture
+def awaiting():
+    """``make(push_wait, rank)``: a consumer's PushTransfer over ``AwaitLinks`` to producers PREFILL and PEER_B."""
+    made: list[AwaitLinks] = []
+
+    def make(push_wait: float = 5.0, rank: int = 0):
+        links = AwaitLinks([PREFILL, PEER_B])
+        made.append(links)
+        t, _, pull = transfer(rank=rank)
+        t.links, t.push_wait = links, push_wait
+        return t, links, pull
+
+    yield make
+    for links in made:
+        links.close()
+
+
+def until(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def push_prompt(t: PushTransfer, sender: PushSender, tokens: list[int], nblocks: int, commit: bool = True) -> None:
+    """What a producer's push of ``tokens`` sends: BEGIN (once its credit came), every layer's blocks, COMMIT."""
+    key = entry_key(tokens)
+    assert until(lambda: sender.begin(key, t.layout.kv_bytes(nblocks), LAYERS, nblocks))
+    if commit:
+        commit_prompt(t, sender, tokens, nblocks)
+
+
+def commit_prompt(t: PushTransfer, sender: PushSender, tokens: list[int], nblocks: int) -> None:
+    key = entry_key(tokens)
+    for layer in range(LAYERS):
+        rows = -(torch.arange(nblocks) * 10 + layer * 1000).float() - 1
+        sender.push(key, layer, 0, rows.view(-1, 1, 1, 1).expand(nblocks, 1, BLOCK, WIDTH).clone(), nblocks)
+    sender.commit(key, len(tokens), t.layout.descriptor_tensor())
+
+
+def awaited(req_id: str = "r", tokens: int = 15, first: int = 0) -> LoadRequest:
+    nblocks = -(-tokens // BLOCK)
+    return LoadRequest(req_id, list(range(tokens)), first, [9, 3, 12, 7][first:nblocks], tokens - 1 - first * BLOCK,
+                       AWAIT)
+
+
+def assert_written(t: PushTransfer, req: LoadRequest) -> None:
+    for layer, cache in enumerate(t.layout.layers):
+        for i, block in enumerate(req.block_ids):
+            assert torch.all(cache[block] == -((req.first_block + i) * 10 + layer * 1000) - 1)
+
+
+def test_an_entry_pushed_and_committed_before_the_load_starts_is_taken_at_once(awaiting):
+    t, links, pull = awaiting()
+    sender, receiver, _ = links.ends[PEER_B]
+    push_prompt(t, sender, list(range(15)), 4)
+    key = entry_key(list(range(15)))
+    assert until(lambda: receiver.look(key) == "staged" and receiver._entries[key].committed)
+    start = time.monotonic()
+    req = awaited(first=1)
+    result = t.load(req, time.monotonic() + 5)
+    assert time.monotonic() - start < 0.5 and (result.written, result.source) == (3, "pushed") and pull.loaded == []
+    assert_written(t, req)
+    stats = t.stats.take().data
+    assert stats["await_push_loads"] == 1 and stats["push_loaded"] == 1 and stats["await_push_timeouts"] == 0
+
+
+@pytest.mark.parametrize("begun_before", [False, True])
+def test_a_push_that_begins_or_commits_after_the_load_started_is_awaited(awaiting, begun_before):
+    t, links, pull = awaiting(push_wait=5.0)
+    sender = links.ends[PREFILL][0]
+    tokens = list(range(15))
+    if begun_before:
+        push_prompt(t, sender, tokens, 4, commit=False)
+
+    def producer() -> None:
+        time.sleep(0.3)
+        if begun_before:
+            commit_prompt(t, sender, tokens, 4)
+        else:
+            push_prompt(t, sender, tokens, 4)
+
+    thread = threading.Thread(target=producer)
+    start = time.monotonic()
+    thread.start()
+    result = t.load(awaited(), time.monotonic() + 5)
+    thread.join()
+    assert 0.25 < time.monotonic() - start < 2.0  # woken by the arrival: neither at once nor after push_wait
+    assert result.source == "pushed" and result.written == 4 and pull.loaded == []
+    assert_written(t, awaited())
+
+
+@pytest.mark.parametrize("rank, notice_first, begun", [(0, False, False), (0, True, False), (1, False, False),
+                                                       (0, False, True)])
+def test_a_pull_notice_loads_from_that_links_producer_at_this_rank(awaiting, rank, notice_first, begun):
+    t, links, pull = awaiting(rank=rank)
+    sender = links.ends[PEER_B][0]
+    key = entry_key(list(range(15)))
+    asked = []
+    pull.load = lambda req, deadline: asked.append(req.source) or LoadResult(len(req.block_ids), 7, 7, "pulled", "")
+    if begun:  # the push began, then failed: the load, waiting for its commit, hears "pull"
+        push_prompt(t, sender, list(range(15)), 4, commit=False)
+    if notice_first:  # no room: the producer saved it for pull before this load started
+        sender.notify_pull(key)
+        assert until(lambda: links.ends[PEER_B][1].look(key) == "pull")
+    else:
+        threading.Timer(0.2, sender.notify_pull, (key,)).start()
+    result = t.load(awaited(), time.monotonic() + 5)
+    assert result.source == "pulled" and len(asked) == 1
+    assert asked[0].peer(rank) == PEER_B and not asked[0].await_push  # the link's peer, nobody's params
+    assert links.ends[PEER_B][1].look(key) is None  # the notice was used
+    assert t.stats.take().data["await_push_loads"] == 1
+
+
+def test_nothing_pushed_within_push_wait_fails_the_load(awaiting):
+    t, links, pull = awaiting(push_wait=0.3)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no producer began pushing"):
+        t.load(awaited(), time.monotonic() + 5)
+    assert 0.29 < time.monotonic() - start < 1.0 and pull.loaded == []
+    assert t.stats.take().data["await_push_timeouts"] == 1
+    with pytest.raises(TimeoutError):  # the load's own deadline comes first
+        t.load(awaited("s"), time.monotonic() + 0.1)
+    assert time.monotonic() - start < 1.5
+
+
+def test_a_begun_push_not_committed_by_the_deadline_fails_the_load(awaiting):
+    t, links, _ = awaiting(push_wait=5.0)
+    push_prompt(t, links.ends[PREFILL][0], list(range(15)), 4, commit=False)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="not committed by the load's deadline"):
+        t.load(awaited(), time.monotonic() + 0.4)
+    assert time.monotonic() - start < 1.0
+
+
+def test_an_aborted_push_fails_the_load_at_once(awaiting):
+    t, links, pull = awaiting(push_wait=5.0)
+    _, receiver, raw = links.ends[PEER_B]
+    key = entry_key(list(range(15)))
+    raw.send_tensor(pw.encode(pw.Hello(7)))  # a producer speaking on the raw pipe
+    raw.send_tensor(pw.encode(pw.Begin(key, t.layout.kv_bytes(4), LAYERS, 4)))
+    threading.Timer(0.2, raw.send_tensor, (pw.encode(pw.Abort(key)),)).start()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="refused, aborted, dropped"):
+        t.load(awaited(), time.monotonic() + 5)
+    assert time.monotonic() - start < 1.0 and pull.loaded == []
+    assert receiver.look(key) is None  # acted on: a later push of the same tokens starts afresh

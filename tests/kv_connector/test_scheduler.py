@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kv_connector import params as kv_params
+from kv_connector import source
 from kv_connector.metadata import CORRUPT_PARAM
 from kv_connector.scheduler_consumer import ConsumerScheduler
 from kv_connector.scheduler_producer import ProducerScheduler
@@ -69,7 +70,43 @@ def test_a_load_reads_from_the_producer_the_verified_params_name():
     assert load.source.peer(0) is None  # another TP size: no rank-to-rank push link to take it from
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_do_remote_prefill_false_claims_nothing(mode):
+    """The proxy skipped the remote prefill (this instance holds most of the prompt): computed here, no load."""
+    sched = ConsumerScheduler(config(mode=mode), BLOCK)
+    req = request("r", 40, {"do_remote_prefill": False, "remote_pipe": ["10.0.0.9:1"]})
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.num_new_matched_tokens(req, 16) == (0, False)
+    sched.after_alloc(req, kv_blocks([1, 2, 3]), 0)
+    assert sched.build_meta(step()).loads == []
+    sched.finished(req)
+    assert not sched.claims and not sched.claimed
+
+
+def test_an_awaited_push_is_claimed_like_any_load_in_push_mode():
+    sched = ConsumerScheduler(config(mode="push", secret=SECRET), BLOCK)  # nothing to prove: no producer named
+    req = request("r", 40, {"do_remote_prefill": True, "mooncake_await_push": True})
+    assert claim(sched, req, 16, [1, 2, 3]) == (23, True)
+    (load,) = sched.build_meta(step()).loads
+    assert load.source.await_push and (load.first_block, load.block_ids, load.num_tokens) == (1, [2, 3], 23)
+
+
+def test_an_awaited_push_in_pull_mode_is_computed_here_and_said_once(monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(source, "_told_await_push_in_pull_mode", False)
+    monkeypatch.setattr(source.logger, "info", lambda message, *args: said.append(message % args))
+    sched = ConsumerScheduler(config(mode="pull"), BLOCK)
+    for req_id in ("r", "s"):
+        req = request(req_id, 40, {"do_remote_prefill": True, "mooncake_await_push": True})
+        assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.build_meta(step()).loads == []
+    assert len(said) == 1 and "pull mode" in said[0]
+
+
 @pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True, "mooncake_await_push": "yes"},
+    {"do_remote_prefill": True, "mooncake_await_push": True, "remote_pipe": ["10.0.0.9:1"]},
+    {"do_remote_prefill": "true", "remote_pipe": ["10.0.0.9:1"]},
     {"do_remote_prefill": True, "remote_pipe": "10.0.0.9:1"},
     {"do_remote_prefill": True, "remote_pipe": ["10.0.0.9:1"] * 5000},
     {"do_remote_prefill": True, "remote_pipe": [7]},
@@ -165,7 +202,7 @@ def test_a_finished_request_that_asked_for_remote_decode_says_where_its_kv_waits
     sched.build_meta(step(new={"r": (0, 40), "s": (0, 40)}, block_ids={"r": [1, 2, 3], "s": [4, 5, 6]}))
     answer = sched.finished(wants)
     assert answer == kv_params.producer_params([PREFILL, "10.0.0.1:13004"], "engine-1", "r", SECRET.encode())
-    assert kv_params.remote_prefill(answer, SECRET.encode()).pipes == [PREFILL, "10.0.0.1:13004"]
+    assert kv_params.decode_params(answer, SECRET.encode()).pipes == [PREFILL, "10.0.0.1:13004"]
     assert sched.finished(plain) is None
     assert sched.finished(wants) is None  # forgotten
 

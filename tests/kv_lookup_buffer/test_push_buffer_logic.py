@@ -318,3 +318,55 @@ def test_a_dead_receiving_thread_releases_what_it_staged(ends, monkeypatch):
     assert receiver.staged_bytes() == NBYTES and receiver.has_begun(KEY)
     assert not receiver.healthy
     assert receiver.staged_bytes() == 0 and receiver.take(KEY, timeout=5) is None
+
+
+# ----------------------------------------------------------------------------- a load awaiting a push (concurrent dispatch)
+def test_look_says_how_a_push_went_and_arrivals_wake_a_waiter(ends):
+    arrivals = push_receiver.PushArrivals()
+    sender, receiver = ends(capacity=1 << 20, arrivals=arrivals)
+    assert receiver.look(KEY) is None
+    seen = arrivals.seq
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
+    assert arrivals.wait(seen, 5.0) and wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
+    seen = arrivals.seq
+    sender.notify_pull(KEY)  # e.g. the push failed: served by pull
+    assert arrivals.wait(seen, 5.0) and wait_for(lambda: receiver.look(KEY) == push_receiver.PULL)
+    assert receiver.take_notice(KEY) == push_receiver.PULL and receiver.look(KEY) is None  # used once
+    start = time.monotonic()
+    assert not arrivals.wait(arrivals.seq, 0.1) and time.monotonic() - start >= 0.09  # nothing new: waits it out
+
+
+def test_a_notice_that_came_before_the_load_is_remembered_until_used_or_a_new_push(ends):
+    sender, receiver = ends(capacity=1 << 20)
+    other = entry_key([4, 5])
+    sender.notify_pull(other)  # no room: the producer saved it for pull before any load asked
+    sender.notify_pull(KEY)
+    assert wait_for(lambda: receiver.look(other) == push_receiver.PULL and receiver.look(KEY) == push_receiver.PULL)
+    assert receiver.take(other, timeout=0) is None and receiver.take_notice(other) == push_receiver.PULL
+    assert receiver.look(other) is None  # used once
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))  # the same tokens pushed again
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
+    push_all(sender)
+    assert take_once_begun(receiver) is not None and receiver.look(KEY) is None
+
+
+def test_a_refused_or_aborted_push_is_remembered_as_dropped(ends):
+    pipe, receiver = ends(raw=True, capacity=1 << 20)
+    pipe.send_tensor(pw.encode(pw.Hello(5)))
+    big = entry_key([6])
+    pipe.send_tensor(pw.encode(pw.Begin(big, 2 << 20, LAYERS, BLOCKS)))  # more than the room: refused
+    pipe.send_tensor(pw.encode(pw.Begin(KEY, NBYTES, LAYERS, BLOCKS)))
+    pipe.send_tensor(pw.encode(pw.Abort(KEY)))
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.DROPPED)
+    assert receiver.look(big) == push_receiver.DROPPED and receiver.take_notice(big) == push_receiver.DROPPED
+
+
+def test_notices_are_bounded_in_number_and_time(ends, monkeypatch):
+    monkeypatch.setattr(push_receiver, "MAX_NOTICES", 3)
+    sender, receiver = ends(capacity=1 << 20, ttl=0.3)
+    keys = [entry_key([i]) for i in range(5)]
+    for key in keys:
+        sender.notify_pull(key)
+    assert wait_for(lambda: receiver.stats["pulled"] == 5)
+    assert [receiver.look(k) for k in keys] == [None, None, "pull", "pull", "pull"]  # the oldest forgotten
+    assert wait_for(lambda: all(receiver.look(k) is None for k in keys))  # and all after ttl
