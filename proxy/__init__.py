@@ -13,14 +13,20 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
    must know where the KV goes before it prefills.
 3. Skip rule (``--skip-prefill-below N``, 0 = off, the default): if the part of the prompt the chosen decode
    instance does not hold is estimated below N tokens, there is no remote prefill: the request goes straight to
-   the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (vLLM's
-   connectors then load nothing; this project's connector still looks the prompt up at its configured producer, a
-   miss in milliseconds, until it honours an explicit false). Logged at INFO with the numbers; counted.
+   the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (the
+   connectors, this project's and vLLM's, then load nothing). Logged at INFO with the numbers; counted.
    N must be chosen by measurement (the prefill that is no longer disaggregated delays the decode instance's
    other requests); until then the default is off.
 4. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
    false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
    same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.
+   Concurrent dispatch (``--dispatch concurrent``, the default): when the decode instance takes pushed KV (the
+   prefill names it in ``mooncake_push_to``) the prefill is not awaited: it runs in the background and the decode
+   goes out at once with ``{"do_remote_prefill": true, "mooncake_await_push": true}``, so the decode instance's
+   HTTP, tokenization and scheduling overlap the prefill; it waits for the push (up to its ``push_wait``). A failed
+   background prefill is logged and counted (``mooncake_proxy_background_prefill_failed_total``), never the
+   client's: the decode instance computes the prompt itself. ``mooncake_proxy_dispatched_total{mode}`` counts both
+   ways. ``--dispatch sequential`` always awaits the prefill.
 5. Decode: the original request, with the protocol's ``kv_transfer_params`` in place of any of its own, goes to the chosen
    decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is.
 

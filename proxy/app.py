@@ -56,6 +56,13 @@ class Proxy:
         self.router = Router(config, self.prefill_balancer, self.decode_balancer, self.discovery, self.metrics)
         self._dropped = Counter("mooncake_proxy_client_kv_params_dropped", "Requests whose client-supplied "
                                 "kv_transfer_params the proxy dropped (only the proxy sets them).", registry=self.metrics)
+        self._dispatched = Counter("mooncake_proxy_dispatched", "Requests with a remote prefill, by when their decode "
+                                   "went out: with the prefill (concurrent, push mode) or after its answer "
+                                   "(sequential).", ["mode"], registry=self.metrics)
+        self._background_failed = Counter("mooncake_proxy_background_prefill_failed", "Prefills sent beside their "
+                                          "decode (concurrent dispatch) that failed; the decode instance computed "
+                                          "the prompt itself.", registry=self.metrics)
+        self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
         connect = config.connect_timeout
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
@@ -81,10 +88,18 @@ class Proxy:
                  self.config.skip_prefill_below, "; admin endpoints on" if self.config.admin_token else "")
 
     async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.router.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def settle(self) -> None:
+        """Wait for the prefills running beside their decode (tests, shutdown)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     def outstanding(self) -> dict[str, int]:
         return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
@@ -214,11 +229,21 @@ class Proxy:
 
     async def remote_prefill(self, path: str, payload: dict[str, Any], chat: bool, headers: dict[str, str],
                              decode: Upstream, hint: Fingerprint | None) -> dict[str, Any] | None:
-        """The prefill copy run on a prefill instance, before the decode; the decode's kv_transfer_params."""
+        """The prefill copy run on a prefill instance; the decode's kv_transfer_params. Before the decode, unless the
+        decode instance takes pushed KV (``--dispatch concurrent``): then the prefill runs in the background and the
+        decode goes out at once, waiting for the push."""
         transfer = self.protocol.new_transfer()
         prefill_params = await self.protocol.prefill_params(transfer, decode)
         body = json.dumps(prefill_payload(payload, chat, prefill_params)).encode()
+        awaited = self.protocol.awaited_push(prefill_params) if self.config.dispatch == "concurrent" else None
         chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER]).upstream
+        if awaited is not None:
+            self._dispatched.labels(mode="concurrent").inc()
+            task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, hint))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return awaited
+        self._dispatched.labels(mode="sequential").inc()
         try:  # what the decode will need to know about the prefill instance, asked before it prefills
             await self.protocol.prepare(chosen)
         except BaseException:
@@ -226,6 +251,23 @@ class Proxy:
             raise
         prefill, answer = await self.prefill(path, body, headers, chosen, hint)
         return await self.protocol.decode_params(transfer, prefill, answer)
+
+    async def background_prefill(self, path: str, body: bytes, headers: dict[str, str], chosen: Upstream,
+                                 hint: Fingerprint | None) -> None:
+        """A prefill whose decode is already on its way: its failure is logged and counted, never the client's (the
+        decode instance stops waiting for the push after its ``push_wait`` and computes the prompt itself)."""
+        try:
+            await self.prefill(path, body, headers, chosen, hint)
+        except asyncio.CancelledError:
+            raise
+        except (ProxyError, RelayedError) as error:
+            self._background_failed.inc()
+            detail = error.detail if isinstance(error, ProxyError) else f"status {error.status}"
+            log.warning("[%s] the prefill sent beside its decode failed (%s: %s); the decode instance computes the "
+                        "prompt itself", headers[REQUEST_ID_HEADER], error, detail)
+        except Exception:
+            self._background_failed.inc()
+            log.exception("[%s] the prefill sent beside its decode failed", headers[REQUEST_ID_HEADER])
 
     async def models(self, headers: dict[str, str]) -> Response:
         upstream, response = await self.send(self.decode_balancer, "GET", "/v1/models", None, headers,

@@ -14,6 +14,7 @@ import proxy
 PREFILL = "prefill"  # the roles, as the command line and the clients' errors name them
 DECODE = "decode"
 PROTOCOLS = ("params", "bootstrap")
+DISPATCH_MODES = ("concurrent", "sequential")
 DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 ADMIN_TOKEN_ENV = "MOONCAKE_PROXY_ADMIN_TOKEN"  # the admin token, if --admin-token is not given
 MIN_ADMIN_TOKEN = 16  # characters
@@ -75,6 +76,7 @@ class ProxyConfig:
     skip_prefill_below: int = DEFAULT_SKIP_PREFILL_BELOW  # estimated uncached tokens below which no remote prefill
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
+    dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
 
     def __post_init__(self) -> None:
         for role in (PREFILL, DECODE):
@@ -96,6 +98,8 @@ class ProxyConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ConfigError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.bootstrap and self.protocol != "bootstrap":
             raise ConfigError("--bootstrap is used only with --protocol bootstrap (vLLM's built-in MooncakeConnector)")
         if self.bootstrap and len(self.bootstrap) != len(self.prefill):
@@ -160,6 +164,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--admin-token", default=None, metavar="TOKEN",
                         help=f"enables /admin/instances, guarded by this bearer token (or set {ADMIN_TOKEN_ENV}, "
                              "which other users cannot read from the process list)")
+    parser.add_argument("--dispatch", choices=DISPATCH_MODES, default="concurrent",
+                        help="for a decode instance that takes pushed KV: send the decode request together with the "
+                             "prefill (concurrent; default), or after the prefill answered (sequential). Pull-mode "
+                             "instances always get it after the prefill (they need its answer)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,6 +180,6 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, prefix_index_entries=args.prefix_index_entries,
                            admin_token=args.admin_token if args.admin_token is not None
-                           else os.environ.get(ADMIN_TOKEN_ENV, ""))
+                           else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch)
     except ConfigError as error:
         parser.error(str(error))

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
+from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
 from proxy.balancer import Upstream
 from proxy.config import PREFILL
 from proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
@@ -67,8 +67,9 @@ def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
     return answer_params(json_answer(body))
 
 
-NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped (see the package
-# docstring: our connector still looks for the prompt at its configured producer; vLLM's connectors load nothing)
+NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped: it loads nothing
+AWAITED_PUSH = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}  # a decode sent with its prefill
+# to a push-mode consumer: it waits for whichever producer pushes the prompt (no producer's answer needed)
 
 
 def push_address(metrics: str) -> list[str] | None:
@@ -117,6 +118,10 @@ class ParamsProtocol:
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:
         return answer
 
+    def awaited_push(self, prefill_params: dict[str, Any]) -> dict[str, Any] | None:
+        """The decode's params when it can go out with the prefill: its instance takes pushed KV (the prefill names
+        it as the push target), so it needs nothing from the prefill's answer. None: it waits for that answer."""
+        return dict(AWAITED_PUSH) if prefill_params.get(PUSH_TO) else None
 
 
 class BootstrapProtocol:
@@ -136,6 +141,10 @@ class BootstrapProtocol:
 
     async def prefill_params(self, transfer: str, decode: Upstream) -> dict[str, Any]:
         return {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, "transfer_id": transfer}
+
+    def awaited_push(self, prefill_params: dict[str, Any]) -> dict[str, Any] | None:
+        """Never: the decode names the engine the prefill ran on."""
+        return None
 
     async def decode_params(self, transfer: str, prefill: Upstream,
                             answer: dict[str, Any] | None) -> dict[str, Any] | None:

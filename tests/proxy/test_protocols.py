@@ -47,6 +47,7 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         env.decode[2].metrics_text = None
         for _ in range(6):
             assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        await env.proxy.proxy.settle()  # the push-mode decode went out with its prefill: wait for that prefill
         assert all(r.body["kv_transfer_params"]["do_remote_decode"] is True for r in env.prefill[0].received)
         sent = [r.body["kv_transfer_params"].get(PUSH_TO) for r in env.prefill[0].received]
         assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], [], []] * 2
@@ -66,6 +67,7 @@ def test_a_push_address_goes_with_its_proof() -> None:
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100").replace(
             'transfer_mode="push"', 'push_proof="ab12",transfer_mode="push"')
         assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+        await env.proxy.proxy.settle()
         params = env.prefill[0].received[0].body["kv_transfer_params"]
         assert params[PUSH_TO] == ["10.0.0.5:17100"] and params[PUSH_PROOF] == "ab12"
 

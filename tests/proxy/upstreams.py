@@ -298,6 +298,7 @@ async def assert_idle(env: Environment) -> None:
     """No request outstanding in the proxy and no connection checked out of its pool (once the proxy's background
     reads of the instances' /metrics ended)."""
     await env.proxy.proxy.router.settle()
+    await env.proxy.proxy.settle()
     assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
     connector = env.proxy.proxy.session.connector
     assert connector is not None and not getattr(connector, "_acquired", set())
