@@ -7,7 +7,10 @@ core 0, a consumer on core 1, ``proxy_server.py`` in front). For each of ``--req
 
 - colocated: TTFT from the plain instance;
 - ours / push:
-  1. *through the proxy*: TTFT of the request sent to ``proxy_server.py``, as a client sees it;
+  1. *through the proxy*: TTFT of the request sent to ``proxy_server.py``, as a client sees it; push: the proxy
+     sends the decode request together with the prefill (``--dispatch concurrent``, its default), and, on another
+     fresh prompt, after the prefill answered (``--dispatch sequential``, a second proxy in front of the same
+     instances; row 1b);
   2. *prefill*: a fresh prompt's prefill request sent to the producer by hand (``max_tokens`` 1,
      ``do_remote_decode``; push: ``mooncake_push_to`` the consumer's pipes, as the proxy would), to its answer;
   3. *decode TTFT*: then that prompt's streamed request to the consumer with the prefill's ``kv_transfer_params``;
@@ -55,6 +58,7 @@ from proxy.protocols import push_address  # noqa: E402
 MODES = ("colocated", "ours", "push")
 LABELS = {"colocated": "colocated", "ours": "ours pull", "push": "ours push"}
 PHASES = (("ttft", "TTFT (colocated: the instance; else through the proxy)"),
+          ("ttft_sequential", "1b. TTFT through the proxy, sequential dispatch (push)"),
           ("prefill", "2. prefill request to the producer, to its answer"),
           ("decode_ttft", "3. decode request's TTFT on the consumer"),
           ("hand_sum", "2 + 3"),
@@ -70,6 +74,8 @@ def run_stack(mode: str, model: Path, work: Path, dtype: str, prompts: list[list
     stacks = Stacks(model, work, (mode,), serve_args_for(dtype))
     print(f"{mode}: starting ...", flush=True)
     stacks.start()
+    sequential = stacks.start_extra_proxy(stacks.proxy_args(mode, "--dispatch", "sequential")) if mode == "push" \
+        else None
     out: dict[str, list[float]] = {}
 
     def add(key: str, ms: float, i: int) -> None:
@@ -87,7 +93,11 @@ def run_stack(mode: str, model: Path, work: Path, dtype: str, prompts: list[list
                 continue
             producer, consumer = stacks.servers[f"{mode}-producer"], stacks.servers[f"{mode}-consumer"]
             tail = LogTail(consumer.log)
-            add("ttft", stream(stacks.proxy_url, "/v1/completions", stacks.body(p, 4))[0] * 1e3, i)
+            through = [("ttft", stacks.proxy_url, p)]
+            if sequential is not None:  # both dispatches on fresh prompts, in turn first
+                through.insert(i % 2, ("ttft_sequential", sequential, variant(p, 19)))
+            for key, url, prompt in through:
+                add(key, stream(url, "/v1/completions", stacks.body(prompt, 4))[0] * 1e3, i)
             tail.new()
             q = variant(p, 7)
             params: dict[str, Any] = {"do_remote_decode": True}
@@ -134,13 +144,14 @@ def markdown(results: dict[str, dict[str, list[float]]], args: argparse.Namespac
         for m in modes:
             value = med[m].get(key)
             ratio = f" (x{value / base:.2f})" if value is not None and base and key in (
-                "ttft", "hand_sum", "producer_alone") else ""
+                "ttft", "ttft_sequential", "hand_sum", "producer_alone") else ""
             cells.append("-" if value is None else f"{value:.1f}{ratio}")
         if any(c != "-" for c in cells):
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if base and "push" in med:
         p = med["push"]
-        lines += ["", f"Push TTFT through the proxy x{p['ttft'] / base:.2f} colocated (issue #17's target: <= 1.05). "
+        lines += ["", f"Push TTFT through the proxy x{p['ttft'] / base:.2f} colocated with concurrent dispatch, "
+                  f"x{p['ttft_sequential'] / base:.2f} with sequential (issue #17's target: <= 1.05). "
                   f"Of the {p['ttft'] - base:.0f} ms over colocated, the producer's prefill with the push running takes "
                   f"{p['producer_alone'] - base:.0f} ms more than colocated's (row 5), and the consumer's part is "
                   f"{p['decode_ttft']:.0f} ms (row 3; its own floor with nothing to load: "

@@ -105,6 +105,7 @@ class Stacks:
         self.servers: dict[str, VllmServer] = {}
         self.proxy: subprocess.Popen | None = None
         self.proxy_url = ""
+        self.extra_proxies: list[subprocess.Popen] = []
         self.bootstrap_port = free_port()
 
     def specs(self) -> list[tuple[str, int, dict[str, Any] | None, Path | None, dict[str, str]]]:
@@ -151,8 +152,23 @@ class Stacks:
         """The proxy in front of a disaggregated stack of ours, if one is in ``modes``."""
         ours_mode = next((m for m in ("ours", "push") if m in self.modes), None)
         if ours_mode is not None:
-            self.start_proxy([str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{ours_mode}-producer"].url,
-                              "--decode", self.servers[f"{ours_mode}-consumer"].url, "--log-level", "WARNING"])
+            self.start_proxy(self.proxy_args(ours_mode))
+
+    def proxy_args(self, mode: str, *extra: str) -> list[str]:
+        """``proxy_server.py`` in front of the stack ``mode`` of ours, with ``extra`` options."""
+        return [str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{mode}-producer"].url, "--decode",
+                self.servers[f"{mode}-consumer"].url, "--log-level", "WARNING", *extra]
+
+    def start_extra_proxy(self, script_args: list[str]) -> str:
+        """Another proxy (e.g. other options, same instances); its URL. Stopped with the stack."""
+        main, url = (self.proxy, self.proxy_url)
+        try:
+            self.start_proxy(script_args)
+            assert self.proxy is not None
+            self.extra_proxies.append(self.proxy)
+            return self.proxy_url
+        finally:
+            self.proxy, self.proxy_url = main, url
 
     def start_proxy(self, script_args: list[str]) -> None:
         """Start ``python script_args... --host HOST --port PORT`` as ``self.proxy`` and wait for its /health."""
@@ -164,8 +180,9 @@ class Stacks:
         wait_ready(self.proxy, cmd, log, http_ok(f"{self.proxy_url}/health"), "proxy", 60.0)
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            stop(self.proxy)
+        for proxy in [self.proxy, *self.extra_proxies]:
+            if proxy is not None:
+                stop(proxy)
         for server in self.servers.values():
             server.stop()
 

@@ -313,23 +313,25 @@ def test_abandoning_a_receive_spares_a_connection_the_peer_made_since(cfg):
         pipe.send_tensor(torch.ones(3))
         assert same(pipe.recv_tensor(), torch.ones(3))  # read from the first connection
         first.kill()
-        second = Peer(peers.echo, cfg, 0, 1)
+        second = Peer(peers.echo_until_none, cfg, 0)
         deadline = time.monotonic() + 120
-        while True:
-            try:
-                pipe.send_tensor(torch.full((2,), 5.0))
-                break
-            except PeerDisconnected:
-                assert time.monotonic() < deadline, "the restarted peer was never found"
-                time.sleep(0.2)
         old = pipe._read_from
+        sent = 0.0
         while pipe._inbound is old or pipe._inbound is None:  # the echo comes on a connection of its own
             assert time.monotonic() < deadline, "the restarted peer never connected back"
+            if time.monotonic() - sent > 3.0:
+                # again after a while: a small tensor goes inline, and written before the killed peer's socket
+                # reported its end, it went nowhere
+                try:
+                    pipe.send_tensor(torch.full((2,), 5.0))
+                    sent = time.monotonic()
+                except PeerDisconnected:
+                    pass
             time.sleep(0.05)
         pipe.abandon_receive("test: the message on the first connection broke off")
         assert same(pipe.recv_tensor(timeout=30), torch.full((2,), 5.0))
         pipe.send_tensor(None)
-        assert second.result() == 1
+        assert second.result() >= 1
 
 
 def test_close_unblocks_recv_and_is_idempotent(cfg):
