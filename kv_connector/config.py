@@ -6,6 +6,7 @@ listens on that port + i)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from kv_connector.options import ConnectorOptions, load_mooncake_config
@@ -35,7 +36,8 @@ def role_pipes(mooncake: MooncakeTransferEngineConfig, is_producer: bool, tp_siz
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    """Everything the connector reads from the configuration (see the module docstring)."""
+    """Everything the connector reads from the configuration (see the module docstring). What is derived from it and
+    read per request (the secret, the pipe addresses) is worked out once."""
 
     kv_role: str
     options: ConnectorOptions
@@ -62,17 +64,17 @@ class ConnectorConfig:
     def push_mode(self) -> bool:
         return self.options.transfer_mode == "push"
 
-    @property
+    @cached_property
     def secret(self) -> bytes:
         """Params are signed and checked with it (see kv_connector/params.py); empty: none."""
         return self.mooncake.secret
 
-    @property
+    @cached_property
     def pipes(self) -> list[str]:
         """This instance's pipe address per TP rank."""
         return role_pipes(self.mooncake, self.is_producer, self.tp_size)
 
-    @property
+    @cached_property
     def peer_pipes(self) -> list[str]:
         """The other role's pipe address per TP rank, as mooncake.json names it (assuming it runs this TP size): the
         peer of a request whose params name none."""
