@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_lookup_buffer.push_sender import push_stats
-from kv_lookup_buffer.push_wire import Abort, Begin, Commit, Credit, Data, Hello, Message, Pull, encode, parse
+from kv_lookup_buffer.push_wire import Abort, Begin, Commit, Credit, Data, Hello, Message, Pull, encode, parse, push_stats
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 
 logger = logging.getLogger(__name__)

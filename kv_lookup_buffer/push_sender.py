@@ -12,21 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from kv_lookup_buffer.base import Counts
-from kv_lookup_buffer.push_wire import Begin, Commit, Credit, Data, Hello, Message, Pull, encode, key_of, parse
+from kv_lookup_buffer.push_wire import Begin, Commit, Credit, Data, Hello, Message, Pull, encode, key_of, parse, push_stats
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5
 _Outgoing = tuple[Message, "torch.Tensor | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
-
-
-def push_stats(on_count: Callable[[str, int], None] | None = None) -> Counts:
-    """The counters of either end of a push channel (one set for both, so that a caller can sum them over ends).
-    lost: messages that broke off mid-way (PipeStalled)."""
-    return Counts(("begun", "pushed_bytes", "committed", "push_failed", "no_credit", "staged", "taken", "rejected",
-                   "expired", "pulled", "aborted", "malformed", "lost", "duplicates"), on_count)
 
 
 class PushSender:

@@ -1,4 +1,5 @@
-"""The wire protocol of the push channel (``push_sender`` / ``push_receiver``): its messages, built and parsed here only.
+"""The wire protocol of the push channel (``push_sender`` / ``push_receiver``): its messages, built and parsed here only,
+and the counters both ends keep (``push_stats``).
 
 Messages, all on one pipe: an int64 header ``[MAGIC, VERSION, kind, k0, k1, k2, k3, f0, f1, f2, f3]`` (``k`` = the
 SHA-256 of the entry's tokens, as four int64; ``f``: the message's fields in the order below, unused ones 0),
@@ -22,10 +23,13 @@ receiver's to check). Nothing on the wire is executed.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
+
+from kv_lookup_buffer.base import Counts
 
 MAGIC, VERSION = 0x4D4B5642, 1  # "MKVB"
 HELLO, BEGIN, DATA, COMMIT, PULL, ABORT, CREDIT = range(1, 8)
@@ -148,3 +152,10 @@ def parse(t: torch.Tensor | None) -> Message:
     if keyed:
         return cls(t[3:7].contiguous().numpy().tobytes(), *values)  # type: ignore[call-arg]
     return cls(*values)  # type: ignore[call-arg]
+
+
+def push_stats(on_count: Callable[[str, int], None] | None = None) -> Counts:
+    """The counters of either end of a push channel (one set for both, so that a caller can sum them over ends).
+    lost: messages that broke off mid-way (PipeStalled)."""
+    return Counts(("begun", "pushed_bytes", "committed", "push_failed", "no_credit", "staged", "taken", "rejected",
+                   "expired", "pulled", "aborted", "malformed", "lost", "duplicates"), on_count)
