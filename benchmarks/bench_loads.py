@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.bare_pipe import bare_pipe_round  # noqa: E402
-from benchmarks.loads_pair import MODEL, in_vllm_round, load_timings, start  # noqa: E402
+from benchmarks.loads_pair import in_vllm_round, load_timings, prepare, start  # noqa: E402
 
 GOAL = 0.5
 
@@ -63,13 +62,9 @@ def main() -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args()
-    if not MODEL.is_dir():
-        print(f"{MODEL} is missing: run scripts/setup.sh", file=sys.stderr)
+    dtype = prepare(args.dtype)
+    if dtype is None:
         return 2
-    dtype = args.dtype or common.native_dtype()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the vLLM instances
-    if dtype != "bfloat16":
-        print("note: the KV sizes below assume bfloat16; with float32 every load moves twice the bytes", file=sys.stderr)
     rng = random.Random(1234)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-loads-") as tmp:

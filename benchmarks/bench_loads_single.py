@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -41,12 +40,12 @@ from benchmarks import common  # noqa: E402
 from benchmarks.bare_pipe import BarePipe  # noqa: E402
 from benchmarks.loads_pair import (  # noqa: E402
     BLOCK,
-    MODEL,
     ROW_BYTES,
     in_vllm_round,
     load_timings,
     post,
     prefill,
+    prepare,
     start,
     stats,
 )
@@ -114,13 +113,9 @@ def main() -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = parser.parse_args()
-    if not MODEL.is_dir():
-        print(f"{MODEL} is missing: run scripts/setup.sh", file=sys.stderr)
+    dtype = prepare(args.dtype)
+    if dtype is None:
         return 2
-    dtype = args.dtype or common.native_dtype()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the vLLM instances
-    if dtype != "bfloat16":
-        print("note: the KV sizes below assume bfloat16; with float32 every load moves twice the bytes", file=sys.stderr)
     rng = random.Random(1234)
     with tempfile.TemporaryDirectory(prefix="bench-loads-") as tmp:
         producer, consumer = start(Path(tmp), dtype, 1, 4)

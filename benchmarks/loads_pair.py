@@ -8,17 +8,33 @@ import concurrent.futures
 import json
 import random
 import re
+import signal
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
 from harness.ports import free_port
 from harness.vllm import REPO, VllmServer, mooncake_json, start_vllm
 
 MODEL = REPO / ".cache" / "models" / "kv32k"
 BLOCK = 128
 ROW_BYTES = 8 * 8 * 128 * 256 * 2  # kv32k in bfloat16: 8 layers x [8 heads, 128 tokens, K and V of 128] per block
+
+
+def prepare(dtype: str | None) -> str | None:
+    """A loads benchmark's start: the dtype it runs (None: the model is missing, said on stderr); SIGTERM runs the
+    finally blocks that stop the vLLM instances."""
+    if not MODEL.is_dir():
+        print(f"{MODEL} is missing: run scripts/setup.sh", file=sys.stderr)
+        return None
+    dtype = dtype or common.native_dtype()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if dtype != "bfloat16":
+        print("note: the KV sizes below assume bfloat16; with float32 every load moves twice the bytes", file=sys.stderr)
+    return dtype
 
 
 def serve_args(dtype: str, kv_bytes: int) -> list[str]:
