@@ -192,13 +192,16 @@ class Proxy:
         content_type = response.headers.get("Content-Type", "application/json")
         log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
         if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
-            relay = StreamRelay(response, lambda: balancer.release(upstream), headers[REQUEST_ID_HEADER])
+            relay = StreamRelay(response, lambda: balancer.release(upstream), headers[REQUEST_ID_HEADER],
+                                lambda: self.router.answered(upstream, hint))
             relayed = Response(relay, status=response.status, content_type=content_type)
             relayed.headers["Cache-Control"] = "no-cache"
             relayed.headers["X-Accel-Buffering"] = "no"
             relayed.timeout = None  # a stream lasts as long as the generation
             return relayed
         data = await self.read_body(balancer, upstream, response)
+        if response.status < 400:
+            self.router.answered(upstream, hint)
         return Response(data, status=response.status, content_type=content_type)
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:

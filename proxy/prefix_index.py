@@ -85,29 +85,37 @@ def fingerprint(payload: dict[str, Any], chat: bool) -> Fingerprint | None:
 class PrefixIndex:
     """The chunks one instance holds (those of the requests routed to it), least recently routed evicted first, at
     most ``capacity``. A request's first chunk is its most recent (a request's chunks are touched last to first), so
-    an instance keeps a shared prefix longest, as vLLM's prefix cache does."""
+    an instance keeps a shared prefix longest, as vLLM's prefix cache does. A chunk is *pending* from the request's
+    routing until the instance answered it (``confirm``): only then is its KV surely in the instance's cache."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(capacity, 0)
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lru: OrderedDict[bytes, bool] = OrderedDict()  # chunk -> confirmed
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def match(self, chunks: tuple[bytes, ...]) -> int:
-        """How many of ``chunks``, from the first, this instance holds."""
+    def match(self, chunks: tuple[bytes, ...], confirmed: bool = False) -> int:
+        """How many of ``chunks``, from the first, this instance holds (``confirmed``: and has answered)."""
         held = 0
         for chunk in chunks:
-            if chunk not in self._lru:
+            state = self._lru.get(chunk)
+            if state is None or (confirmed and not state):
                 break
             held += 1
         return held
 
     def add(self, chunks: tuple[bytes, ...]) -> None:
         for chunk in reversed(chunks[:self.capacity]):
-            self._lru[chunk] = None
+            self._lru[chunk] = self._lru.get(chunk, False)
             self._lru.move_to_end(chunk)
         self._trim()
+
+    def confirm(self, chunks: tuple[bytes, ...]) -> None:
+        """The instance answered a request with these chunks: it has computed or loaded them."""
+        for chunk in chunks:
+            if chunk in self._lru:
+                self._lru[chunk] = True
 
     def resize(self, capacity: int) -> None:
         self.capacity = max(capacity, 0)

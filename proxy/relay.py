@@ -24,8 +24,10 @@ class StreamRelay:
     request. ``close()`` is idempotent and also runs on garbage collection, so the counter is always released.
     """
 
-    def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str):
+    def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str,
+                 on_end: Callable[[], None] | None = None):
         self._response = response
+        self._on_end = on_end  # called once the whole stream came through
         self._release: Callable[[], None] | None = release
         self._request_id = request_id
         self._done = False
@@ -48,6 +50,8 @@ class StreamRelay:
             return f"data: {json.dumps(failure.payload())}\n\n".encode()
         if not chunk:
             self.close(reuse=True)
+            if self._on_end is not None:
+                self._on_end()
             raise StopAsyncIteration
         return chunk
 

@@ -92,11 +92,17 @@ class Router:
 
     def skip_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> bool:
         """Whether the decode instance computes the prompt itself: its uncached part (estimated) is below
-        ``--skip-prefill-below`` tokens. Never for a prompt the index cannot size (``prompt_embeds``)."""
+        ``--skip-prefill-below`` tokens. Never for a prompt the index cannot size (``prompt_embeds``). Cautious:
+        only chunks the instance has answered count as cached (a prompt routed there a moment ago may still be
+        loading), and until a prefill answer calibrated the characters per token, a character counts as a token."""
         threshold = self.config.skip_prefill_below
         if not threshold or hint is None:
             return False
-        total, cached = self.tokens(hint), self.cached(hint, decode)
+        held = decode.upstream.prefix.match(hint.chunks, confirmed=True) * hint.chunk_units
+        if hint.tokens or self.calibration[hint.chat].samples:
+            total, cached = self.tokens(hint), min(self.tokens(hint, held), self.tokens(hint))
+        else:
+            total, cached = float(hint.size), float(min(held, hint.size))
         uncached = total - cached
         skip = uncached < threshold
         if skip:
@@ -105,6 +111,11 @@ class Router:
                  request_id, "skipped the" if skip else "remote", uncached, total, decode.upstream.name, decode.rule,
                  "below" if skip else "not below", threshold)
         return skip
+
+    def answered(self, upstream: Upstream, hint: Fingerprint | None) -> None:
+        """``upstream`` answered a request for ``hint``'s prompt: it holds that prompt's KV now."""
+        if hint is not None:
+            upstream.prefix.confirm(hint.chunks)
 
     # ---------------------------------------------------------------- bounds and freshness
     def resize(self) -> None:

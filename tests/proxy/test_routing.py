@@ -221,6 +221,12 @@ def test_fingerprints_indexes_and_calibration() -> None:
     assert len(index) == 3 and index.match((b"a", b"b")) == 1 and index.match((b"x", b"y")) == 2
     index.resize(1)
     assert index.match((b"x",)) == 1 and len(index) == 1
+    pending = PrefixIndex(8)
+    pending.add((b"a", b"b", b"c"))
+    assert pending.match((b"a", b"b", b"c")) == 3 and pending.match((b"a", b"b", b"c"), confirmed=True) == 0
+    pending.confirm((b"a", b"b", b"z"))  # what was not routed there is not made up
+    pending.add((b"a", b"b", b"c", b"d"))  # routed again: what was answered stays answered
+    assert pending.match((b"a", b"b", b"c", b"d"), confirmed=True) == 2 and len(pending) == 4
 
     ratio = CharsPerToken()
     for garbage in (True, "12", 0, -5, None):
@@ -271,6 +277,45 @@ def test_token_estimates_are_calibrated_from_the_prefill_usage() -> None:
         await complete(env, text_of(10, 3000))
         assert len(env.prefill[0].completions()) == 1
         await complete(env, text_of(11, 3000))
+        assert len(env.prefill[0].completions()) == 1
+        assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
+
+    run(test, skip_prefill_below=500)
+
+
+def test_a_prefix_counts_for_skipping_only_once_the_decode_instance_answered_it() -> None:
+    """A follow-up sent while the first request of its prefix is still being decoded goes through a remote prefill
+    (the decode instance may still be loading that prefix: skipping would make it compute the whole prompt); the
+    same follow-up after the answer came through is skipped. Streamed answers count once complete."""
+    long = text_of(12, 6000)
+
+    async def test(env: Environment) -> None:
+        env.decode[0].hold_last = asyncio.Event()
+        first = asyncio.ensure_future(env.post("/v1/completions", {**COMPLETION, "prompt": long, "stream": True}))
+        await wait_until(lambda: len(env.decode[0].completions()) == 1)
+        await complete(env, long + " more")
+        assert len(env.prefill[0].completions()) == 2  # not skipped: the first answer is still streaming
+        env.decode[0].hold_last.set()
+        status, _, body = await first
+        assert status == 200 and body.endswith("data: [DONE]\n\n")
+        await complete(env, long + " again")
+        assert len(env.prefill[0].completions()) == 2
+        assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
+        assert await proxy_metric(env, "mooncake_proxy_prefill_skipped_total") == 1
+        await assert_idle(env)
+
+    run(test, skip_prefill_below=500)
+
+
+def test_before_calibration_a_character_counts_as_a_token() -> None:
+    """Until a prefill answer says how many tokens a prompt had, the proxy cannot know: a prompt of 900 characters
+    could be 900 tokens (text of rare tokens), so it is not skipped below 500, though 3 characters per token (the
+    default estimate) would make it 300 tokens. One of 400 characters is skipped."""
+
+    async def test(env: Environment) -> None:
+        await complete(env, text_of(13, 900))
+        assert len(env.prefill[0].completions()) == 1
+        await complete(env, text_of(14, 400))
         assert len(env.prefill[0].completions()) == 1
         assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
 
