@@ -1,0 +1,482 @@
+"""KV-aware routing and conditional disaggregation under load: ``vllm bench serve`` on a shared-prefix workload and on
+the random dataset, against every front of the same two cores.
+
+Two fleets, one after the other, each alone on the machine. Every instance serves the kv32k model (32 KiB of KV per
+token in bfloat16, 64 KiB in float32) with the ``vllm serve`` settings of benchmarks/stacks.py, prefix caching on, and
+``VLLM_SERVER_DEV_MODE=1`` (for its ``/reset_prefix_cache``):
+
+- **colocated**: two plain vLLM instances, core 0 and core 1. Fronts:
+  ``colocated rr`` (benchmarks/peers/round_robin_proxy.py: each request, whole, to the next instance) and
+  ``colocated ca`` (vllm-router ``--policy cache_aware``, its regular mode).
+- **2P2D**: two producers (core 0) and two consumers (core 1) of our connector, pull mode, P2PHANDSHAKE, each with its
+  own mooncake.json, as tests/kv_connector/test_xpyd.py. Fronts:
+  ``ours balance`` (proxy_server.py ``--prefix-index-entries 0``: today's rule, fewest outstanding requests),
+  ``ours prefix`` (proxy_server.py's prefix-aware routing, no prefill skipped),
+  ``ours skip<N>`` (prefix-aware routing and ``--skip-prefill-below N``, one front per N of ``--thresholds``) and
+  ``router ca`` (vllm-router ``--vllm-pd-disaggregation`` with ``cache_aware`` prefill and decode policies).
+
+Before each run every instance's prefix cache is emptied (``POST /reset_prefix_cache``, retried while requests hold
+blocks) and a new front is started, so every run begins equally cold. ``vllm bench serve`` runs without its initial
+test request (``--ready-check-timeout-sec 0``: that request would warm one prefix before the timed run).
+
+Workloads, one run per front each, Poisson arrivals at ``--rate``, ``--output-len`` tokens (``--ignore-eos``):
+
+- ``shared``: vLLM's ``prefix_repetition`` dataset, ``--prefixes`` shared histories of ``--prefix-len`` tokens
+  (conversations, system prompts), each followed by ``--per-prefix`` different new parts of ``--suffix-len`` tokens,
+  shuffled. A *follow-up* is a request whose history an earlier request of the run already sent.
+- ``random``: vLLM's ``random`` dataset, prompts of exactly ``--random-len`` tokens, nothing shared.
+
+Columns:
+
+- TTFT p50/p99, ITL p99: as ``vllm bench serve`` measures them on the client; follow-up TTFT p50: over follow-ups
+  (the dataset is rebuilt here with vLLM's own class, tokenizer and seed to know which requests they are);
+- goodput: requests per second that met TTFT <= SLO and TPOT <= SLO (vLLM's definition); the SLO of each workload is
+  ``--slo-x`` times ``colocated rr``'s TTFT p50 and TPOT p50 on it (that front runs first), and is printed;
+- KV moved/req: growth of the consumers' ``vllm:mooncake_kv_loaded_bytes_total`` (bytes written into their KV caches by
+  loads) per completed request;
+- uncached KV/req: the KV of the prompt tokens the decode instance did not hold itself: growth of its
+  ``vllm:prefix_cache_queries`` minus ``vllm:prefix_cache_hits``, times the model's KV bytes per token, per request;
+  moved/uncached is their ratio (1.0: only what was missing moved; below 1: some was computed on the decode
+  instance, for example a prefill the proxy skipped);
+- skipped: prefills the proxy skipped (its ``mooncake_proxy_prefill_skipped_total``).
+
+Targets, on the shared workload, for the chosen ``ours skip<N>`` (the best goodput, then the lowest follow-up TTFT):
+moved/uncached <= 1.1; follow-up TTFT p50 <= 1.05x colocated; goodput >= colocated and >= router ca. On the random
+workload: no regression against ``ours balance`` (goodput not lower; TTFT p50 within 10%).
+
+Run (from the repository root)::
+
+    .venv/bin/python benchmarks/bench_routing.py                # ~30 minutes
+    .venv/bin/python benchmarks/bench_routing.py --prompts 16 --thresholds 512 --workloads shared   # shorter
+
+Writes bench_routing.json and bench_routing.md to ``--out-dir`` (default benchmarks/results). Each run's
+``vllm bench serve`` output and JSON and every server's log stay in a temporary directory with ``--keep-logs``.
+
+Caveats: the client, the fronts and the vLLM API servers are not pinned and share the two cores with the engines, in
+every stack alike; the prefix index of our proxy and vllm-router's radix tree see text, the instances tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import fmt, header, native_dtype, percentile, vllm_version, write  # noqa: E402
+from benchmarks.stacks import serve_args_for  # noqa: E402
+from harness.ports import HOST, free_port  # noqa: E402
+from harness.processes import http_ok, spawn, stop, wait_ready  # noqa: E402
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
+
+CLIENT_TIMEOUT = 1800.0
+DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+TTFT_TARGET, MOVED_TARGET = 1.05, 1.1
+LOADED_BYTES = "vllm:mooncake_kv_loaded_bytes_total"
+
+
+@dataclass
+class Run:
+    """One ``vllm bench serve`` run of one workload against one front."""
+
+    front: str
+    workload: str
+    completed: int = 0
+    failed: int = 0
+    duration: float = 0.0
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    followup_ttft_p50: float | None = None
+    first_ttft_p50: float | None = None
+    itl_p99: float | None = None
+    tpot_p50: float | None = None
+    goodput: float | None = None
+    moved_per_req: float | None = None     # bytes
+    uncached_per_req: float | None = None  # bytes
+    skipped: float | None = None
+    routed: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    requests: dict[str, list[Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def moved_ratio(self) -> float | None:
+        if self.moved_per_req is None or not self.uncached_per_req:
+            return None
+        return self.moved_per_req / self.uncached_per_req
+
+
+# ----------------------------------------------------------------------------- instance metrics
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of ``url``/metrics summed over labels (``name`` -> value)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def reset_prefix_cache(server: VllmServer, timeout: float = 60.0) -> None:
+    """Empty the instance's prefix cache; retried while running requests still hold blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(f"{server.url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            if json.loads(resp.read() or b"{}").get("success", True):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: /reset_prefix_cache kept failing for {timeout:g} s")
+        time.sleep(0.5)
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    size = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * size
+
+
+# ----------------------------------------------------------------------------- fleets and fronts
+class Fleet:
+    """The vLLM instances of one fleet, and the front currently in front of them."""
+
+    def __init__(self, kind: str, model: Path, work: Path, serve_args: list[str]) -> None:
+        self.kind, self.model, self.work = kind, model, work
+        self.servers: list[VllmServer] = []
+        self.front: subprocess.Popen | None = None
+        self.front_url = ""
+        if kind == "colocated":
+            for core in (0, 1):
+                self.servers.append(VllmServer(f"colocated-{core}", model, free_port(), core, work, None, None,
+                                               serve_args, DEV_ENV))
+        else:
+            for i in range(2):
+                config = mooncake_json(work / f"producer{i}.json")
+                self.servers.append(VllmServer(f"producer{i}", model, free_port(), 0, work,
+                                               connector_config("kv_producer"), config, serve_args, DEV_ENV))
+            first = json.loads((work / "producer0.json").read_text())["prefill_url"]
+            for i in range(2):
+                config = mooncake_json(work / f"consumer{i}.json", **({"prefill_url": first} if i == 0 else {}))
+                self.servers.append(VllmServer(f"consumer{i}", model, free_port(), 1, work,
+                                               connector_config("kv_consumer"), config, serve_args, DEV_ENV))
+        start_vllm(*self.servers)
+
+    @property
+    def producers(self) -> list[VllmServer]:
+        return [s for s in self.servers if s.name.startswith("producer")]
+
+    @property
+    def consumers(self) -> list[VllmServer]:
+        """Where requests are decoded (both instances of the colocated pair)."""
+        return [s for s in self.servers if not s.name.startswith("producer")]
+
+    def start_front(self, front: str) -> None:
+        self.stop_front()
+        port = free_port()
+        urls = [s.url for s in self.servers]
+        router = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+        if front.startswith("router") or front == "colocated ca":
+            if router is None:
+                raise RuntimeError("vllm-router is not installed: scripts/setup.sh installs it with the test extras")
+        if front == "colocated rr":
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "peers" / "round_robin_proxy.py"),
+                   *[a for u in urls for a in ("--upstream", u)]]
+        elif front == "colocated ca":
+            cmd = [router, "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warning"]
+        elif front == "router ca":
+            cmd = [router, "--vllm-pd-disaggregation", *[a for s in self.producers for a in ("--prefill", s.url)],
+                   *[a for s in self.consumers for a in ("--decode", s.url)], "--prefill-policy", "cache_aware",
+                   "--decode-policy", "cache_aware", "--log-level", "warning"]
+        else:
+            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--log-level", "WARNING",
+                   *[a for s in self.producers for a in ("--prefill", s.url)],
+                   *[a for s in self.consumers for a in ("--decode", s.url)]]
+            if front == "ours balance":
+                cmd += ["--prefix-index-entries", "0"]
+            elif front.startswith("ours skip"):
+                cmd += ["--skip-prefill-below", front.removeprefix("ours skip")]
+        if front.startswith("router") or front == "colocated ca":
+            cmd += ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+        cmd += ["--host", HOST, "--port", str(port)]
+        log = self.work / f"front-{front.replace(' ', '_')}.log"
+        self.front = spawn(cmd, log)
+        self.front_url = f"http://{HOST}:{port}"
+        wait_ready(self.front, cmd, log, http_ok(f"{self.front_url}/health"), front, 120.0)
+
+    def stop_front(self) -> None:
+        if self.front is not None:
+            stop(self.front)
+            self.front = None
+
+    def stop(self) -> None:
+        self.stop_front()
+        for server in self.servers:
+            server.stop()
+
+
+def fronts_of(kind: str, thresholds: list[int]) -> list[str]:
+    if kind == "colocated":
+        return ["colocated rr", "colocated ca"]
+    return ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds], "router ca"]
+
+
+# ----------------------------------------------------------------------------- one run
+def dataset_args(workload: str, args: argparse.Namespace) -> list[str]:
+    if workload == "shared":
+        return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.suffix_len),
+                "--prefix-repetition-num-prefixes", str(args.prefixes),
+                "--prefix-repetition-output-len", str(args.output_len)]
+    return ["--dataset-name", "random", "--random-input-len", str(args.random_len), "--random-output-len",
+            str(args.output_len), "--random-range-ratio", "0"]
+
+
+def followups(model: Path, args: argparse.Namespace) -> list[bool]:
+    """For each request of the shared workload, in the order ``vllm bench serve`` sends it: whether an earlier
+    request had the same history (the dataset rebuilt with vLLM's class, the model's tokenizer and the run's seed)."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    samples = PrefixRepetitionRandomDataset(random_seed=args.seed, dataset_path=None).sample(
+        tokenizer=get_tokenizer(str(model)), num_requests=args.prompts, prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len, num_prefixes=args.prefixes, output_len=args.output_len)
+    # the histories are random tokens: their first characters tell them apart
+    key_chars = max(16, len(samples[0].prompt) * args.prefix_len // (2 * (args.prefix_len + args.suffix_len)))
+    seen: set[str] = set()
+    out = []
+    for sample in samples:
+        key = sample.prompt[:key_chars]
+        out.append(key in seen)
+        seen.add(key)
+    return out
+
+
+def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, model: Path, work: Path,
+            per_token: int, follow: list[bool]) -> Run:
+    run = Run(front, workload)
+    for server in fleet.servers:
+        reset_prefix_cache(server)
+    fleet.start_front(front)
+    name = f"{front.replace(' ', '_')}-{workload}"
+    result_file = work / f"{name}.json"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "openai",
+           "--base-url", fleet.front_url, "--endpoint", "/v1/completions", "--model", str(model),
+           "--tokenizer", str(model), *dataset_args(workload, args), "--ignore-eos",
+           "--num-prompts", str(args.prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
+           "--ready-check-timeout-sec", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(work),
+           "--result-filename", result_file.name, "--disable-tqdm"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    before = [scrape(s.url) for s in fleet.consumers]
+    log = work / f"{name}.log"
+    proc = spawn(cmd, log, env)
+    try:
+        code = proc.wait(timeout=CLIENT_TIMEOUT)
+    except BaseException:
+        stop(proc)
+        raise
+    if code != 0 or not result_file.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        run.error = f"vllm bench serve exited with {code}"
+        print(f"  {name}: {run.error}; log tail:\n{tail}", flush=True)
+        return run
+    time.sleep(1.0)  # the last loads' stats reach /metrics with a later engine step
+    after = [scrape(s.url) for s in fleet.consumers]
+    data = json.loads(result_file.read_text())
+    run.completed, run.failed, run.duration = data["completed"], data["failed"], data["duration"]
+    if run.completed:
+        run.ttft_p50, run.ttft_p99 = data.get("p50_ttft_ms"), data.get("p99_ttft_ms")
+        run.itl_p99, run.tpot_p50 = data.get("p99_itl_ms"), data.get("p50_tpot_ms")
+    run.requests = {"ttft": data["ttfts"], "latency": data["latencies"], "output_len": data["output_lens"],
+                    "input_len": data["input_lens"]}
+    ok = [out > 0 for out in data["output_lens"]]
+    if workload == "shared" and len(follow) == len(ok):
+        later = [t * 1e3 for t, f, good in zip(data["ttfts"], follow, ok, strict=True) if f and good]
+        first = [t * 1e3 for t, f, good in zip(data["ttfts"], follow, ok, strict=True) if not f and good]
+        run.followup_ttft_p50 = percentile(later, 50) if later else None
+        run.first_ttft_p50 = percentile(first, 50) if first else None
+
+    def grew(name: str) -> float:
+        return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
+
+    if run.completed:
+        uncached = grew("vllm:prefix_cache_queries_total") - grew("vllm:prefix_cache_hits_total")
+        run.uncached_per_req = uncached * per_token / run.completed
+        run.moved_per_req = grew(LOADED_BYTES) / run.completed
+    if front.startswith("ours"):
+        proxy = scrape(fleet.front_url)
+        run.skipped = proxy.get("mooncake_proxy_prefill_skipped_total", 0.0)
+        run.routed = {k: v for k, v in proxy.items() if k.startswith("mooncake_proxy_routed")}
+    errors = sorted({e for e in data.get("errors", []) if e})
+    if errors:
+        run.error = f"{len(errors)} distinct request errors, first: {errors[0][:200]}"
+    fleet.stop_front()
+    return run
+
+
+def goodput(run: Run, slo: tuple[float, float]) -> float | None:
+    """Requests per second that met both SLOs (TPOT of a one-token answer counts as 0), as vLLM defines it."""
+    if not run.duration or not run.requests:
+        return None
+    good = 0
+    req = run.requests
+    for ttft, latency, out in zip(req["ttft"], req["latency"], req["output_len"], strict=True):
+        if not out:
+            continue
+        tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
+        good += ttft * 1e3 <= slo[0] and tpot * 1e3 <= slo[1]
+    return good / run.duration
+
+
+# ----------------------------------------------------------------------------- report
+def table(runs: list[Run], slos: dict[str, tuple[float, float]]) -> str:
+    out = ["| workload | front | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms | ITL p99 ms "
+           "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        mib = 1 << 20
+        out.append(f"| {r.workload} | {r.front} | {r.completed} | {r.failed} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} "
+                   f"| {fmt(r.followup_ttft_p50)} | {fmt(r.itl_p99)} | {fmt(r.tpot_p50)} | {fmt(r.goodput, 3)} "
+                   f"| {fmt(None if r.moved_per_req is None else r.moved_per_req / mib, 2)} "
+                   f"| {fmt(None if r.uncached_per_req is None else r.uncached_per_req / mib, 2)} "
+                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} |")
+    out.append("")
+    for workload, slo in slos.items():
+        out.append(f"SLO ({workload}): TTFT <= {slo[0]:.0f} ms and TPOT <= {slo[1]:.1f} ms.")
+    out += [f"{r.workload} / {r.front}: {r.error}" for r in runs if r.error]
+    return "\n".join(out) + "\n"
+
+
+def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | None]:
+    """The target checks (met / NOT met, with the figures), and the chosen threshold's front."""
+    by = {(r.workload, r.front): r for r in runs if not r.error and r.completed}
+    skips = [by[("shared", f"ours skip{n}")] for n in thresholds if ("shared", f"ours skip{n}") in by]
+    if not skips:
+        return ["no `ours skip<N>` run on the shared workload: nothing to check"], None
+    best = max(skips, key=lambda r: (round(r.goodput or 0.0, 3), -(r.followup_ttft_p50 or 1e9)))
+    lines = [f"chosen: `{best.front}` (best goodput on the shared workload, then the lowest follow-up TTFT)"]
+
+    def check(what: str, ok: bool | None, detail: str) -> None:
+        lines.append(f"- {what}: {'met' if ok else 'NOT met' if ok is not None else 'not measured'} ({detail})")
+
+    ratio = best.moved_ratio
+    check("KV moved <= 1.1x the uncached tokens' KV", None if ratio is None else ratio <= MOVED_TARGET,
+          f"{fmt(ratio, 2)}x")
+    for colo in ("colocated rr", "colocated ca"):
+        c = by.get(("shared", colo))
+        if c is None:
+            continue
+        x = best.followup_ttft_p50 / c.followup_ttft_p50 if best.followup_ttft_p50 and c.followup_ttft_p50 else None
+        check(f"follow-up TTFT p50 <= 1.05x {colo}", None if x is None else x <= TTFT_TARGET,
+              f"{fmt(best.followup_ttft_p50)} vs {fmt(c.followup_ttft_p50)} ms, {fmt(x, 2)}x")
+    for peer in ("colocated rr", "colocated ca", "router ca"):
+        p = by.get(("shared", peer))
+        if p is None or best.goodput is None or p.goodput is None:
+            continue
+        check(f"goodput >= {peer}", best.goodput >= p.goodput, f"{best.goodput:.3f} vs {p.goodput:.3f} req/s")
+    today, new = by.get(("random", "ours balance")), by.get(("random", best.front))
+    if today and new and today.goodput is not None and new.goodput is not None and today.ttft_p50 and new.ttft_p50:
+        check("random: goodput not lower than ours balance", new.goodput >= today.goodput,
+              f"{new.goodput:.3f} vs {today.goodput:.3f} req/s")
+        check("random: TTFT p50 within 10% of ours balance", new.ttft_p50 <= 1.1 * today.ttft_p50,
+              f"{new.ttft_p50:.0f} vs {today.ttft_p50:.0f} ms")
+    return lines, best.front
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fleets", nargs="+", default=["colocated", "2p2d"], choices=["colocated", "2p2d"])
+    parser.add_argument("--workloads", nargs="+", default=["shared", "random"], choices=["shared", "random"])
+    parser.add_argument("--thresholds", type=int, nargs="+", default=[256, 1024],
+                        help="--skip-prefill-below values, one front each (default 256 1024)")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (default 1.0)")
+    parser.add_argument("--prompts", type=int, default=48, help="requests per run (default 48)")
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-len", type=int, default=192)
+    parser.add_argument("--prefixes", type=int, default=6)
+    parser.add_argument("--random-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--slo-x", type=float, default=2.0,
+                        help="SLO: this times colocated rr's TTFT p50 and TPOT p50 (default 2)")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="bench_routing")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args()
+
+    model = build_model("kv32k", quiet=True)
+    dtype = native_dtype()
+    serve_args = serve_args_for(dtype)
+    per_token = kv_bytes_per_token(model, dtype)
+    follow = followups(model, args) if "shared" in args.workloads else []
+    print(f"kv32k in {dtype}: {per_token} KV bytes per token; shared workload: {sum(follow)} follow-ups of "
+          f"{len(follow)} requests", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_routing-"))
+    began = time.monotonic()
+    runs: list[Run] = []
+    failed = False
+    try:
+        for kind in args.fleets:
+            print(f"fleet {kind}: starting", flush=True)
+            fleet = Fleet(kind, model, work, serve_args)
+            try:
+                for server in fleet.servers:  # the first requests of a fresh instance are slower
+                    server.complete([5 + server.port % 7] * 64, 4)
+                for front in fronts_of(kind, args.thresholds):
+                    for workload in args.workloads:
+                        run = run_one(fleet, front, workload, args, model, work, per_token, follow)
+                        runs.append(run)
+                        print(f"  {front} / {workload}: TTFT p50 {fmt(run.ttft_p50)} ms, follow-up "
+                              f"{fmt(run.followup_ttft_p50)} ms, ITL p99 {fmt(run.itl_p99)} ms, moved/uncached "
+                              f"{fmt(run.moved_ratio, 2)}, skipped {fmt(run.skipped, 0)} {run.error}", flush=True)
+            finally:
+                fleet.stop()
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if args.keep_logs or failed:
+            print(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    slos: dict[str, tuple[float, float]] = {}
+    for workload in args.workloads:
+        base = next((r for r in runs if r.front == "colocated rr" and r.workload == workload and r.ttft_p50), None)
+        if base is not None and base.tpot_p50:
+            slos[workload] = (args.slo_x * base.ttft_p50, args.slo_x * base.tpot_p50)
+    for run in runs:
+        if run.workload in slos:
+            run.goodput = goodput(run, slos[run.workload])
+    checks, chosen = targets(runs, args.thresholds)
+    minutes = (time.monotonic() - began) / 60
+    settings = (f"kv32k ({dtype}, {per_token >> 10} KiB of KV per token), vLLM {vllm_version()}; `vllm serve` "
+                f"{' '.join(serve_args)}; {args.prompts} requests per run at {args.rate:g} req/s (Poisson), "
+                f"{args.output_len} output tokens; shared: {args.prefixes} histories of {args.prefix_len} tokens + "
+                f"{args.suffix_len} new tokens ({sum(follow)} follow-ups); random: {args.random_len} tokens; "
+                f"{minutes:.0f} minutes.")
+    md = (header("bench_routing: KV-aware routing and conditional disaggregation", dtype) + "\n" + settings + "\n\n"
+          + table(runs, slos) + "\n" + "\n".join(checks) + "\n")
+    print(md)
+    write(args.name, {"settings": settings, "slos": slos, "chosen": chosen, "checks": checks,
+                      "runs": [{**asdict(r), "moved_ratio": r.moved_ratio} for r in runs]}, md, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
