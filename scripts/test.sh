@@ -3,7 +3,7 @@
 #   scripts/test.sh           the whole suite (what CI runs): the vLLM tier, with the quick tier beside it
 #   scripts/test.sh --quick   the quick tier only (no vLLM server): pipe, lookup buffer, proxy, connector units
 # The two tiers run side by side: the quick tier mostly waits (peer processes, engines shutting down) while vLLM
-# instances start, so together they take little longer than the vLLM tier alone, itself two runs side by side. Each has its own port range
+# instances start, so together they take little longer than the vLLM tier alone. Each has its own port range
 # (harness/ports.py, MKV_TEST_PORTS) so that neither hands out a port the other is about to bind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,28 +59,16 @@ done
 echo "[test] pytest, quick tier in the background (its report follows the vLLM tier's)"
 (set +e; quick_tier 20000 "$@" > "$work/quick.log" 2>&1) &
 quick_pid=$!
-# The vLLM tier is two runs side by side too (the CPU is idle for much of a vLLM test's time): the modules that start
-# every instance they use, and the modules that share the session's pairs and reference (tests/kv_connector/conftest.py).
-# Two runs of their own rather than pytest-xdist groups: each starts only the instances its modules use.
-OWN=(tests/kv_connector/test_architectures.py tests/kv_connector/test_long_prompts.py tests/kv_connector/test_options.py)
-for path in "${OWN[@]}"; do
-    skip+=(--ignore "$path")
-done
-echo "[test] pytest, vLLM tier: ${OWN[*]} in the background (its report follows)"
+echo "[test] pytest, vLLM tier"
 set +e
-MKV_TEST_PORTS=26000-28999 MKV_OWN_INSTANCES=1 .venv/bin/python -m pytest -p no:cacheprovider --basetemp "$work/own" \
-    "${OWN[@]}" "$@" > "$work/own.log" 2>&1 &
-own_pid=$!
-echo "[test] pytest, vLLM tier: the rest of tests/kv_connector"
-MKV_TEST_PORTS=29000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" tests/kv_connector "${skip[@]}" "$@"
+# Two workers: the modules that start all their own instances run on one, the modules sharing the session's pairs on
+# the other (tests/kv_connector/conftest.py groups them); the CPU is idle for much of a vLLM test's time.
+MKV_TEST_PORTS=26000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" -n "${MKV_VLLM_WORKERS:-2}" \
+    --dist loadgroup tests/kv_connector "${skip[@]}" "$@"
 vllm_rc=$?
-wait "$own_pid"
-own_rc=$?
 wait "$quick_pid"
 quick_rc=$?
 set -e
-echo "[test] vLLM tier, modules with instances of their own:"
-cat "$work/own.log"
 cat "$work/quick.log"
-echo "[test] vLLM tier exit $vllm_rc and $own_rc, quick tier exit $quick_rc"
-exit $((vllm_rc != 0 || own_rc != 0 || quick_rc != 0))
+echo "[test] vLLM tier exit $vllm_rc, quick tier exit $quick_rc"
+exit $((vllm_rc != 0 || quick_rc != 0))

@@ -6,7 +6,6 @@ Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 10
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,18 +23,21 @@ ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model 
 STAT_PREFIX = "vllm:mooncake_kv_"
 
 
+# Modules that start every instance they use (no session-scoped pair or reference): scripts/test.sh runs them on a
+# pytest-xdist worker of their own, beside the others, which share the session's instances (--dist loadgroup).
+OWN_INSTANCES = {"test_architectures.py", "test_long_prompts.py", "test_options.py"}
+
+
 SESSION_INSTANCES = {"reference", "pd_pair", "push_pair", "pair"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """scripts/test.sh runs the modules that start every instance they use apart (``MKV_OWN_INSTANCES=1``): one of
-    them that takes a shared instance would start its own copy there, minutes more on this machine."""
-    if os.environ.get("MKV_OWN_INSTANCES") != "1":
-        return
     for item in items:
+        own = item.path.name in OWN_INSTANCES
         shared = SESSION_INSTANCES & set(getattr(item, "fixturenames", ()))
-        if shared:
-            raise pytest.UsageError(f"{item.nodeid} uses {sorted(shared)}: scripts/test.sh must not run it apart")
+        if own and shared:  # that worker would start its own copy of them: more memory, and minutes more
+            raise pytest.UsageError(f"{item.nodeid} uses {sorted(shared)}: take its module out of OWN_INSTANCES")
+        item.add_marker(pytest.mark.xdist_group("own" if own else "shared"))
 
 
 @pytest.fixture(scope="session")
