@@ -61,10 +61,7 @@ echo "[test] pytest, quick tier in the background (its report follows the vLLM t
 quick_pid=$!
 echo "[test] pytest, vLLM tier"
 set +e
-# Two workers: the modules that start all their own instances run on one, the modules sharing the session's pairs on
-# the other (tests/kv_connector/conftest.py groups them); the CPU is idle for much of a vLLM test's time.
-MKV_TEST_PORTS=26000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" -n "${MKV_VLLM_WORKERS:-2}" \
-    --dist loadgroup tests/kv_connector "${skip[@]}" "$@"
+MKV_TEST_PORTS=26000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" tests/kv_connector "${skip[@]}" "$@"
 vllm_rc=$?
 wait "$quick_pid"
 quick_rc=$?

@@ -23,23 +23,6 @@ ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model 
 STAT_PREFIX = "vllm:mooncake_kv_"
 
 
-# Modules that start every instance they use (no session-scoped pair or reference): scripts/test.sh runs them on a
-# pytest-xdist worker of their own, beside the others, which share the session's instances (--dist loadgroup).
-OWN_INSTANCES = {"test_architectures.py", "test_long_prompts.py", "test_options.py"}
-
-
-SESSION_INSTANCES = {"reference", "pd_pair", "push_pair", "pair"}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        own = item.path.name in OWN_INSTANCES
-        shared = SESSION_INSTANCES & set(getattr(item, "fixturenames", ()))
-        if own and shared:  # that worker would start its own copy of them: more memory, and minutes more
-            raise pytest.UsageError(f"{item.nodeid} uses {sorted(shared)}: take its module out of OWN_INSTANCES")
-        item.add_marker(pytest.mark.xdist_group("own" if own else "shared"))
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return build_model("tiny")
