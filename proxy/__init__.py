@@ -14,7 +14,10 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 3. Skip rule (``--skip-prefill-below N``, 0 = off, the default): if the part of the prompt the chosen decode
    instance does not hold is estimated below N tokens, there is no remote prefill: the request goes straight to
    the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (the
-   connectors, this project's and vLLM's, then load nothing). Logged at INFO with the numbers; counted.
+   connectors, this project's and vLLM's, then load nothing). Logged at INFO with the numbers; counted. Only the
+   part the decode instance has *answered* counts as held (a request routed there a moment ago may still be
+   loading its KV), and until a prefill answer has calibrated the characters per token, a character counts as a
+   token (text of rare tokens can be ~1 character per token).
    N must be chosen by measurement (the prefill that is no longer disaggregated delays the decode instance's
    other requests); until then the default is off.
 4. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
