@@ -31,6 +31,15 @@ def fault_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     consumer.stop()
 
 
+@pytest.fixture(autouse=True)
+def live_pair(fault_pair: tuple[VllmServer, VllmServer]) -> None:
+    """Each test starts with both instances serving: a test that killed one need not restart it when nothing else
+    follows it (a restart costs tens of seconds here)."""
+    for server in fault_pair:
+        if server.proc.poll() is not None:
+            server.restart()
+
+
 def producer_stats(producer: VllmServer, before: dict[str, float], key: str, at_least: float) -> dict[str, float]:
     """The producer's stats change once ``key`` reached ``at_least`` (they reach /metrics with its engine steps)."""
     deadline = time.monotonic() + 10
@@ -149,7 +158,7 @@ def test_consumer_killed_and_restarted(fault_pair, reference):
 def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
     """The consumer's load has asked the producer (frozen, SIGSTOP: the transfer cannot finish) when the producer is
     killed: the load fails as soon as the connection dies, not after load_timeout (10 s), the prompt is recomputed
-    and the answer is right. The producer is restarted for what follows."""
+    and the answer is right. The producer stays down (``live_pair`` restarts it if another test follows)."""
     producer, consumer = fault_pair
     tokens = prompt(2300, 800)
     producer.complete(tokens, 1)
@@ -180,4 +189,3 @@ def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
         assert change.get("load_failures") == 1 and not change.get("loaded"), change
     finally:
         client.join(timeout=60)
-        producer.restart()

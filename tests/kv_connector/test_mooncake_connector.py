@@ -3,6 +3,7 @@ as the colocated reference instance."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -12,7 +13,7 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS
+from tests.kv_connector.conftest import SERVE_ARGS, kv_stats, settled_stats
 
 PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
 MAX_TOKENS = 16
@@ -78,15 +79,18 @@ def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
         stop(proc)
 
 
-def test_layout_mismatch_is_refused_clearly(tiny_model: Path, tmp_path: Path):
+def test_layout_mismatch_is_refused_clearly(pd_pair, reference, tmp_path: Path):
+    """A consumer serving another model (kv32k: 8 layers, 64 KiB of KV per token in float32) configured to load from
+    the shared pair's producer: it refuses the producer's layout, says why, and recomputes; the producer keeps
+    serving its own consumer."""
+    producer, own_consumer = pd_pair
     other_model = build_model("kv32k")
-    config = mooncake_json(tmp_path / "mooncake.json")
-    producer = VllmServer("producer-tiny", tiny_model, free_port(), 0, tmp_path, connector_config("kv_producer"),
-                          config, SERVE_ARGS)
+    producer_pipe = json.loads(Path(producer.env["MOONCAKE_CONFIG_PATH"]).read_text())["prefill_url"]
+    config = mooncake_json(tmp_path / "mooncake.json", prefill_url=producer_pipe)
     bigger_cache = [*SERVE_ARGS[:-4], "--kv-cache-memory-bytes", str(256 << 20), *SERVE_ARGS[-2:]]  # 64 KiB/token
     consumer = VllmServer("consumer-kv32k", other_model, free_port(), 1, tmp_path, connector_config("kv_consumer"),
                           config, bigger_cache)
-    start_vllm(producer, consumer)
+    start_vllm(consumer)
     try:
         tokens = prompt(300, 300)
         start = time.monotonic()
@@ -97,5 +101,8 @@ def test_layout_mismatch_is_refused_clearly(tiny_model: Path, tmp_path: Path):
         assert "differs from this instance's (model: producer LlamaForCausalLM:" in log
         assert "layers: producer 4 vs this instance 8" in log
     finally:
-        producer.stop()
         consumer.stop()
+    tokens = prompt(301, 300)
+    before = kv_stats(own_consumer)
+    assert disaggregated(producer, own_consumer, tokens) == reference.complete(tokens, MAX_TOKENS)
+    assert settled_stats(own_consumer, before, 1).get("loaded") == 1

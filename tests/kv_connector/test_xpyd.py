@@ -1,7 +1,8 @@
 """XpYd on real vLLM through proxy_server.py: any producer to any consumer, by vLLM's disaggregation protocol.
 
 Two producers (core 0) and two consumers (core 1); each instance's mooncake.json names only its own pipe address
-(consumer 0's also names producer 0 as its default, for requests without params). Two fleets, one after the other:
+(consumer 0's also names producer 0 as its default, for requests without params). Two fleets, one after the other
+(the pull fleet's producer 0 and consumer 0 are the session's ``pd_pair``, the push fleet is its own):
 
 - pull, P2PHANDSHAKE: the proxy picks a prefill and a decode instance independently; the decode request carries the
   params the producer answered with, so the consumer loads from the producer that prefilled it. Proof, from every
@@ -39,33 +40,41 @@ PULL, PUSH = "pull", "push"
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest, tiny_model: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmServer], list[VllmServer]]]:
-    """Two producers and two consumers in transfer mode ``request.param`` (pull: P2PHANDSHAKE; push: etcd)."""
+    """Two producers and two consumers in transfer mode ``request.param`` (pull: P2PHANDSHAKE, producer 0 and
+    consumer 0 the session's ``pd_pair``; push: etcd, all four started here)."""
     mode = request.param
     work = tmp_path_factory.mktemp(f"xpyd-{mode}")
     with contextlib.ExitStack() as stack:
         metadata = {}
+        producers, consumers = [], []
         if mode == PUSH:
             try:
                 etcd = stack.enter_context(servers.etcd_server(work))
             except servers.ServerUnavailable as e:
                 pytest.fail(str(e))
             metadata = {"metadata_server": f"etcd://{etcd}", "metadata_backend": "etcd"}
-        producers, consumers = [], []
-        for i in range(2):
+        else:  # consumer 0's mooncake.json names producer 0 (the pair's one file)
+            producer, consumer = request.getfixturevalue("pd_pair")
+            producers.append(producer)
+            consumers.append(consumer)
+        started = []
+        for i in range(len(producers), 2):
             config = mooncake_json(work / f"producer{i}.json", **metadata)
             producers.append(VllmServer(f"xpyd-{mode}-producer{i}", tiny_model, free_port(), 0, work,
                                         connector_config("kv_producer", transfer_mode=mode), config, SERVE_ARGS))
-        first_producer = json.loads((work / "producer0.json").read_text())["prefill_url"]
-        for i in range(2):
+            started.append(producers[-1])
+        first_producer = json.loads(Path(producers[0].env["MOONCAKE_CONFIG_PATH"]).read_text())["prefill_url"]
+        for i in range(len(consumers), 2):
             extra = {"prefill_url": first_producer} if i == 0 else {}
             config = mooncake_json(work / f"consumer{i}.json", **extra, **metadata)
             consumers.append(VllmServer(f"xpyd-{mode}-consumer{i}", tiny_model, free_port(), 1, work,
                                         connector_config("kv_consumer", transfer_mode=mode), config, SERVE_ARGS))
+            started.append(consumers[-1])
         try:
-            start_vllm(*producers, *consumers)
+            start_vllm(*started)
             yield producers, consumers
         finally:
-            for server in producers + consumers:
+            for server in started:
                 server.stop()
 
 
