@@ -74,7 +74,7 @@ fi
 # 5. Smoke checks, so that a broken environment fails here and not deep inside a test.
 .venv/bin/python -c 'from mooncake.engine import TransferEngine' \
     || { echo "[setup] the Mooncake Transfer Engine does not import (see above)" >&2; exit 1; }
-# (the vllm command takes seconds to start: run it once)
+# (the vllm command takes seconds to start, importing torch and vLLM: it is the one check that does)
 vllm_version=$(.venv/bin/vllm --version 2>/dev/null | tail -1) && [ -n "$vllm_version" ] \
     || { echo "[setup] .venv/bin/vllm does not run: try 'rm .venv/.setup-stamp' and run this again" >&2; exit 1; }
-log "ready: $(.venv/bin/python -c 'import torch, vllm; print(f"torch {torch.__version__}, vllm {vllm.__version__}")'), $vllm_version"
+log "ready: torch $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))'), vllm $vllm_version"

@@ -34,6 +34,7 @@ from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"
+COOLDOWN = 1.0  # seconds the proxy skips an instance that failed (its default, 5, only makes the test wait)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,9 @@ def proxy_for(tmp_path_factory: pytest.TempPathFactory):
     """Starts proxy_server.py in front of the given instances; all stopped at the end of the module."""
     procs = []
 
-    def start(producers: list[VllmServer], consumers: list[VllmServer]) -> OpenAIClient:
+    def start(producers: list[VllmServer], consumers: list[VllmServer], *options: str) -> OpenAIClient:
         port = free_port()
-        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port), *options]
         for p in producers:
             cmd += ["--prefill", p.url]
         for c in consumers:
@@ -189,7 +190,7 @@ def test_a_producer_killed_and_restarted(fleet, proxy_for, reference):
     """2P2D: producer 1 is killed: the proxy sends every prefill to producer 0 and every load is still served. Once
     producer 1 is back (same address), the consumers link to it again: its requests load from it, nothing lost."""
     producers, consumers = fleet
-    proxy = proxy_for(producers, consumers)
+    proxy = proxy_for(producers, consumers, "--cooldown", str(COOLDOWN))
     kill(producers[1].proc)
     prompts = [SYSTEM + prompt(seed, 200) for seed in range(7600, 7604)]
     before = [kv_stats(c) for c in consumers]
@@ -206,5 +207,5 @@ def test_a_producer_killed_and_restarted(fleet, proxy_for, reference):
     assert sum(c.get("loaded", 0) for c in changes) == len(prompts) and not any(
         c.get("load_failures") or c.get("load_misses") for c in changes), changes
     producers[1].restart()
-    time.sleep(5)  # the proxy's cooldown of the instance that failed
+    time.sleep(COOLDOWN + 0.5)  # the proxy's cooldown of the instance that failed
     run_through(proxy, producers, consumers, reference, range(7700, 7708))
