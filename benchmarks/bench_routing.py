@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -76,12 +75,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import fmt, header, native_dtype, percentile, vllm_version, write  # noqa: E402
+from benchmarks.serve_client import goodput, run_bench_serve  # noqa: E402
 from benchmarks.stacks import serve_args_for  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 from harness.processes import http_ok, spawn, stop, wait_ready  # noqa: E402
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 
-CLIENT_TIMEOUT = 1800.0
 DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 TTFT_TARGET, MOVED_TARGET = 1.05, 1.1
 LOADED_BYTES = "vllm:mooncake_kv_loaded_bytes_total"
@@ -273,37 +272,21 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
         reset_prefix_cache(server)
     fleet.start_front(front)
     name = f"{front.replace(' ', '_')}-{workload}"
-    result_file = work / f"{name}.json"
-    cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "openai",
-           "--base-url", fleet.front_url, "--endpoint", "/v1/completions", "--model", str(model),
-           "--tokenizer", str(model), *dataset_args(workload, args), "--ignore-eos",
-           "--num-prompts", str(args.prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
-           "--ready-check-timeout-sec", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(work),
-           "--result-filename", result_file.name, "--disable-tqdm"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     before = [scrape(s.url) for s in fleet.consumers]
-    log = work / f"{name}.log"
-    proc = spawn(cmd, log, env)
-    try:
-        code = proc.wait(timeout=CLIENT_TIMEOUT)
-    except BaseException:
-        stop(proc)
-        raise
-    if code != 0 or not result_file.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        run.error = f"vllm bench serve exited with {code}"
-        print(f"  {name}: {run.error}; log tail:\n{tail}", flush=True)
+    # without vllm bench serve's initial test request, which would warm one history before the timed run
+    result = run_bench_serve(fleet.front_url, model, dataset_args(workload, args), args.prompts, args.rate, args.seed,
+                             work / f"{name}.json", ["--ready-check-timeout-sec", "0"])
+    run.error = result.error
+    if not result.data:
         return run
     time.sleep(1.0)  # the last loads' stats reach /metrics with a later engine step
     after = [scrape(s.url) for s in fleet.consumers]
-    data = json.loads(result_file.read_text())
+    data = result.data
     run.completed, run.failed, run.duration = data["completed"], data["failed"], data["duration"]
     if run.completed:
         run.ttft_p50, run.ttft_p99 = data.get("p50_ttft_ms"), data.get("p99_ttft_ms")
         run.itl_p99, run.tpot_p50 = data.get("p99_itl_ms"), data.get("p50_tpot_ms")
-    run.requests = {"ttft": data["ttfts"], "latency": data["latencies"], "output_len": data["output_lens"],
-                    "input_len": data["input_lens"]}
+    run.requests = result.requests
     ok = [out > 0 for out in data["output_lens"]]
     if workload == "shared" and len(follow) == len(ok):
         later = [t * 1e3 for t, f, good in zip(data["ttfts"], follow, ok, strict=True) if f and good]
@@ -322,25 +305,8 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
         proxy = scrape(fleet.front_url)
         run.skipped = proxy.get("mooncake_proxy_prefill_skipped_total", 0.0)
         run.routed = {k: v for k, v in proxy.items() if k.startswith("mooncake_proxy_routed")}
-    errors = sorted({e for e in data.get("errors", []) if e})
-    if errors:
-        run.error = f"{len(errors)} distinct request errors, first: {errors[0][:200]}"
     fleet.stop_front()
     return run
-
-
-def goodput(run: Run, slo: tuple[float, float]) -> float | None:
-    """Requests per second that met both SLOs (TPOT of a one-token answer counts as 0), as vLLM defines it."""
-    if not run.duration or not run.requests:
-        return None
-    good = 0
-    req = run.requests
-    for ttft, latency, out in zip(req["ttft"], req["latency"], req["output_len"], strict=True):
-        if not out:
-            continue
-        tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
-        good += ttft * 1e3 <= slo[0] and tpot * 1e3 <= slo[1]
-    return good / run.duration
 
 
 # ----------------------------------------------------------------------------- report
@@ -463,7 +429,7 @@ def main() -> None:
             slos[workload] = (args.slo_x * base.ttft_p50, args.slo_x * base.tpot_p50)
     for run in runs:
         if run.workload in slos:
-            run.goodput = goodput(run, slos[run.workload])
+            run.goodput = goodput(run.requests, run.duration, *slos[run.workload])
     checks, chosen = targets(runs, args.thresholds)
     minutes = (time.monotonic() - began) / 60
     settings = (f"kv32k ({dtype}, {per_token >> 10} KiB of KV per token), vLLM {vllm_version()}; `vllm serve` "

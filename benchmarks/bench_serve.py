@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import sys
@@ -86,9 +85,9 @@ from benchmarks.common import (  # noqa: E402
     vllm_version,
     write,
 )
+from benchmarks.serve_client import goodput, run_bench_serve  # noqa: E402
 from benchmarks.stacks import Stacks, serve_args_for, stream  # noqa: E402
 from harness.ports import HOST  # noqa: E402
-from harness.processes import spawn, stop  # noqa: E402
 from harness.vllm import VllmServer  # noqa: E402
 
 MODES = ("colocated", "ours", "push", "builtin")
@@ -100,7 +99,6 @@ ITL_RATIO_TARGET = 0.5          # 1P1D / colocated ITL p99, where the colocated 
 ITL_DOUBLING = 2.0
 GOODPUT_RATIO_TARGET = 1.2      # 1P1D / colocated best goodput
 PUSH_TTFT_RATIO_TARGET = 1.05   # push / colocated TTFT p50, one request at a time, 1024 tokens
-CLIENT_TIMEOUT = 1800.0         # one vllm bench serve run
 
 # Request rates (req/s) per prompt length: from light load to beyond what the colocated pair sustains (the load is
 # decode-bound; benchmarks/results/NOTES.md has the figures these sweeps were chosen from).
@@ -170,37 +168,21 @@ class ServeStacks(Stacks):
 def run_point(stacks: ServeStacks, point: Point, model: Path, work: Path, slo: tuple[float, float] | None) -> None:
     """Run ``vllm bench serve`` for ``point`` against the stack's front and fill in its figures."""
     name = f"{point.stack}-{point.length}-{point.label}"
-    result_file = work / f"{name}.json"
-    cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "openai",
-           "--base-url", stacks.proxy_url, "--endpoint", "/v1/completions", "--model", str(model),
-           "--tokenizer", str(model), "--dataset-name", "random", "--random-input-len", str(point.length),
-           "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0", "--ignore-eos",
-           "--num-prompts", str(point.prompts), "--request-rate", "inf" if point.rate is None else str(point.rate),
-           "--seed", str(point.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", result_file.name,
-           "--disable-tqdm"]
-    if point.max_concurrency:
-        cmd += ["--max-concurrency", str(point.max_concurrency)]
+    dataset = ["--dataset-name", "random", "--random-input-len", str(point.length), "--random-output-len",
+               str(OUTPUT_LEN), "--random-range-ratio", "0"]
+    extra = ["--max-concurrency", str(point.max_concurrency)] if point.max_concurrency else []
     if slo is not None:
-        cmd += ["--goodput", f"ttft:{slo[0]:.3f}", f"tpot:{slo[1]:.3f}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    log = work / f"{name}.log"
+        extra += ["--goodput", f"ttft:{slo[0]:.3f}", f"tpot:{slo[1]:.3f}"]
     consumer = stacks.consumer()
     hits_before = consumer.metric("vllm:external_prefix_cache_hits_total") if consumer else 0.0
     began = time.monotonic()
-    proc = spawn(cmd, log, env)
-    try:
-        code = proc.wait(timeout=CLIENT_TIMEOUT)
-    except BaseException:
-        stop(proc)
-        raise
+    result = run_bench_serve(stacks.proxy_url, model, dataset, point.prompts, point.rate, point.seed,
+                             work / f"{name}.json", extra)
     point.wall_s = time.monotonic() - began
-    if code != 0 or not result_file.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        point.error = f"vllm bench serve exited with {code}"
-        print(f"  {name}: {point.error}; log tail:\n{tail}", flush=True)
+    point.error = result.error
+    if not result.data:
         return
-    data = json.loads(result_file.read_text())
+    data = result.data
     point.completed, point.failed, point.duration = data["completed"], data["failed"], data["duration"]
     point.output_throughput, point.request_throughput = data["output_throughput"], data["request_throughput"]
     if point.completed:
@@ -208,29 +190,11 @@ def run_point(stacks: ServeStacks, point: Point, model: Path, work: Path, slo: t
             setattr(point, f"{attr}_p50", data.get(f"p50_{key}_ms"))
             setattr(point, f"{attr}_p99", data.get(f"p99_{key}_ms"))
     point.vllm_goodput = data.get("request_goodput")
-    point.requests = {"ttft": data["ttfts"], "latency": data["latencies"], "output_len": data["output_lens"],
-                      "input_len": data["input_lens"]}
+    point.requests = result.requests
     if consumer is not None:
         hits = consumer.metric("vllm:external_prefix_cache_hits_total") - hits_before
         expected = sum(n - 1 for n, out in zip(data["input_lens"], data["output_lens"], strict=True) if out)
         point.kv_used = hits / expected if expected else None
-    errors = sorted({e for e in data.get("errors", []) if e})
-    if errors:
-        point.error = f"{len(errors)} distinct request errors, first: {errors[0][:200]}"
-
-
-def goodput(point: Point, slo_ttft_ms: float, slo_tpot_ms: float) -> float | None:
-    """Requests per second that met both SLOs, as vLLM defines it (TPOT of a one-token answer counts as 0)."""
-    if not point.duration or not point.requests:
-        return None
-    good = 0
-    req = point.requests
-    for ttft, latency, out in zip(req["ttft"], req["latency"], req["output_len"], strict=True):
-        if not out:
-            continue  # failed
-        tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
-        good += ttft * 1e3 <= slo_ttft_ms and tpot * 1e3 <= slo_tpot_ms
-    return good / point.duration
 
 
 def warm_up(stacks: ServeStacks, model: Path, lengths: list[int], vocab: int, seed: int) -> None:
@@ -489,7 +453,7 @@ def main() -> int:
             slos[length] = slo_for(args, points, length)
     for p in points:
         slo = slos.get(p.length)
-        p.goodput = goodput(p, *slo) if slo else None
+        p.goodput = goodput(p.requests, p.duration, *slo) if slo else None
     checks = targets(points, lengths)
     rule = ", ".join([f"TTFT {args.slo_ttft_ms} ms" if args.slo_ttft_ms else
                       f"TTFT {args.slo_ttft_x:g}x the colocated pair's TTFT p50 at its lowest rate",
