@@ -2,16 +2,19 @@
 request goes to the consumer at the same time as the prefill goes to the producer, with
 ``{"do_remote_prefill": true, "mooncake_await_push": true}`` instead of the producer's answer; the prefill carries
 ``mooncake_push_to`` (and its proof: the pair has a secret) as the proxy sends it. Also: an awaited push that never
-comes is recomputed after ``push_wait``, and ``do_remote_prefill: false`` loads nothing."""
+comes is recomputed after ``push_wait``, ``do_remote_prefill: false`` loads nothing, and a decode abandoned by its
+client while its prefill runs leaves nothing behind."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
 import time
 import urllib.request
 
 from proxy.protocols import push_target
-from tests.kv_connector.conftest import ROW_BYTES, diff, kv_stats, settled_stats, wait_idle
+from tests.kv_connector.conftest import ROW_BYTES, diff, kv_stats, metrics, settled_stats, wait_idle
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 AWAIT = {"do_remote_prefill": True, "mooncake_await_push": True}
@@ -112,3 +115,37 @@ def test_do_remote_prefill_false_loads_nothing(push_pair, reference):
     change = diff(kv_stats(consumer), before)
     for name in ("loaded", "load_failures", "load_misses", "external_hits", "loaded_bytes", "fetched_bytes"):
         assert not change.get(name), change
+
+
+def test_a_decode_abandoned_while_its_prefill_runs(push_pair, reference):
+    """The client goes away while the consumer waits for the push (the prefill still to come). vLLM notices when it
+    has something to send (here the load then completed first); whenever it aborts the decode, the consumer keeps
+    serving: it goes idle with no load in flight, and the same prompt, sent again with its prefill, is answered
+    right from pushed KV."""
+    producer, consumer = push_pair
+    tokens = prompt(3400, 700)
+    params = prefill_params(consumer)
+    wait_idle(consumer)
+    before = kv_stats(consumer)
+    body = json.dumps({"model": consumer.model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "stream": True, "kv_transfer_params": AWAIT}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", consumer.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while not sum(metrics(consumer).get(f"vllm:num_requests_{s}", 0.0) for s in ("running", "waiting")):
+            assert time.monotonic() < deadline, "the consumer never took the decode"
+            time.sleep(0.05)
+    finally:
+        conn.close()  # the client is gone before any token: the decode still waits for its push
+    producer.complete(tokens, 1, kv_transfer_params=params)  # the prefill ends after the client left, and pushes
+    flush_stats(producer)
+    wait_idle(consumer, timeout=PUSH_WAIT + 30)
+    left = kv_stats(consumer)
+    print(f"abandoned: {diff(left, before)}")
+    assert not left.get("loads_in_flight"), left
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = Dispatched(pool, producer, consumer, tokens, params).text()
+    assert got == reference.complete(tokens, MAX_TOKENS)
+    change = diff(settled_stats(consumer, left, 1), {})
+    assert change.get("await_push_loads") == 1 and not change.get("load_failures"), change
