@@ -61,10 +61,14 @@ class Router:
         return self.balancers[role]
 
     # ---------------------------------------------------------------- estimates
-    def tokens(self, hint: Fingerprint, units: int | None = None) -> float:
-        """Estimated tokens of ``units`` of the prompt (characters or tokens; default the whole prompt)."""
+    def tokens(self, hint: Fingerprint, units: int | None = None, cautious: bool = False) -> float:
+        """Estimated tokens of ``units`` of the prompt (characters or tokens; default the whole prompt). ``cautious``:
+        until a prefill answer has calibrated the characters per token, a character counts as a token."""
         units = hint.size if units is None else units
-        return float(units) if hint.tokens else units / self.calibration[hint.chat].value
+        if hint.tokens:
+            return float(units)
+        ratio = self.calibration[hint.chat]
+        return units / (1.0 if cautious and not ratio.samples else ratio.value)
 
     def cached(self, hint: Fingerprint | None, choice: Choice) -> float:
         return 0.0 if hint is None else min(self.tokens(hint, choice.cached * hint.chunk_units), self.tokens(hint))
@@ -99,11 +103,8 @@ class Router:
         if not threshold or hint is None:
             return False
         held = decode.upstream.prefix.match(hint.chunks, confirmed=True) * hint.chunk_units
-        if hint.tokens or self.calibration[hint.chat].samples:
-            total, cached = self.tokens(hint), min(self.tokens(hint, held), self.tokens(hint))
-        else:
-            total, cached = float(hint.size), float(min(held, hint.size))
-        uncached = total - cached
+        total = self.tokens(hint, cautious=True)
+        uncached = total - min(self.tokens(hint, held, cautious=True), total)
         skip = uncached < threshold
         if skip:
             self.skipped.inc()
