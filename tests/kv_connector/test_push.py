@@ -16,10 +16,10 @@ from kv_connector.push import PushTransfer
 from kv_connector.source import LoadSource
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import LoadResult
-from kv_lookup_buffer import push_receiver, push_sender
 from kv_lookup_buffer import push_wire as pw
 from kv_lookup_buffer.push_buffer import PushArrivals, PushedEntry, PushReceiver, PushSender, entry_key
 from kv_pipe.local_pipe import LocalPipe, local_pipe_pair
+from tests.kv_lookup_buffer.test_push_buffer_logic import quick_poll, wait_for  # noqa: F401 (quick_poll: autouse)
 
 BLOCK, LAYERS, WIDTH, NUM_BLOCKS = 4, 2, 3, 16
 PEER, PREFILL = "10.0.0.2:13103", "10.0.0.1:13003"
@@ -234,12 +234,6 @@ class AwaitLinks:
             receiver.close()
 
 
-@pytest.fixture(autouse=True)
-def quick_poll(monkeypatch):
-    monkeypatch.setattr(push_sender, "_POLL", 0.02)
-    monkeypatch.setattr(push_receiver, "_POLL", 0.02)
-
-
 @pytest.fixture
 def awaiting():
     """``make(push_wait, rank)``: a consumer's PushTransfer over ``AwaitLinks`` to producers PREFILL and PEER_B."""
@@ -257,19 +251,10 @@ def awaiting():
         links.close()
 
 
-def until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def push_prompt(t: PushTransfer, sender: PushSender, tokens: list[int], nblocks: int, commit: bool = True) -> None:
     """What a producer's push of ``tokens`` sends: BEGIN (once its credit came), every layer's blocks, COMMIT."""
     key = entry_key(tokens)
-    assert until(lambda: sender.begin(key, t.layout.kv_bytes(nblocks), LAYERS, nblocks))
+    assert wait_for(lambda: sender.begin(key, t.layout.kv_bytes(nblocks), LAYERS, nblocks))
     if commit:
         commit_prompt(t, sender, tokens, nblocks)
 
@@ -299,7 +284,7 @@ def test_an_entry_pushed_and_committed_before_the_load_starts_is_taken_at_once(a
     sender, receiver, _ = links.ends[PEER_B]
     push_prompt(t, sender, list(range(15)), 4)
     key = entry_key(list(range(15)))
-    assert until(lambda: receiver.look(key) == "staged" and receiver._entries[key].committed)
+    assert wait_for(lambda: receiver.look(key) == "staged" and receiver._entries[key].committed)
     start = time.monotonic()
     req = awaited(first=1)
     result = t.load(req, time.monotonic() + 5)
@@ -346,7 +331,7 @@ def test_a_pull_notice_loads_from_that_links_producer_at_this_rank(awaiting, ran
         push_prompt(t, sender, list(range(15)), 4, commit=False)
     if notice_first:  # no room: the producer saved it for pull before this load started
         sender.notify_pull(key)
-        assert until(lambda: links.ends[PEER_B][1].look(key) == "pull")
+        assert wait_for(lambda: links.ends[PEER_B][1].look(key) == "pull")
     else:
         threading.Timer(0.2, sender.notify_pull, (key,)).start()
     result = t.load(awaited(), time.monotonic() + 5)
