@@ -15,6 +15,7 @@ import pytest
 
 from harness.ports import free_port
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
               "--max-num-batched-tokens", "512"]
@@ -67,11 +68,28 @@ PUSH_PAIR_SECRET = "push-pair-secret-" + "7" * 32
 
 
 @pytest.fixture(scope="session")
-def push_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), and a shared secret
-    (``PUSH_PAIR_SECRET``): its params are signed."""
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An etcd server (the distribution's) on 127.0.0.1: its "host:port"."""
+    try:
+        with servers.etcd_server(tmp_path_factory.mktemp("etcd")) as address:
+            yield address
+    except servers.ServerUnavailable as e:
+        pytest.fail(str(e))
+
+
+def etcd_metadata(address: str) -> dict[str, str]:
+    """mooncake.json's fields for Transfer Engine metadata kept in the etcd server at ``address``."""
+    return {"metadata_server": f"etcd://{address}", "metadata_backend": "etcd"}
+
+
+@pytest.fixture(scope="session")
+def push_pair(tiny_model: Path, etcd: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), a shared secret
+    (``PUSH_PAIR_SECRET``: its params are signed) and its Transfer Engine metadata in etcd (``pd_pair`` and the
+    other pairs use P2PHANDSHAKE)."""
     producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push",
-                                    auth_secret=PUSH_PAIR_SECRET)
+                                    auth_secret=PUSH_PAIR_SECRET, **etcd_metadata(etcd))
     yield producer, consumer
     producer.stop()
     consumer.stop()

@@ -1,22 +1,21 @@
 """XpYd on real vLLM through proxy_server.py: any producer to any consumer, by vLLM's disaggregation protocol.
 
-Two producers (core 0) and two consumers (core 1); each instance's mooncake.json names only its own pipe address
-(consumer 0's also names producer 0 as its default, for requests without params). Two fleets, one after the other
-(the pull fleet's producer 0 and consumer 0 are the session's ``pd_pair``, the push fleet is its own):
+Two producers (core 0) and two consumers (core 1): producer 0 and consumer 0 are a session pair (one mooncake.json:
+consumer 0 names producer 0 as its default, for requests without params), producer 1 and consumer 1 have one each
+that names only their own pipe address. Two fleets, one after the other:
 
 - pull, P2PHANDSHAKE: the proxy picks a prefill and a decode instance independently; the decode request carries the
   params the producer answered with, so the consumer loads from the producer that prefilled it. Proof, from every
   instance's connector stats: every load served (no miss, no partial load, no failure: nothing recomputed; a producer
   that did not prefill a request lacks its question), bytes fetched by the consumers = bytes served by the producers.
-- push, etcd metadata: the proxy picks the decode instance first, reads its push address from its /metrics and puts
-  it on the prefill; every load is served from what the producer pushed (nothing fetched, nothing recomputed).
+- push, etcd metadata and a secret: the proxy picks the decode instance first, reads its push address (and its
+  proof) from its /metrics and puts them on the prefill; every load is served from what the producer pushed
+  (nothing fetched, nothing recomputed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import json
 import sys
 import time
 import urllib.request
@@ -28,9 +27,9 @@ import pytest
 from harness.ports import free_port
 from harness.processes import http_ok, kill, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
-from proxy.protocols import push_address
-from tests import servers
-from tests.kv_connector.conftest import SERVE_ARGS, diff, kv_stats, settled_stats
+from kv_connector.protocol import PUSH_PROOF
+from proxy.discovery import push_target
+from tests.kv_connector.conftest import PUSH_PAIR_SECRET, SERVE_ARGS, diff, etcd_metadata, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
@@ -41,42 +40,27 @@ COOLDOWN = 1.0  # seconds the proxy skips an instance that failed (its default, 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest, tiny_model: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmServer], list[VllmServer]]]:
-    """Two producers and two consumers in transfer mode ``request.param`` (pull: P2PHANDSHAKE, producer 0 and
-    consumer 0 the session's ``pd_pair``; push: etcd, all four started here)."""
+    """Two producers and two consumers in transfer mode ``request.param``: producer 0 and consumer 0 are the
+    session's pair of that mode (``pd_pair``: P2PHANDSHAKE; ``push_pair``: etcd and a secret, which producer 1 and
+    consumer 1 share), producer 1 and consumer 1 are started here."""
     mode = request.param
     work = tmp_path_factory.mktemp(f"xpyd-{mode}")
-    with contextlib.ExitStack() as stack:
-        metadata = {}
-        producers, consumers = [], []
-        if mode == PUSH:
-            try:
-                etcd = stack.enter_context(servers.etcd_server(work))
-            except servers.ServerUnavailable as e:
-                pytest.fail(str(e))
-            metadata = {"metadata_server": f"etcd://{etcd}", "metadata_backend": "etcd"}
-        else:  # consumer 0's mooncake.json names producer 0 (the pair's one file)
-            producer, consumer = request.getfixturevalue("pd_pair")
-            producers.append(producer)
-            consumers.append(consumer)
-        started = []
-        for i in range(len(producers), 2):
-            config = mooncake_json(work / f"producer{i}.json", **metadata)
-            producers.append(VllmServer(f"xpyd-{mode}-producer{i}", tiny_model, free_port(), 0, work,
-                                        connector_config("kv_producer", transfer_mode=mode), config, SERVE_ARGS))
-            started.append(producers[-1])
-        first_producer = json.loads(Path(producers[0].env["MOONCAKE_CONFIG_PATH"]).read_text())["prefill_url"]
-        for i in range(len(consumers), 2):
-            extra = {"prefill_url": first_producer} if i == 0 else {}
-            config = mooncake_json(work / f"consumer{i}.json", **extra, **metadata)
-            consumers.append(VllmServer(f"xpyd-{mode}-consumer{i}", tiny_model, free_port(), 1, work,
-                                        connector_config("kv_consumer", transfer_mode=mode), config, SERVE_ARGS))
-            started.append(consumers[-1])
-        try:
-            start_vllm(*started)
-            yield producers, consumers
-        finally:
-            for server in started:
-                server.stop()
+    producer, consumer = request.getfixturevalue("pd_pair" if mode == PULL else "push_pair")
+    metadata: dict[str, str] = {}
+    if mode == PUSH:
+        metadata = {**etcd_metadata(request.getfixturevalue("etcd")), "auth_secret": PUSH_PAIR_SECRET}
+    new_producer = VllmServer(f"xpyd-{mode}-producer1", tiny_model, free_port(), 0, work,
+                              connector_config("kv_producer", transfer_mode=mode),
+                              mooncake_json(work / "producer1.json", **metadata), SERVE_ARGS)
+    new_consumer = VllmServer(f"xpyd-{mode}-consumer1", tiny_model, free_port(), 1, work,
+                              connector_config("kv_consumer", transfer_mode=mode),
+                              mooncake_json(work / "consumer1.json", **metadata), SERVE_ARGS)
+    try:
+        start_vllm(new_producer, new_consumer)
+        yield [producer, new_producer], [consumer, new_consumer]
+    finally:
+        new_producer.stop()
+        new_consumer.stop()
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +107,11 @@ def run_through(proxy: OpenAIClient, producers: list[VllmServer], consumers: lis
         served = sum(c.get("served_bytes", 0) for c in produced)
         fetched = sum(c.get("fetched_bytes", 0) for c in consumed)
         pushed = sum(c.get("pushed", 0) for c in produced)
-        settled = served == fetched if mode == PULL else pushed >= len(prompts)
+        # push: a producer counts a prompt pushed when it queues the commit, its bytes as its sender thread sends
+        # them, and reports both with its next engine step: its bytes may show up a poke later than its count
+        loaded = sum(c.get("loaded_bytes", 0) for c in consumed)
+        pushed_bytes = sum(c.get("pushed_bytes", 0) for c in produced)
+        settled = served == fetched if mode == PULL else pushed >= len(prompts) and pushed_bytes >= loaded
         if loads >= len(prompts) and settled or time.monotonic() > deadline:
             break
         for producer in producers:  # an idle producer reports what it served with its next engine step
@@ -139,7 +127,7 @@ def run_through(proxy: OpenAIClient, producers: list[VllmServer], consumers: lis
         # every load taken from a push, and each producer pushed exactly the requests it prefilled
         assert sum(c.get("push_loaded", 0) for c in consumed) == len(prompts), consumed
         assert pushed == len(prompts) and not fetched and not served, changes
-        assert sum(c.get("pushed_bytes", 0) for c in produced) >= sum(c.get("loaded_bytes", 0) for c in consumed) > 0
+        assert pushed_bytes >= loaded > 0, changes
         return
     assert [c.get("saved", 0) for c in produced] != [0] * len(producers)
     assert sum(c.get("saved", 0) for c in produced) == len(prompts) + pokes * len(producers)
@@ -176,10 +164,11 @@ def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) ->
     (the link is made in the background): open every producer-to-consumer link before measuring."""
     for consumer in consumers:
         with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
-            pipes = push_address(resp.read().decode())
-        assert pipes, f"{consumer.name} does not advertise a push address on /metrics"
+            target = push_target(resp.read().decode())
+        assert target, f"{consumer.name} does not advertise a push address on /metrics"
+        pipes, proof = target
         for producer in producers:
-            params = {"do_remote_decode": True, "mooncake_push_to": pipes}
+            params = {"do_remote_decode": True, "mooncake_push_to": pipes, **({PUSH_PROOF: proof} if proof else {})}
             deadline = time.monotonic() + 20
             while True:
                 before = kv_stats(producer).get("pushed", 0)
