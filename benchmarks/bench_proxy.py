@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(upstream_port)])
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy_server.py"), "--prefill", upstream_url,
                               "--decode", upstream_url, "--host", HOST, "--port", str(proxy_port),
-                              "--log-level", "WARNING"])
+                              "--log-level", "WARNING", "--skip-prefill-below", "0"])
     try:
         async with aiohttp.ClientSession() as session:
             await wait_ready(session, upstream_url, upstream)

@@ -156,7 +156,8 @@ class ServeStacks(Stacks):
         elif "builtin" in self.modes:
             self.start_proxy([str(ROOT / "proxy_server.py"), "--prefill", self.servers["builtin-producer"].url,
                               "--decode", self.servers["builtin-consumer"].url, "--protocol", "bootstrap",
-                              "--bootstrap", f"http://{HOST}:{self.bootstrap_port}", "--log-level", "WARNING"])
+                              "--bootstrap", f"http://{HOST}:{self.bootstrap_port}", "--log-level", "WARNING",
+                              "--skip-prefill-below", "0"])
         else:
             super().start_front()
 

@@ -155,9 +155,10 @@ class Stacks:
             self.start_proxy(self.proxy_args(ours_mode))
 
     def proxy_args(self, mode: str, *extra: str) -> list[str]:
-        """``proxy_server.py`` in front of the stack ``mode`` of ours, with ``extra`` options."""
+        """``proxy_server.py`` in front of the stack ``mode`` of ours, with ``extra`` options; every prefill remote
+        (``--skip-prefill-below 0``): these benchmarks time the disaggregated path."""
         return [str(ROOT / "proxy_server.py"), "--prefill", self.servers[f"{mode}-producer"].url, "--decode",
-                self.servers[f"{mode}-consumer"].url, "--log-level", "WARNING", *extra]
+                self.servers[f"{mode}-consumer"].url, "--log-level", "WARNING", "--skip-prefill-below", "0", *extra]
 
     def start_extra_proxy(self, script_args: list[str]) -> str:
         """Another proxy (e.g. other options, same instances); its URL. Stopped with the stack."""

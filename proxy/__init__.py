@@ -11,15 +11,15 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
    generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
 2. The decode instance is chosen first (see Routing) and counted as busy from then on: in push mode the producer
    must know where the KV goes before it prefills.
-3. Skip rule (``--skip-prefill-below N``, 0 = off, the default): if the part of the prompt the chosen decode
+3. Skip rule (``--skip-prefill-below N``, default 256 tokens, 0 = off): if the part of the prompt the chosen decode
    instance does not hold is estimated below N tokens, there is no remote prefill: the request goes straight to
    the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (the
    connectors, this project's and vLLM's, then load nothing). Logged at INFO with the numbers; counted. Only the
    part the decode instance has *answered* counts as held (a request routed there a moment ago may still be
-   loading its KV), and until a prefill answer has calibrated the characters per token, a character counts as a
-   token (text of rare tokens can be ~1 character per token).
-   N must be chosen by measurement (the prefill that is no longer disaggregated delays the decode instance's
-   other requests); until then the default is off.
+   loading its KV), and a text prompt is sized with the lowest characters per token of recent prompts (a
+   character per token before any prefill answer has calibrated it: text of rare tokens can be ~1). The default
+   is what benchmarks/bench_routing.py chose (benchmarks/results/NOTES.md); the prompt computed on the decode
+   instance delays its other requests, so a fleet should measure its own.
 4. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
    false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
    same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.

@@ -19,7 +19,7 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 ADMIN_TOKEN_ENV = "MOONCAKE_PROXY_ADMIN_TOKEN"  # the admin token, if --admin-token is not given
 MIN_ADMIN_TOKEN = 16  # characters
 DEFAULT_BALANCE_SLACK = 4
-DEFAULT_SKIP_PREFILL_BELOW = 0  # off: to be chosen by measurement (and see the package docstring)
+DEFAULT_SKIP_PREFILL_BELOW = 256  # tokens; chosen by benchmarks/bench_routing.py (see benchmarks/results/NOTES.md)
 DEFAULT_PREFIX_INDEX_ENTRIES = 200_000  # chunks, all instances together (~150 bytes each)
 
 
@@ -156,8 +156,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                              f"outstanding requests beyond the least loaded one (default {DEFAULT_BALANCE_SLACK})")
     parser.add_argument("--skip-prefill-below", type=int, default=DEFAULT_SKIP_PREFILL_BELOW, metavar="TOKENS",
                         help="send a request straight to the decode instance when the part of its prompt that "
-                             "instance does not hold is estimated below TOKENS (default 0: never; choose it by "
-                             "measurement)")
+                             "instance does not hold is estimated below TOKENS (default "
+                             f"{DEFAULT_SKIP_PREFILL_BELOW}; 0: always prefill remotely)")
     parser.add_argument("--prefix-index-entries", type=int, default=DEFAULT_PREFIX_INDEX_ENTRIES, metavar="N",
                         help="prompt prefix chunks the proxy remembers, all instances together (default "
                              f"{DEFAULT_PREFIX_INDEX_ENTRIES}; 0: no prefix routing)")

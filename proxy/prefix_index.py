@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,11 +131,19 @@ class PrefixIndex:
 
 class CharsPerToken:
     """Characters per token of the proxy's serialization, calibrated from the prompt sizes vLLM reports (a running
-    mean, then an exponential one), clamped to [MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN]."""
+    mean, then an exponential one), clamped to [MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN]; ``low`` is the lowest
+    ratio of the last ``LOW_WINDOW`` prompts (the most tokens a text of that many characters has been seen to hold)."""
+
+    LOW_WINDOW = 32
 
     def __init__(self) -> None:
         self.value = DEFAULT_CHARS_PER_TOKEN
         self.samples = 0
+        self._recent: deque[float] = deque(maxlen=self.LOW_WINDOW)
+
+    @property
+    def low(self) -> float:
+        return min(self._recent, default=self.value)
 
     def observe(self, chars: int, tokens: Any) -> None:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0 or chars <= 0:
@@ -143,6 +151,7 @@ class CharsPerToken:
         ratio = min(max(chars / tokens, MIN_CHARS_PER_TOKEN), MAX_CHARS_PER_TOKEN)
         self.samples += 1
         self.value += max(1.0 / self.samples, 0.05) * (ratio - self.value)
+        self._recent.append(ratio)
 
 
 @dataclass(frozen=True)

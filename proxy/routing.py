@@ -63,12 +63,15 @@ class Router:
     # ---------------------------------------------------------------- estimates
     def tokens(self, hint: Fingerprint, units: int | None = None, cautious: bool = False) -> float:
         """Estimated tokens of ``units`` of the prompt (characters or tokens; default the whole prompt). ``cautious``:
-        until a prefill answer has calibrated the characters per token, a character counts as a token."""
+        as many tokens as recent prompts of that kind were seen to hold at most (the lowest characters per token
+        among them); until a prefill answer has calibrated the ratio, a character counts as a token."""
         units = hint.size if units is None else units
         if hint.tokens:
             return float(units)
         ratio = self.calibration[hint.chat]
-        return units / (1.0 if cautious and not ratio.samples else ratio.value)
+        if not cautious:
+            return units / ratio.value
+        return units / (ratio.low if ratio.samples else 1.0)
 
     def cached(self, hint: Fingerprint | None, choice: Choice) -> float:
         return 0.0 if hint is None else min(self.tokens(hint, choice.cached * hint.chunk_units), self.tokens(hint))
@@ -98,7 +101,8 @@ class Router:
         """Whether the decode instance computes the prompt itself: its uncached part (estimated) is below
         ``--skip-prefill-below`` tokens. Never for a prompt the index cannot size (``prompt_embeds``). Cautious:
         only chunks the instance has answered count as cached (a prompt routed there a moment ago may still be
-        loading), and until a prefill answer calibrated the characters per token, a character counts as a token."""
+        loading), and a text prompt is sized with the lowest characters per token seen lately (a character per
+        token before any calibration)."""
         threshold = self.config.skip_prefill_below
         if not threshold or hint is None:
             return False

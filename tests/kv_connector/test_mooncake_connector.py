@@ -60,7 +60,9 @@ def test_corrupted_kv_changes_the_output(pd_pair, reference):
 
 
 def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
-    """The whole stack as a user runs it: proxy_server.py in front of the producer and the consumer."""
+    """The whole stack as a user runs it: proxy_server.py, with its defaults, in front of the producer and the
+    consumer. Prompts of 700 and 260 tokens are prefilled on the producer and loaded; one of 100 tokens is below
+    the default --skip-prefill-below (256): the consumer computes it, loading nothing, and answers the same."""
     producer, consumer = pd_pair
     port = free_port()
     cmd = [sys.executable, str(REPO / "proxy_server.py"), "--prefill", producer.url, "--decode", consumer.url,
@@ -70,11 +72,12 @@ def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
     try:
         wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "proxy", 60)
         proxy = OpenAIClient(f"http://127.0.0.1:{port}", consumer.model)
-        for seed, length in ((400, 700), (401, 260)):
+        for seed, length in ((400, 700), (401, 260), (402, 100)):
             tokens = prompt(seed, length)
             before = consumer.metric(HITS)
             assert proxy.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
-            assert consumer.metric(HITS) - before == length - 1
+            assert consumer.metric(HITS) - before == (length - 1 if length >= 256 else 0)
+        assert "skipped the prefill" in log.read_text()
     finally:
         stop(proc)
 

@@ -70,7 +70,10 @@ def proxy_for(tmp_path_factory: pytest.TempPathFactory):
 
     def start(producers: list[VllmServer], consumers: list[VllmServer], *options: str) -> OpenAIClient:
         port = free_port()
-        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port), *options]
+        # every prefill remote: once a consumer answered the shared system prompt, its questions (150-310 tokens)
+        # would fall below the default --skip-prefill-below and be computed there, and these tests count transfers
+        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port),
+               "--skip-prefill-below", "0", *options]
         for p in producers:
             cmd += ["--prefill", p.url]
         for c in consumers:

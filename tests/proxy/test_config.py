@@ -53,7 +53,7 @@ def test_routing_and_admin_options(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     monkeypatch.delenv("MOONCAKE_PROXY_ADMIN_TOKEN", raising=False)
     config = parse_args(base)
     assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.admin_token) == \
-        (4, 0, 200_000, "")
+        (4, 256, 200_000, "")
     config = parse_args([*base, "--balance-slack", "0", "--skip-prefill-below", "128", "--prefix-index-entries", "0",
                          "--admin-token", "a" * 16])
     assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries) == (0, 128, 0)

@@ -320,3 +320,20 @@ def test_before_calibration_a_character_counts_as_a_token() -> None:
         assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
 
     run(test, skip_prefill_below=500)
+
+
+def test_a_prompt_is_sized_with_the_fewest_characters_per_token_seen_lately() -> None:
+    """Prefill answers said 8 characters per token, then 2 (text of rare tokens varies that much from prompt to
+    prompt): their mean (5) would make 1500 characters ~300 tokens, skipped below 500; the lowest ratio seen makes
+    them ~750 tokens: prefilled remotely."""
+
+    async def test(env: Environment) -> None:
+        env.prefill[0].chars_per_token = 8.0
+        await complete(env, text_of(15, 3000))
+        env.prefill[0].chars_per_token = 2.0
+        await complete(env, text_of(16, 6000))  # ~750 tokens at 8 characters per token: prefilled
+        await complete(env, text_of(17, 1500))
+        assert len(env.prefill[0].completions()) == 3
+        assert await proxy_metric(env, "mooncake_proxy_prefill_skipped_total") == 0
+
+    run(test, skip_prefill_below=500)

@@ -252,7 +252,10 @@ class Environment:
 @contextlib.asynccontextmanager
 async def environment(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | None = None,
                       decode_urls: list[str] | None = None, **options: Any) -> AsyncIterator[Environment]:
-    """Start ``n_prefill`` + ``n_decode`` fake upstreams and the proxy; extra URLs (e.g. dead ones) come first."""
+    """Start ``n_prefill`` + ``n_decode`` fake upstreams and the proxy; extra URLs (e.g. dead ones) come first.
+    Every prefill is remote (``skip_prefill_below=0``) unless ``options`` say otherwise: the flow under test is the
+    disaggregated one, with prompts far shorter than the proxy's default threshold."""
+    options.setdefault("skip_prefill_below", 0)
     journal: list[tuple[str, str]] = []
     prefill = [FakeUpstream(f"P{i}", journal) for i in range(n_prefill)]
     decode = [FakeUpstream(f"D{i}", journal) for i in range(n_decode)]
