@@ -10,12 +10,14 @@ that names only their own pipe address. Two fleets, one after the other:
   that did not prefill a request lacks its question), bytes fetched by the consumers = bytes served by the producers.
 - push, etcd metadata and a secret: the proxy picks the decode instance first, reads its push address (and its
   proof) from its /metrics and puts them on the prefill; every load is served from what the producer pushed
-  (nothing fetched, nothing recomputed).
+  (nothing fetched, nothing recomputed). And a producer killed while a decode awaits its push (concurrent dispatch):
+  the consumer computes the prompt itself after its push_wait.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import sys
 import time
 import urllib.request
@@ -25,15 +27,16 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port
-from harness.processes import http_ok, kill, spawn, stop, wait_ready
+from harness.processes import http_ok, kill, signal_group, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.protocol import PUSH_PROOF
 from proxy.discovery import push_target
-from tests.kv_connector.conftest import PUSH_PAIR_SECRET, SERVE_ARGS, diff, etcd_metadata, kv_stats, settled_stats
+from tests.kv_connector.conftest import PUSH_PAIR_SECRET, SERVE_ARGS, diff, etcd_metadata, kv_stats, metrics, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"
+PUSH_WAIT = 5.0  # the consumers' push_wait (the default)
 COOLDOWN = 1.0  # seconds the proxy skips an instance that failed (its default, 5, only makes the test wait)
 
 
@@ -216,3 +219,43 @@ def test_a_producer_killed_and_restarted(fleet, proxy_for, reference):
     producers[1].restart()
     time.sleep(COOLDOWN + 0.5)  # the proxy's cooldown of the instance that failed
     run_through(proxy, producers, consumers, reference, range(7700, 7708))
+
+
+@pytest.mark.parametrize("fleet", [PUSH], indirect=True)
+def test_a_producer_killed_while_its_push_is_awaited(fleet, proxy_for, reference):
+    """Concurrent dispatch, the proxy in front of producer 1 and consumer 1: producer 1 is frozen, so the decode waits
+    for a push that never begins, then killed. The client gets one answer, the reference's, computed by consumer 1
+    (nothing loaded) within its push_wait of the kill; the proxy counts the background prefill failed. Consumer 1
+    keeps serving: the next request, prefilled by producer 0, loads what producer 0 pushed. (The module's last test:
+    producer 1 stays down.)"""
+    producers, consumers = fleet
+    open_push_links(producers, consumers)
+    proxy = proxy_for(producers[1:], consumers[1:])
+    tokens = SYSTEM + prompt(7800, 400)
+    expected = reference.complete(tokens, MAX_TOKENS)
+    before = kv_stats(consumers[1])
+    signal_group(producers[1].proc, signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(proxy.complete, tokens, MAX_TOKENS)
+        deadline = time.monotonic() + 30
+        while not sum(metrics(consumers[1]).get(f"vllm:num_requests_{s}", 0.0) for s in ("running", "waiting")):
+            assert time.monotonic() < deadline and not answer.done(), "consumer 1 never took the decode"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the decode waits for the push
+        kill(producers[1].proc)
+        killed = time.monotonic()
+        text = answer.result(timeout=PUSH_WAIT + 60)
+        seconds = time.monotonic() - killed
+    change = settled_stats(consumers[1], before, 1)
+    print(f"producer killed while its push was awaited: answered {seconds:.1f} s after the kill; {change}")
+    assert text == expected
+    assert seconds < PUSH_WAIT + 15
+    assert change.get("load_failures") == 1 and not change.get("loaded") and not change.get("loaded_bytes"), change
+    with urllib.request.urlopen(f"{proxy.url}/metrics", timeout=10) as resp:
+        assert "mooncake_proxy_background_prefill_failed_total 1.0" in resp.read().decode()
+    proxy = proxy_for(producers[:1], consumers[1:])
+    other = SYSTEM + prompt(7801, 300)
+    before = kv_stats(consumers[1])
+    assert proxy.complete(other, MAX_TOKENS) == reference.complete(other, MAX_TOKENS)
+    change = settled_stats(consumers[1], before, 1)
+    assert change.get("await_push_loads") == 1 and change.get("push_loaded") == 1, change
