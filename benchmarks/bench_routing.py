@@ -48,8 +48,12 @@ workload: no regression against ``ours balance`` (goodput not lower; TTFT p50 wi
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/bench_routing.py                # ~30 minutes
+    .venv/bin/python benchmarks/bench_routing.py                # ~20 minutes
     .venv/bin/python benchmarks/bench_routing.py --prompts 16 --thresholds 512 --workloads shared   # shorter
+    # the 2P2D fleet's run-to-run spread: fronts in rounds, the SLOs of the full run
+    .venv/bin/python benchmarks/bench_routing.py --fleets 2p2d --workloads random --repeat 3 \
+        --fronts "ours balance" "ours prefix" "ours skip256" --slo-from benchmarks/results/bench_routing.json \
+        --name bench_routing_repeats
 
 Writes bench_routing.json and bench_routing.md to ``--out-dir`` (default benchmarks/results). Each run's
 ``vllm bench serve`` output and JSON and every server's log stay in a temporary directory with ``--keep-logs``.
@@ -61,8 +65,10 @@ every stack alike; the prefix index of our proxy and vllm-router's radix tree se
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +100,7 @@ class Run:
 
     front: str
     workload: str
+    round: int = 0
     completed: int = 0
     failed: int = 0
     duration: float = 0.0
@@ -318,12 +325,12 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
 
 # ----------------------------------------------------------------------------- report
 def table(runs: list[Run], slos: dict[str, tuple[float, float]]) -> str:
-    out = ["| workload | front | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms | ITL p99 ms "
+    out = ["| workload | front | round | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms | ITL p99 ms "
            "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         mib = 1 << 20
-        out.append(f"| {r.workload} | {r.front} | {r.completed} | {r.failed} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} "
+        out.append(f"| {r.workload} | {r.front} | {r.round} | {r.completed} | {r.failed} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} "
                    f"| {fmt(r.followup_ttft_p50)} | {fmt(r.itl_p99)} | {fmt(r.tpot_p50)} | {fmt(r.goodput, 3)} "
                    f"| {fmt(None if r.moved_per_req is None else r.moved_per_req / mib, 2)} "
                    f"| {fmt(None if r.uncached_per_req is None else r.uncached_per_req / mib, 2)} "
@@ -335,9 +342,30 @@ def table(runs: list[Run], slos: dict[str, tuple[float, float]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def medians(runs: list[Run]) -> dict[tuple[str, str], Run]:
+    """Per (workload, front): a run whose figures are the medians of that front's rounds (the run itself if one)."""
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.workload, r.front), []).append(r)
+    out = {}
+    for key, group in groups.items():
+        if len(group) == 1:
+            out[key] = group[0]
+            continue
+
+        def med(name: str, group: list[Run] = group) -> float | None:
+            values = [getattr(r, name) for r in group if getattr(r, name) is not None]
+            return statistics.median(values) if values else None
+
+        out[key] = Run(key[1], key[0], completed=sum(r.completed for r in group), goodput=med("goodput"),
+                       ttft_p50=med("ttft_p50"), followup_ttft_p50=med("followup_ttft_p50"),
+                       moved_per_req=med("moved_per_req"), uncached_per_req=med("uncached_per_req"))
+    return out
+
+
 def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | None]:
     """The target checks (met / NOT met, with the figures), and the chosen threshold's front."""
-    by = {(r.workload, r.front): r for r in runs if not r.error and r.completed}
+    by = medians([r for r in runs if not r.error and r.completed])
     skips = [by[("shared", f"ours skip{n}")] for n in thresholds if ("shared", f"ours skip{n}") in by]
     if not skips:
         return ["no `ours skip<N>` run on the shared workload: nothing to check"], None
@@ -399,6 +427,11 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default="bench_routing")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds: every front and workload this many times, round after round (the checks use "
+                             "each front's median; default 1)")
+    parser.add_argument("--slo-from", type=Path, help="take the SLOs from an earlier results JSON (e.g. a run "
+                        "without the colocated fleet)")
     args = parser.parse_args()
 
     model = build_model("kv32k", quiet=True)
@@ -419,15 +452,14 @@ def main() -> None:
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
-                for front in fronts_of(kind, args.thresholds):
-                    if args.fronts and front not in args.fronts:
-                        continue
-                    for workload in args.workloads:
-                        run = run_one(fleet, front, workload, args, model, work, per_token, follow)
-                        runs.append(run)
-                        print(f"  {front} / {workload}: TTFT p50 {fmt(run.ttft_p50)} ms, follow-up "
-                              f"{fmt(run.followup_ttft_p50)} ms, ITL p99 {fmt(run.itl_p99)} ms, moved/uncached "
-                              f"{fmt(run.moved_ratio, 2)}, skipped {fmt(run.skipped, 0)} {run.error}", flush=True)
+                fronts = [f for f in fronts_of(kind, args.thresholds) if not args.fronts or f in args.fronts]
+                for round_, front, workload in itertools.product(range(args.repeat), fronts, args.workloads):
+                    run = run_one(fleet, front, workload, args, model, work, per_token, follow)
+                    run.round = round_
+                    runs.append(run)
+                    print(f"  {front} / {workload} (round {round_}): TTFT p50 {fmt(run.ttft_p50)} ms, follow-up "
+                          f"{fmt(run.followup_ttft_p50)} ms, ITL p99 {fmt(run.itl_p99)} ms, moved/uncached "
+                          f"{fmt(run.moved_ratio, 2)}, skipped {fmt(run.skipped, 0)} {run.error}", flush=True)
             finally:
                 fleet.stop()
     except BaseException:
@@ -439,14 +471,19 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     slos: dict[str, tuple[float, float]] = {}
+    if args.slo_from:
+        slos = {w: (float(t), float(p)) for w, (t, p) in json.loads(args.slo_from.read_text())["slos"].items()}
     for workload in args.workloads:
-        base = next((r for r in runs if r.front == "colocated rr" and r.workload == workload and r.ttft_p50), None)
-        if base is not None and base.tpot_p50:
-            slos[workload] = (args.slo_x * base.ttft_p50, args.slo_x * base.tpot_p50)
+        base = [r for r in runs if r.front == "colocated rr" and r.workload == workload and r.ttft_p50 and r.tpot_p50]
+        if base and workload not in slos:
+            slos[workload] = (args.slo_x * statistics.median(r.ttft_p50 for r in base),
+                              args.slo_x * statistics.median(r.tpot_p50 for r in base))
     for run in runs:
         if run.workload in slos:
             run.goodput = goodput(run.requests, run.duration, *slos[run.workload])
     checks, chosen = targets(runs, args.thresholds)
+    if args.repeat > 1:
+        checks.insert(0, f"(each front's median over {args.repeat} rounds)")
     minutes = (time.monotonic() - began) / 60
     settings = (f"kv32k ({dtype}, {per_token >> 10} KiB of KV per token), vLLM {vllm_version()}; `vllm serve` "
                 f"{' '.join(serve_args)}; {args.prompts} requests per run at {args.rate:g} req/s (Poisson), "
