@@ -367,31 +367,37 @@ def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | No
     """The target checks (met / NOT met, with the figures), and the chosen threshold's front."""
     by = medians([r for r in runs if not r.error and r.completed])
     skips = [by[("shared", f"ours skip{n}")] for n in thresholds if ("shared", f"ours skip{n}") in by]
-    if not skips:
-        return ["no `ours skip<N>` run on the shared workload: nothing to check"], None
-    best = max(skips, key=lambda r: (round(r.goodput or 0.0, 3), -(r.followup_ttft_p50 or 1e9)))
-    lines = [f"chosen: `{best.front}` (best goodput on the shared workload, then the lowest follow-up TTFT)"]
+    if skips:
+        best = max(skips, key=lambda r: (round(r.goodput or 0.0, 3), -(r.followup_ttft_p50 or 1e9)))
+        lines = [f"chosen: `{best.front}` (best goodput on the shared workload, then the lowest follow-up TTFT)"]
+    else:  # a random-only run: the first skip front it ran
+        front = next((f"ours skip{n}" for n in thresholds if ("random", f"ours skip{n}") in by), None)
+        if front is None:
+            return ["no `ours skip<N>` run: nothing to check"], None
+        best = Run(front, "shared")
+        lines = [f"checked: `{front}` (no shared-workload run to choose by)"]
 
     def check(what: str, ok: bool | None, detail: str) -> None:
         lines.append(f"- {what}: {'met' if ok else 'NOT met' if ok is not None else 'not measured'} ({detail})")
 
-    ratio = best.moved_ratio
-    check("KV moved <= 1.1x the uncached tokens' KV", None if ratio is None else ratio <= MOVED_TARGET,
-          f"{fmt(ratio, 2)}x")
-    for colo in ("colocated rr", "colocated ca"):
-        c = by.get(("shared", colo))
-        if c is None:
-            continue
-        x = best.followup_ttft_p50 / c.followup_ttft_p50 if best.followup_ttft_p50 and c.followup_ttft_p50 else None
-        check(f"follow-up TTFT p50 <= 1.05x {colo}", None if x is None else x <= TTFT_TARGET,
-              f"{fmt(best.followup_ttft_p50)} vs {fmt(c.followup_ttft_p50)} ms, {fmt(x, 2)}x")
-    for peer in ("colocated rr", "colocated ca", "router ca", "colocated4 rr"):
-        p = by.get(("shared", peer))
-        if p is None or best.goodput is None or p.goodput is None:
-            continue
-        what = f"goodput >= {peer}" + (" (as many instances as the 2P2D; not an issue target)"
-                                       if peer == "colocated4 rr" else "")
-        check(what, best.goodput >= p.goodput, f"{best.goodput:.3f} vs {p.goodput:.3f} req/s")
+    if skips:
+        ratio = best.moved_ratio
+        check("KV moved <= 1.1x the uncached tokens' KV", None if ratio is None else ratio <= MOVED_TARGET,
+              f"{fmt(ratio, 2)}x")
+        for colo in ("colocated rr", "colocated ca"):
+            c = by.get(("shared", colo))
+            if c is None:
+                continue
+            x = best.followup_ttft_p50 / c.followup_ttft_p50 if best.followup_ttft_p50 and c.followup_ttft_p50 else None
+            check(f"follow-up TTFT p50 <= 1.05x {colo}", None if x is None else x <= TTFT_TARGET,
+                  f"{fmt(best.followup_ttft_p50)} vs {fmt(c.followup_ttft_p50)} ms, {fmt(x, 2)}x")
+        for peer in ("colocated rr", "colocated ca", "router ca", "colocated4 rr"):
+            p = by.get(("shared", peer))
+            if p is None or best.goodput is None or p.goodput is None:
+                continue
+            what = f"goodput >= {peer}" + (" (as many instances as the 2P2D; not an issue target)"
+                                           if peer == "colocated4 rr" else "")
+            check(what, best.goodput >= p.goodput, f"{best.goodput:.3f} vs {p.goodput:.3f} req/s")
     today, new = by.get(("random", "ours balance")), by.get(("random", best.front))
     if today and new and today.goodput is not None and new.goodput is not None and today.ttft_p50 and new.ttft_p50:
         check("random: goodput not lower than ours balance", new.goodput >= today.goodput,
