@@ -163,9 +163,11 @@ def kv_bytes_per_token(model: Path, dtype: str) -> int:
 class Fleet:
     """The vLLM instances of one fleet, and the front currently in front of them."""
 
-    def __init__(self, kind: str, model: Path, work: Path, serve_args: list[str], one_process: bool = False) -> None:
+    def __init__(self, kind: str, model: Path, work: Path, serve_args: list[str], one_process: bool = False,
+                 unpinned: bool = False) -> None:
         self.kind, self.model, self.work = kind, model, work
-        env = {**DEV_ENV, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if one_process else {})}
+        env = {**DEV_ENV, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if one_process else {}),
+               **({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"} if unpinned else {})}
         self.servers: list[VllmServer] = []
         self.front: subprocess.Popen | None = None
         self.front_url = ""
@@ -416,6 +418,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["shared", "random"], choices=["shared", "random"])
     parser.add_argument("--thresholds", type=int, nargs="+", default=[256, 1024],
                         help="--skip-prefill-below values, one front each (default 256 1024)")
+    parser.add_argument("--unpinned", action="store_true",
+                        help="no instance pinned to a core: one compute thread each, placed by the OS "
+                             "(VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1)")
     parser.add_argument("--fronts", nargs="+", help="only these fronts (e.g. 'ours balance'; default all)")
     parser.add_argument("--one-process-engine", action="store_true",
                         help="every instance runs its model worker inside its engine process "
@@ -454,7 +459,7 @@ def main() -> None:
     try:
         for kind in args.fleets:
             print(f"fleet {kind}: starting", flush=True)
-            fleet = Fleet(kind, model, work, serve_args, args.one_process_engine)
+            fleet = Fleet(kind, model, work, serve_args, args.one_process_engine, args.unpinned)
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
