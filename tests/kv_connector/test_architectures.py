@@ -34,6 +34,7 @@ from harness.ports import free_port
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from scripts.build_tiny_model import kv_bytes_per_token
 from tests.kv_connector.conftest import diff, kv_stats, settled_stats
+from tests.kv_connector.test_concurrent_dispatch import AWAIT
 
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12
@@ -112,8 +113,9 @@ def check(layout: Layout, mode: str, tokens: list[int], change: dict[str, float]
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair, mode):
     """A long unique prompt (chunked prefill where the model allows it), a shared system prompt with three
-    questions, a repeat; then three unique prompts at once. Each mode has prompts of its own (the consumer's
-    prefix cache holds the other mode's)."""
+    questions, a repeat; then three unique prompts at once; in push mode, a decode sent together with its prefill
+    (concurrent dispatch: it waits for the push). Each mode has prompts of its own (the consumer's prefix cache
+    holds the other mode's)."""
     arch, layout, producer, consumer = zoo_pair
     seed = 0 if mode == "pull" else 1000
     system = prompt(seed + 1, 3 * layout.block + 40 if not layout.mla else 300)
@@ -145,3 +147,15 @@ def test_answers_equal_colocated_and_only_missing_blocks_move(zoo_pair, mode):
     rows = sum(layout.rows(len(t), len(t) - layout.recompute) for t in batch)
     assert change.get("loaded", 0) == len(batch) and change.get("loaded_bytes", 0) == rows * layout.row_bytes, change
     assert diff(kv_stats(consumer), before).get("load_failures", 0) == 0
+    if mode == "push":  # concurrent dispatch: the decode goes out with its prefill and waits for the push
+        tokens = prompt(seed + 200, 700)
+        producer.post("/reset_prefix_cache", {})
+        before = kv_stats(consumer)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            decode = pool.submit(consumer.complete, tokens, MAX_TOKENS, kv_transfer_params=AWAIT)
+            expected = pool.submit(producer.complete, tokens, MAX_TOKENS).result()
+            answer = decode.result()
+        change = settled_stats(consumer, before, 1)
+        assert answer == expected, f"{arch}: a decode sent with its prefill"
+        assert change.get("await_push_loads") == 1 and change.get("push_loaded") == 1, change
+        check(layout, mode, tokens, change)
