@@ -132,7 +132,8 @@ class PrefixIndex:
 class CharsPerToken:
     """Characters per token of the proxy's serialization, calibrated from the prompt sizes vLLM reports (a running
     mean, then an exponential one), clamped to [MIN_CHARS_PER_TOKEN, MAX_CHARS_PER_TOKEN]; ``low`` is the lowest
-    ratio of the last ``LOW_WINDOW`` prompts (the most tokens a text of that many characters has been seen to hold)."""
+    ratio of the last ``LOW_WINDOW`` prompts (the most tokens a text of that many characters has been seen to hold),
+    MIN_CHARS_PER_TOKEN (a character per token) before any."""
 
     LOW_WINDOW = 32
 
@@ -143,7 +144,7 @@ class CharsPerToken:
 
     @property
     def low(self) -> float:
-        return min(self._recent, default=self.value)
+        return min(self._recent, default=MIN_CHARS_PER_TOKEN)
 
     def observe(self, chars: int, tokens: Any) -> None:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0 or chars <= 0:

@@ -69,9 +69,7 @@ class Router:
         if hint.tokens:
             return float(units)
         ratio = self.calibration[hint.chat]
-        if not cautious:
-            return units / ratio.value
-        return units / (ratio.low if ratio.samples else 1.0)
+        return units / (ratio.low if cautious else ratio.value)
 
     def cached(self, hint: Fingerprint | None, choice: Choice) -> float:
         return 0.0 if hint is None else min(self.tokens(hint, choice.cached * hint.chunk_units), self.tokens(hint))

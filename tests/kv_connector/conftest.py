@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -151,6 +151,20 @@ def settled_stats(server: VllmServer, before: dict[str, float], loads: int, time
         time.sleep(0.05)
 
 
+def busy(every: dict[str, float]) -> float:
+    """Requests running or waiting, from an instance's ``metrics``."""
+    return every.get("vllm:num_requests_running", 0.0) + every.get("vllm:num_requests_waiting", 0.0)
+
+
+def wait_busy(server: VllmServer, timeout: float, gone: Callable[[], bool] = lambda: False) -> None:
+    """Wait until the instance holds a request (running or waiting); fails at ``timeout`` or once ``gone()``
+    (e.g. the client's answer came back first)."""
+    deadline = time.monotonic() + timeout
+    while not busy(metrics(server)):
+        assert time.monotonic() < deadline and not gone(), f"{server.name} never took the request"
+        time.sleep(0.05)
+
+
 def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
     """Wait until the instance has no request running or waiting and its ``kv_stats`` stopped changing: requests
     clients abandoned are aborted, and their loads end, in the engine's later steps."""
@@ -158,12 +172,12 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
     last: dict[str, float] | None = None
     while True:
         every = metrics(server)
-        busy = every.get("vllm:num_requests_running", 0.0) + every.get("vllm:num_requests_waiting", 0.0)
+        held = busy(every)
         now = kv_stats(server, every)
-        if not busy and now == last:
+        if not held and now == last:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"{server.name} still busy after {timeout:g} s: {busy:g} requests")
+            raise AssertionError(f"{server.name} still busy after {timeout:g} s: {held:g} requests")
         last = now
         time.sleep(0.5)
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 from proxy.protocols import push_target
-from tests.kv_connector.conftest import ROW_BYTES, diff, kv_stats, metrics, settled_stats, wait_idle
+from tests.kv_connector.conftest import ROW_BYTES, diff, kv_stats, settled_stats, wait_busy, wait_idle
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 AWAIT = {"do_remote_prefill": True, "mooncake_await_push": True}
@@ -132,10 +132,7 @@ def test_a_decode_abandoned_while_its_prefill_runs(push_pair, reference):
     conn = http.client.HTTPConnection("127.0.0.1", consumer.port, timeout=10)
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        deadline = time.monotonic() + 10
-        while not sum(metrics(consumer).get(f"vllm:num_requests_{s}", 0.0) for s in ("running", "waiting")):
-            assert time.monotonic() < deadline, "the consumer never took the decode"
-            time.sleep(0.05)
+        wait_busy(consumer, 10)
     finally:
         conn.close()  # the client is gone before any token: the decode still waits for its push
     producer.complete(tokens, 1, kv_transfer_params=params)  # the prefill ends after the client left, and pushes

@@ -31,7 +31,7 @@ from harness.processes import http_ok, kill, signal_group, spawn, stop, wait_rea
 from harness.vllm import REPO, OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.protocol import PUSH_PROOF
 from proxy.discovery import push_target
-from tests.kv_connector.conftest import PUSH_PAIR_SECRET, SERVE_ARGS, diff, etcd_metadata, kv_stats, metrics, settled_stats
+from tests.kv_connector.conftest import PUSH_PAIR_SECRET, SERVE_ARGS, diff, etcd_metadata, kv_stats, settled_stats, wait_busy
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
@@ -237,10 +237,7 @@ def test_a_producer_killed_while_its_push_is_awaited(fleet, proxy_for, reference
     signal_group(producers[1].proc, signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(proxy.complete, tokens, MAX_TOKENS)
-        deadline = time.monotonic() + 30
-        while not sum(metrics(consumers[1]).get(f"vllm:num_requests_{s}", 0.0) for s in ("running", "waiting")):
-            assert time.monotonic() < deadline and not answer.done(), "consumer 1 never took the decode"
-            time.sleep(0.05)
+        wait_busy(consumers[1], 30, answer.done)
         time.sleep(0.5)  # the decode waits for the push
         kill(producers[1].proc)
         killed = time.monotonic()
