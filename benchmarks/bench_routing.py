@@ -14,8 +14,12 @@ token in bfloat16, 64 KiB in float32) with the ``vllm serve`` settings of benchm
   own mooncake.json, as tests/kv_connector/test_xpyd.py. Fronts:
   ``ours balance`` (proxy_server.py ``--prefix-index-entries 0``: today's rule, fewest outstanding requests),
   ``ours prefix`` (proxy_server.py's prefix-aware routing, no prefill skipped),
-  ``ours skip<N>`` (prefix-aware routing and ``--skip-prefill-below N``, one front per N of ``--thresholds``) and
+  ``ours skip<N>`` (prefix-aware routing and ``--skip-prefill-below N``, one front per N of ``--thresholds``),
+  ``ours skip<N> on-prefill`` (the same, first N only, and ``--serve-skipped-on-prefill``: a skipped request may go
+  whole to a less busy producer that holds as much of its prompt) and
   ``router ca`` (vllm-router ``--vllm-pd-disaggregation`` with ``cache_aware`` prefill and decode policies).
+- **1P1D**: one producer (core 0) and one consumer (core 1): as many instances on the same cores as the colocated
+  pair. The 2P2D fleet's fronts but ``ours prefix`` (one instance per role: nothing to choose), named ``1p1d <front>``.
 
 Before each run every instance's prefix cache is emptied (``POST /reset_prefix_cache``, retried while requests hold
 blocks) and a new front is started, so every run begins equally cold. ``vllm bench serve`` runs without its initial
@@ -42,9 +46,10 @@ Columns:
   instance, for example a prefill the proxy skipped);
 - skipped: prefills the proxy skipped (its ``mooncake_proxy_prefill_skipped_total``).
 
-Targets, on the shared workload, for the chosen ``ours skip<N>`` (the best goodput, then the lowest follow-up TTFT):
-moved/uncached <= 1.1; follow-up TTFT p50 <= 1.05x colocated; goodput >= colocated and >= router ca. On the random
-workload: no regression against ``ours balance`` (goodput not lower; TTFT p50 within 10%).
+Targets, on the shared workload, for the chosen ``ours skip<N>`` front of either disaggregated fleet (the best
+goodput, then the lowest follow-up TTFT): moved/uncached <= 1.1; follow-up TTFT p50 <= 1.05x colocated; goodput >=
+colocated and >= router ca of the same fleet. On the random workload: no regression against ``ours balance`` of the
+same fleet (goodput not lower; TTFT p50 within 10%).
 
 Run (from the repository root)::
 
@@ -114,6 +119,7 @@ class Run:
     moved_per_req: float | None = None     # bytes
     uncached_per_req: float | None = None  # bytes
     skipped: float | None = None
+    on_prefill: float | None = None  # skipped requests a producer served whole
     routed: dict[str, float] = field(default_factory=dict)
     error: str = ""
     requests: dict[str, list[Any]] = field(default_factory=dict, repr=False)
@@ -176,12 +182,13 @@ class Fleet:
                 self.servers.append(VllmServer(f"colocated-{i}", model, free_port(), i % 2, work, None, None,
                                                serve_args, env))
         else:
-            for i in range(2):
+            count = 1 if kind == "1p1d" else 2
+            for i in range(count):
                 config = mooncake_json(work / f"producer{i}.json")
                 self.servers.append(VllmServer(f"producer{i}", model, free_port(), 0, work,
                                                connector_config("kv_producer"), config, serve_args, env))
             first = json.loads((work / "producer0.json").read_text())["prefill_url"]
-            for i in range(2):
+            for i in range(count):
                 config = mooncake_json(work / f"consumer{i}.json", **({"prefill_url": first} if i == 0 else {}))
                 self.servers.append(VllmServer(f"consumer{i}", model, free_port(), 1, work,
                                                connector_config("kv_consumer"), config, serve_args, env))
@@ -198,6 +205,7 @@ class Fleet:
 
     def start_front(self, front: str) -> None:
         self.stop_front()
+        front = base_front(front)
         port = free_port()
         urls = [s.url for s in self.servers]
         router = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
@@ -222,7 +230,10 @@ class Fleet:
             elif front == "ours prefix":
                 cmd += ["--skip-prefill-below", "0"]
             elif front.startswith("ours skip"):
-                cmd += ["--skip-prefill-below", front.removeprefix("ours skip")]
+                threshold, *extra = front.removeprefix("ours skip").split()
+                cmd += ["--skip-prefill-below", threshold]
+                if extra == ["on-prefill"]:
+                    cmd += ["--serve-skipped-on-prefill"]
         if front.startswith("router") or front == "colocated ca":
             cmd += ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
         cmd += ["--host", HOST, "--port", str(port)]
@@ -247,7 +258,20 @@ def fronts_of(kind: str, thresholds: list[int]) -> list[str]:
         return ["colocated rr", "colocated ca"]
     if kind == "colocated4":
         return ["colocated4 rr"]
-    return ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds], "router ca"]
+    fronts = ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds],
+              *[f"ours skip{n} on-prefill" for n in thresholds[:1]], "router ca"]
+    if kind == "1p1d":
+        return [f"1p1d {f}" for f in fronts if f != "ours prefix"]
+    return fronts
+
+
+def base_front(front: str) -> str:
+    """The front without its fleet's name (``1p1d ours balance`` -> ``ours balance``)."""
+    return front.removeprefix("1p1d ")
+
+
+def fleet_prefix(front: str) -> str:
+    return front[:len(front) - len(base_front(front))]
 
 
 # ----------------------------------------------------------------------------- one run
@@ -317,9 +341,10 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
         uncached = grew("vllm:prefix_cache_queries_total") - grew("vllm:prefix_cache_hits_total")
         run.uncached_per_req = uncached * per_token / run.completed
         run.moved_per_req = grew(LOADED_BYTES) / run.completed
-    if front.startswith("ours"):
+    if base_front(front).startswith("ours"):
         proxy = scrape(fleet.front_url)
         run.skipped = proxy.get("mooncake_proxy_prefill_skipped_total", 0.0)
+        run.on_prefill = proxy.get("mooncake_proxy_served_on_prefill_total", 0.0)
         run.routed = {k: v for k, v in proxy.items() if k.startswith("mooncake_proxy_routed")}
     fleet.stop_front()
     return run
@@ -328,15 +353,16 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
 # ----------------------------------------------------------------------------- report
 def table(runs: list[Run], slos: dict[str, tuple[float, float]]) -> str:
     out = ["| workload | front | round | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms | ITL p99 ms "
-           "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped "
+           "| on prefill |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         mib = 1 << 20
         out.append(f"| {r.workload} | {r.front} | {r.round} | {r.completed} | {r.failed} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} "
                    f"| {fmt(r.followup_ttft_p50)} | {fmt(r.itl_p99)} | {fmt(r.tpot_p50)} | {fmt(r.goodput, 3)} "
                    f"| {fmt(None if r.moved_per_req is None else r.moved_per_req / mib, 2)} "
                    f"| {fmt(None if r.uncached_per_req is None else r.uncached_per_req / mib, 2)} "
-                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} |")
+                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} | {fmt(r.on_prefill, 0)} |")
     out.append("")
     for workload, slo in slos.items():
         out.append(f"SLO ({workload}): TTFT <= {slo[0]:.0f} ms and TPOT <= {slo[1]:.1f} ms.")
@@ -368,12 +394,13 @@ def medians(runs: list[Run]) -> dict[tuple[str, str], Run]:
 def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | None]:
     """The target checks (met / NOT met, with the figures), and the chosen threshold's front."""
     by = medians([r for r in runs if not r.error and r.completed])
-    skips = [by[("shared", f"ours skip{n}")] for n in thresholds if ("shared", f"ours skip{n}") in by]
+    skips = [r for (workload, front), r in by.items()
+             if workload == "shared" and base_front(front).startswith("ours skip")]
     if skips:
         best = max(skips, key=lambda r: (round(r.goodput or 0.0, 3), -(r.followup_ttft_p50 or 1e9)))
         lines = [f"chosen: `{best.front}` (best goodput on the shared workload, then the lowest follow-up TTFT)"]
     else:  # a random-only run: the first skip front it ran
-        front = next((f"ours skip{n}" for n in thresholds if ("random", f"ours skip{n}") in by), None)
+        front = next((f for (w, f) in by if w == "random" and base_front(f).startswith("ours skip")), None)
         if front is None:
             return ["no `ours skip<N>` run: nothing to check"], None
         best = Run(front, "shared")
@@ -393,14 +420,14 @@ def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | No
             x = best.followup_ttft_p50 / c.followup_ttft_p50 if best.followup_ttft_p50 and c.followup_ttft_p50 else None
             check(f"follow-up TTFT p50 <= 1.05x {colo}", None if x is None else x <= TTFT_TARGET,
                   f"{fmt(best.followup_ttft_p50)} vs {fmt(c.followup_ttft_p50)} ms, {fmt(x, 2)}x")
-        for peer in ("colocated rr", "colocated ca", "router ca", "colocated4 rr"):
+        for peer in ("colocated rr", "colocated ca", fleet_prefix(best.front) + "router ca", "colocated4 rr"):
             p = by.get(("shared", peer))
             if p is None or best.goodput is None or p.goodput is None:
                 continue
             what = f"goodput >= {peer}" + (" (as many instances as the 2P2D; not an issue target)"
                                            if peer == "colocated4 rr" else "")
             check(what, best.goodput >= p.goodput, f"{best.goodput:.3f} vs {p.goodput:.3f} req/s")
-    today, new = by.get(("random", "ours balance")), by.get(("random", best.front))
+    today, new = by.get(("random", fleet_prefix(best.front) + "ours balance")), by.get(("random", best.front))
     if today and new and today.goodput is not None and new.goodput is not None and today.ttft_p50 and new.ttft_p50:
         check("random: goodput not lower than ours balance", new.goodput >= today.goodput,
               f"{new.goodput:.3f} vs {today.goodput:.3f} req/s")
@@ -413,8 +440,8 @@ def targets(runs: list[Run], thresholds: list[int]) -> tuple[list[str], str | No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fleets", nargs="+", default=["colocated", "colocated4", "2p2d"],
-                        choices=["colocated", "colocated4", "2p2d"])
+    parser.add_argument("--fleets", nargs="+", default=["colocated", "colocated4", "2p2d", "1p1d"],
+                        choices=["colocated", "colocated4", "2p2d", "1p1d"])
     parser.add_argument("--workloads", nargs="+", default=["shared", "random"], choices=["shared", "random"])
     parser.add_argument("--thresholds", type=int, nargs="+", default=[256, 1024],
                         help="--skip-prefill-below values, one front each (default 256 1024)")

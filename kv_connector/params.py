@@ -19,6 +19,10 @@ What a decode request's params ask of a consumer (``decode_params``):
 - No params, or none of the above (a proxy that forwards none, or prefill and decode sent by hand): load from the
   producer named by mooncake.json's ``prefill_url``.
 
+What a request's params ask of a producer: every prompt is saved (or pushed) for a consumer, whatever its params,
+except ``{"do_remote_decode": false}``: the request is served whole here, nothing is kept for anyone (a proxy sends
+this when it skips the remote prefill and an idle prefill instance serves the request).
+
 Params reach us from the network through the proxy: every field is checked (``ParamsError`` says which and why) and
 a request with bad params is recomputed, never loaded from a guessed place. With a secret (mooncake.json's
 ``auth_secret`` or ``MOONCAKE_KV_SECRET``) nobody outside the fleet can name where KV comes from or goes to: the

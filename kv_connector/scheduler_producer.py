@@ -1,9 +1,11 @@
 """The producer's scheduler side (vLLM's EngineCore process of the prefill instance): decides what to save; knows
 requests and block ids, never touches KV.
 
-Every prompt is saved in the step that completes its prefill; in push mode each step of a prefill is also announced
-to the worker (``PushStep``), which streams the blocks that step completes. A request that asked for remote decode
-finishes with params saying where its KV waits (``params.producer_params``).
+Every prompt is saved in the step that completes its prefill (a consumer may come for it without being told where
+it waits); in push mode each step of a prefill is also announced to the worker (``PushStep``), which streams the
+blocks that step completes. A request that asked for remote decode finishes with params saying where its KV waits
+(``params.producer_params``). Only a request whose params say ``"do_remote_decode": false`` is neither saved nor
+pushed: it is served here whole (a proxy that skipped its disaggregation, see ``params.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from vllm.logger import init_logger
 from kv_connector import blocks
 from kv_connector import params as kv_params
 from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
+from kv_connector.protocol import DO_REMOTE_DECODE
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -41,6 +44,9 @@ class ProducerScheduler:
         return 0, False  # a producer loads nothing
 
     def after_alloc(self, request: Request, kv_blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get(DO_REMOTE_DECODE) is False:
+            return  # served here whole: no consumer will come for its KV
         self.prompts[request.request_id] = list(request.prompt_token_ids or ())
         if self.push:
             self.push_to[request.request_id] = self._push_target(request)

@@ -189,6 +189,19 @@ def test_a_prefix_cache_hit_on_the_producer_still_saves_the_whole_prompt():
     assert save.block_ids == [1, 2, 3]
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_request_served_whole_on_the_producer_is_neither_saved_nor_pushed(mode):
+    sched = ProducerScheduler(config("kv_producer", mode=mode), BLOCK)
+    whole = request("w", 40, {"do_remote_prefill": False, "do_remote_decode": False})
+    kept = request("k", 40, {"do_remote_decode": True})
+    for req in (whole, kept):
+        sched.after_alloc(req, kv_blocks([]), 0)
+    meta = sched.build_meta(step(new={"w": (0, 40), "k": (0, 40)}, block_ids={"w": [1, 2, 3], "k": [4, 5, 6]}))
+    assert [s.req_id for s in meta.saves] == ["k"]
+    assert [p.req_id for p in meta.pushes] == (["k"] if mode == "push" else [])
+    assert sched.finished(whole) is None and sched.finished(kept) is not None
+
+
 def test_requests_the_producer_never_allocated_are_not_saved():
     sched = ProducerScheduler(config("kv_producer"), BLOCK)
     assert sched.build_meta(step(new={"x": (0, 40)}, block_ids={"x": [1, 2, 3]})).saves == []
