@@ -14,9 +14,7 @@ token in bfloat16, 64 KiB in float32) with the ``vllm serve`` settings of benchm
   own mooncake.json, as tests/kv_connector/test_xpyd.py. Fronts:
   ``ours balance`` (proxy_server.py ``--prefix-index-entries 0``: today's rule, fewest outstanding requests),
   ``ours prefix`` (proxy_server.py's prefix-aware routing, no prefill skipped),
-  ``ours skip<N>`` (prefix-aware routing and ``--skip-prefill-below N``, one front per N of ``--thresholds``),
-  ``ours skip<N> on-prefill`` (the same, first N only, and ``--serve-skipped-on-prefill``: a skipped request may go
-  whole to a less busy producer that holds as much of its prompt) and
+  ``ours skip<N>`` (prefix-aware routing and ``--skip-prefill-below N``, one front per N of ``--thresholds``) and
   ``router ca`` (vllm-router ``--vllm-pd-disaggregation`` with ``cache_aware`` prefill and decode policies).
 - **1P1D**: one producer (core 0) and one consumer (core 1): as many instances on the same cores as the colocated
   pair. The 2P2D fleet's fronts but ``ours prefix`` (one instance per role: nothing to choose), named ``1p1d <front>``.
@@ -119,7 +117,6 @@ class Run:
     moved_per_req: float | None = None     # bytes
     uncached_per_req: float | None = None  # bytes
     skipped: float | None = None
-    on_prefill: float | None = None  # skipped requests a producer served whole
     routed: dict[str, float] = field(default_factory=dict)
     error: str = ""
     requests: dict[str, list[Any]] = field(default_factory=dict, repr=False)
@@ -230,10 +227,7 @@ class Fleet:
             elif front == "ours prefix":
                 cmd += ["--skip-prefill-below", "0"]
             elif front.startswith("ours skip"):
-                threshold, *extra = front.removeprefix("ours skip").split()
-                cmd += ["--skip-prefill-below", threshold]
-                if extra == ["on-prefill"]:
-                    cmd += ["--serve-skipped-on-prefill"]
+                cmd += ["--skip-prefill-below", front.removeprefix("ours skip")]
         if front.startswith("router") or front == "colocated ca":
             cmd += ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
         cmd += ["--host", HOST, "--port", str(port)]
@@ -258,8 +252,7 @@ def fronts_of(kind: str, thresholds: list[int]) -> list[str]:
         return ["colocated rr", "colocated ca"]
     if kind == "colocated4":
         return ["colocated4 rr"]
-    fronts = ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds],
-              *[f"ours skip{n} on-prefill" for n in thresholds[:1]], "router ca"]
+    fronts = ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds], "router ca"]
     if kind == "1p1d":
         return [f"1p1d {f}" for f in fronts if f != "ours prefix"]
     return fronts
@@ -344,7 +337,6 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
     if base_front(front).startswith("ours"):
         proxy = scrape(fleet.front_url)
         run.skipped = proxy.get("mooncake_proxy_prefill_skipped_total", 0.0)
-        run.on_prefill = proxy.get("mooncake_proxy_served_on_prefill_total", 0.0)
         run.routed = {k: v for k, v in proxy.items() if k.startswith("mooncake_proxy_routed")}
     fleet.stop_front()
     return run
@@ -353,16 +345,15 @@ def run_one(fleet: Fleet, front: str, workload: str, args: argparse.Namespace, m
 # ----------------------------------------------------------------------------- report
 def table(runs: list[Run], slos: dict[str, tuple[float, float]]) -> str:
     out = ["| workload | front | round | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms | ITL p99 ms "
-           "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped "
-           "| on prefill |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached | skipped |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         mib = 1 << 20
         out.append(f"| {r.workload} | {r.front} | {r.round} | {r.completed} | {r.failed} | {fmt(r.ttft_p50)} | {fmt(r.ttft_p99)} "
                    f"| {fmt(r.followup_ttft_p50)} | {fmt(r.itl_p99)} | {fmt(r.tpot_p50)} | {fmt(r.goodput, 3)} "
                    f"| {fmt(None if r.moved_per_req is None else r.moved_per_req / mib, 2)} "
                    f"| {fmt(None if r.uncached_per_req is None else r.uncached_per_req / mib, 2)} "
-                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} | {fmt(r.on_prefill, 0)} |")
+                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} |")
     out.append("")
     for workload, slo in slos.items():
         out.append(f"SLO ({workload}): TTFT <= {slo[0]:.0f} ms and TPOT <= {slo[1]:.1f} ms.")

@@ -178,17 +178,16 @@ class Proxy:
             raise RelayedError(response.status, data, response.headers.get("Content-Type"))
         answer = json_answer(data)
         self.router.calibrate(hint, answer)
-        self.router.answered(upstream, hint)  # it computed the prompt: its prefix cache holds it
         return upstream, answer_params(answer)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
                              headers: dict[str, str], reserved: Upstream, streaming: bool,
-                             hint: Fingerprint | None = None, balancer: Balancer | None = None) -> Response:
-        """Send the original request (plus kv_transfer_params) to the reserved instance of ``balancer``'s role (a
-        decode instance unless said; another one of that role if it cannot be reached) and relay its answer."""
+                             hint: Fingerprint | None = None) -> Response:
+        """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
+        cannot be reached) and relay its answer."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         timeout = self.stream_timeout if streaming else self.whole_timeout
-        balancer = balancer or self.decode_balancer
+        balancer = self.decode_balancer
         upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, hint)
         content_type = response.headers.get("Content-Type", "application/json")
         log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
@@ -224,11 +223,6 @@ class Proxy:
         try:
             if self.router.skip_prefill(choice, hint, request_id):
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
-                whole = self.router.serve_on_prefill(choice, hint, request_id)
-                if whole is not None:
-                    self.decode_balancer.release(decode)
-                    return await self.forward_decode(path, raw, payload, decode_params, headers, whole, streaming,
-                                                     hint, self.prefill_balancer)
             else:
                 decode_params = await self.remote_prefill(path, payload, chat, headers, decode, hint)
         except BaseException:

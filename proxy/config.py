@@ -77,7 +77,6 @@ class ProxyConfig:
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
     dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
-    serve_skipped_on_prefill: bool = False  # a skipped request may go whole to a less busy prefill instance
 
     def __post_init__(self) -> None:
         for role in (PREFILL, DECODE):
@@ -169,10 +168,6 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                         help="for a decode instance that takes pushed KV: send the decode request together with the "
                              "prefill (concurrent; default), or after the prefill answered (sequential). Pull-mode "
                              "instances always get it after the prefill (they need its answer)")
-    parser.add_argument("--serve-skipped-on-prefill", action="store_true",
-                        help="a request whose remote prefill is skipped goes whole to a prefill instance instead of "
-                             "the decode instance when one holds as much of its prompt and has fewer requests "
-                             "outstanding (prefill instances then also decode; default: only decode instances do)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,7 +180,6 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, prefix_index_entries=args.prefix_index_entries,
                            admin_token=args.admin_token if args.admin_token is not None
-                           else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch,
-                           serve_skipped_on_prefill=args.serve_skipped_on_prefill)
+                           else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch)
     except ConfigError as error:
         parser.error(str(error))

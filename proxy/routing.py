@@ -49,9 +49,6 @@ class Router:
                                      "instance already held (prefix index).", ["role"], registry=registry)
         self.skipped = Counter("mooncake_proxy_prefill_skipped", "Requests sent straight to a decode instance "
                                "(uncached prompt below --skip-prefill-below tokens).", registry=registry)
-        self.whole_on_prefill = Counter("mooncake_proxy_served_on_prefill", "Requests whose remote prefill was "
-                                        "skipped and that a prefill instance served whole "
-                                        "(--serve-skipped-on-prefill).", registry=registry)
         entries = Gauge("mooncake_proxy_prefix_index_entries", "Prefix chunks indexed, all instances of the role.",
                         ["role"], registry=registry)
         for role in (PREFILL, DECODE):
@@ -117,29 +114,6 @@ class Router:
                  request_id, "skipped the" if skip else "remote", uncached, total, decode.upstream.name, decode.rule,
                  "below" if skip else "not below", threshold)
         return skip
-
-    def serve_on_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> Upstream | None:
-        """For a request whose remote prefill was skipped, with ``--serve-skipped-on-prefill``: the prefill instance
-        that serves it whole instead of the decode instance (reserved: the caller releases it), or None. One
-        qualifies if it is not cooling down, holds (answered) at least as much of the prompt as the decode instance
-        and has fewer requests outstanding than the decode instance had before this one; the least busy wins."""
-        if not self.config.serve_skipped_on_prefill or hint is None:
-            return None
-        held = decode.upstream.prefix.match(hint.chunks, confirmed=True)
-        busy = decode.upstream.outstanding - 1  # the decode instance is already reserved for this request
-        now = time.monotonic()
-        candidates = [u for u in self.balancers[PREFILL].upstreams if not u.cooling_down(now)
-                      and u.outstanding < busy and u.prefix.match(hint.chunks, confirmed=True) >= held]
-        if not candidates:
-            return None
-        chosen = min(candidates, key=lambda u: (u.outstanding, -u.prefix.match(hint.chunks, confirmed=True)))
-        self.balancers[PREFILL].acquire(chosen)
-        chosen.prefix.add(hint.chunks)
-        self.whole_on_prefill.inc()
-        log.info("[%s] served whole on %s (%d outstanding; %s had %d)", request_id, chosen.name, chosen.outstanding - 1,
-                 decode.upstream.name, busy)
-        self.refresh(chosen)
-        return chosen
 
     def answered(self, upstream: Upstream, hint: Fingerprint | None) -> None:
         """``upstream`` answered a request for ``hint``'s prompt: it holds that prompt's KV now."""

@@ -191,3 +191,24 @@ def test_requests_abandoned_half_way(pair, mode, reference):
         answer, _, change = disaggregate(pair, tokens)
         assert answer == reference.complete(tokens, MAX_TOKENS)
         check_moved(mode, tokens, change)
+
+
+
+def test_a_request_served_whole_on_the_producer_keeps_nothing(pair, mode, reference):
+    """A request whose params say ``do_remote_decode: false`` (a proxy serving it whole) on the producer: the
+    reference's answer, and neither a save nor a push (in push mode mooncake.json names a consumer to push to)."""
+    producer, consumer = pair
+    tokens = prompt(1100 if mode == "pull" else 1110, 700)
+    whole = {"do_remote_prefill": False, "do_remote_decode": False}
+    producer.complete([7] * 8, 1, kv_transfer_params=whole)  # an engine step: earlier stats reach /metrics
+    before_p, before_c = kv_stats(producer), kv_stats(consumer)
+    assert producer.complete(tokens, MAX_TOKENS, kv_transfer_params=whole) == reference.complete(tokens, MAX_TOKENS)
+    producer.complete([7] * 8, 1, kv_transfer_params=whole)
+    kept = diff(kv_stats(producer), before_p)
+    assert not any(kept.get(k) for k in ("saved", "saved_bytes", "pushed", "pushed_bytes")), kept
+    assert not diff(kv_stats(consumer), before_c).get("loaded_bytes")
+    producer.complete(tokens, 1)  # the same prompt without those params is kept for a consumer
+    producer.complete([7] * 8, 1, kv_transfer_params=whole)
+    assert diff(kv_stats(producer), before_p).get("saved" if mode == "pull" else "pushed") == 1
+    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)  # and taken: none left over
+    assert settled_stats(consumer, before_c, 1).get("loaded") == 1

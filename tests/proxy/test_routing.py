@@ -268,38 +268,6 @@ def test_the_prefill_is_skipped_when_little_of_the_prompt_is_uncached() -> None:
     run(test, skip_prefill_below=500)
 
 
-@pytest.mark.parametrize("on_prefill", [True, False])
-def test_a_skipped_request_goes_whole_to_a_less_busy_prefill_instance(on_prefill: bool) -> None:
-    """--serve-skipped-on-prefill: once the prefill instance has answered a prompt's prefill, a follow-up whose
-    prefill is skipped goes whole to it (the request as the client sent it, params that ask it to keep nothing)
-    while the decode instance is busier; never while the decode instance is as idle. Without the option: always the
-    decode instance."""
-    long = text_of(13, 6000)
-
-    async def test(env: Environment) -> None:
-        prefill, decode = env.prefill[0], env.decode[0]
-        await complete(env, long)  # remote prefill, then the decode: both hold the prompt now
-        assert await complete(env, long + " idle") == decode.name  # equally idle: the decode instance
-        decode.hold_last = hold = asyncio.Event()
-        stream = await env.client.post(env.url + "/v1/completions",
-                                       json={**COMPLETION, "prompt": long + " busy", "stream": True})
-        await stream.content.readuntil(b"\n\n")
-        served = await complete(env, long + " follow-up", max_tokens=7)
-        assert served == (prefill.name if on_prefill else decode.name)
-        if on_prefill:
-            whole = prefill.received[-1].body
-            assert whole["max_tokens"] == 7 and whole["kv_transfer_params"] == NO_LOAD
-        assert len(prefill.completions()) == (2 if on_prefill else 1)
-        assert await proxy_metric(env, "mooncake_proxy_served_on_prefill_total") == int(on_prefill)
-        assert await proxy_metric(env, "mooncake_proxy_prefill_skipped_total") == 3
-        hold.set()
-        assert (await read_sse(stream))[-1] == "[DONE]"
-        stream.release()
-        await assert_idle(env)
-
-    run(test, skip_prefill_below=500, serve_skipped_on_prefill=on_prefill)
-
-
 def test_token_estimates_are_calibrated_from_the_prefill_usage() -> None:
     """3000 characters are ~1000 tokens by default (not skipped below 500); once the prefill answers say 8 characters
     per token, an unrelated prompt of 3000 characters is ~375 tokens: skipped."""
