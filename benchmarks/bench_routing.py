@@ -51,7 +51,11 @@ same fleet (goodput not lower; TTFT p50 within 10%).
 
 Run (from the repository root)::
 
-    .venv/bin/python benchmarks/bench_routing.py                # ~20 minutes
+    .venv/bin/python benchmarks/bench_routing.py                # ~30 minutes
+    # the colocated pair against the 1P1D fleet (as many instances on the same cores), three rounds
+    .venv/bin/python benchmarks/bench_routing.py --fleets colocated 1p1d --repeat 3 --thresholds 256 \
+        --fronts "colocated rr" "colocated ca" "1p1d ours balance" "1p1d ours skip256" "1p1d router ca" \
+        --name bench_routing_1p1d
     .venv/bin/python benchmarks/bench_routing.py --prompts 16 --thresholds 512 --workloads shared   # shorter
     # the 2P2D fleet's run-to-run spread: fronts in rounds, the SLOs of the full run
     .venv/bin/python benchmarks/bench_routing.py --fleets 2p2d --workloads random --repeat 3 \
@@ -439,7 +443,7 @@ def main() -> None:
     parser.add_argument("--unpinned", action="store_true",
                         help="no instance pinned to a core: one compute thread each, placed by the OS "
                              "(VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1)")
-    parser.add_argument("--fronts", nargs="+", help="only these fronts (e.g. 'ours balance'; default all)")
+    parser.add_argument("--fronts", nargs="+", help="only these fronts, in this order in each round (default all)")
     parser.add_argument("--one-process-engine", action="store_true",
                         help="every instance runs its model worker inside its engine process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu's default is a worker process of its own)")
@@ -481,7 +485,7 @@ def main() -> None:
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
-                fronts = [f for f in fronts_of(kind, args.thresholds) if not args.fronts or f in args.fronts]
+                fronts = [f for f in args.fronts or fronts_of(kind, args.thresholds) if f in fronts_of(kind, args.thresholds)]
                 for round_, front, workload in itertools.product(range(args.repeat), fronts, args.workloads):
                     run = run_one(fleet, front, workload, args, model, work, per_token, follow)
                     run.round = round_
