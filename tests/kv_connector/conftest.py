@@ -125,6 +125,15 @@ def metrics(server: VllmServer) -> dict[str, float]:
     return out
 
 
+KEEP_NOTHING = {"do_remote_prefill": False, "do_remote_decode": False}  # load nothing, save and push nothing
+
+
+def flush(server: VllmServer) -> None:
+    """One engine step that moves no KV: what the instance did before reaches its /metrics (the connector's stats
+    travel with its next step)."""
+    server.complete([1, 2, 3], 1, kv_transfer_params=KEEP_NOTHING)
+
+
 def kv_stats(server: VllmServer, every: dict[str, float] | None = None) -> dict[str, float]:
     """The connector's own stats (``vllm:mooncake_kv_*``) plus vLLM's prefix-cache hit counters, in tokens (from
     ``every``, the instance's ``metrics``, if given)."""

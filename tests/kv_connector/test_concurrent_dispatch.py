@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 from proxy.protocols import push_target
-from tests.kv_connector.conftest import ROW_BYTES, diff, kv_stats, settled_stats, wait_busy, wait_idle
+from tests.kv_connector.conftest import ROW_BYTES, diff, flush, kv_stats, settled_stats, wait_busy, wait_idle
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 AWAIT = {"do_remote_prefill": True, "mooncake_await_push": True}
@@ -44,11 +44,6 @@ class Dispatched:
         return self.decode.result()
 
 
-def flush_stats(producer) -> None:
-    """A producer's stats reach /metrics with its next engine step: one that pushes nothing."""
-    producer.complete([1, 2, 3], 1, kv_transfer_params={"mooncake_push_to": []})
-
-
 def test_decodes_sent_with_their_prefills_take_the_pushed_kv(push_pair, reference):
     producer, consumer = push_pair
     params = prefill_params(consumer)
@@ -60,7 +55,7 @@ def test_decodes_sent_with_their_prefills_take_the_pushed_kv(push_pair, referenc
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         warm = prompt(3099, 200)  # the push link may still be made: this one may go by pull
         assert Dispatched(pool, producer, consumer, warm, params).text() == reference.complete(warm, MAX_TOKENS)
-        flush_stats(producer)
+        flush(producer)
         wait_idle(consumer)
         consumer_before, producer_before = kv_stats(consumer), kv_stats(producer)
         start = time.monotonic()
@@ -70,7 +65,7 @@ def test_decodes_sent_with_their_prefills_take_the_pushed_kv(push_pair, referenc
         seconds = time.monotonic() - start
     loads = len(one_by_one) + len(at_once)
     change = settled_stats(consumer, consumer_before, loads)
-    flush_stats(producer)
+    flush(producer)
     produced = diff(kv_stats(producer), producer_before)
     print(f"concurrent dispatch: {loads} requests in {seconds:.1f} s; consumer {change}; producer {produced}")
     assert answers == [expected[tuple(t)] for t in [*one_by_one, *at_once]]
@@ -136,7 +131,7 @@ def test_a_decode_abandoned_while_its_prefill_runs(push_pair, reference):
     finally:
         conn.close()  # the client is gone before any token: the decode still waits for its push
     producer.complete(tokens, 1, kv_transfer_params=params)  # the prefill ends after the client left, and pushes
-    flush_stats(producer)
+    flush(producer)
     wait_idle(consumer, timeout=PUSH_WAIT + 30)
     left = kv_stats(consumer)
     print(f"abandoned: {diff(left, before)}")
