@@ -70,16 +70,25 @@ ENTRY_SETS = {"basic": basic_entries, "prefix": prefix_entries, "stress": stress
 
 def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order_seed: int | None = None,
             full: Any = None, linger: float = 120.0, options: dict[str, Any] | None = None,
-            all_in: Any = None) -> dict[str, Any]:
+            all_in: Any = None, answer_delay: float = 0.0) -> dict[str, Any]:
     """Insert the entries (in a shuffled order if order_seed), then wait for ``done`` and report what is left.
     ``full`` is set once the first 100 (or all) are in, ``all_in`` once all are. ``options``: SimpleBuffer keyword
-    arguments (max_age, evict); with them the report has ``insert_seconds``, the longest insert."""
+    arguments (max_age, evict); with them the report has ``insert_seconds``, the longest insert. ``answer_delay``:
+    seconds the producer waits before it answers each request (a busy producer)."""
     entries = ENTRY_SETS[entry_set]()
     if order_seed is not None:
         entries = shuffled(entries, order_seed)
     longest = 0.0
     with open_pipe(cfg, 0) as pipe:
         buf = SimpleBuffer(pipe, pipe, thresh, **(options or {}))
+        if answer_delay:
+            answer = buf.producer._answer
+
+            def late(request: Any, data_pipe: Any) -> None:
+                time.sleep(answer_delay)
+                answer(request, data_pipe)
+
+            buf.producer._answer = late
         for i, entry in enumerate(entries):
             start = time.monotonic()
             buf.insert(*entry)

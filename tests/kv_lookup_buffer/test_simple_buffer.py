@@ -338,15 +338,18 @@ def test_evict_makes_room_without_waiting(cfg):
 
 
 def test_a_request_that_times_out_does_not_disturb_later_ones(cfg):
-    """drop_select's own timeout: the late answer is recognised and dropped; the next request gets its own entry."""
+    """drop_select's own timeout: the late answer is recognised and dropped; the next request gets its own entry.
+    The producer answers every request after 0.3 s (an answer that has begun to arrive is waited for, by design:
+    with a prompt producer a short timeout races it)."""
     done, full = ctx.Event(), ctx.Event()
-    producer = Peer(programs.produce, cfg, "large", 1 << 30, done, None, full)
+    producer = Peer(programs.produce, cfg, "large", 1 << 30, done, None, full, 120.0, None, None, 0.3)
     entries = programs.large_entries()
     pipe, buf = consumer(cfg)
     with pipe:
         assert full.wait(60)
+        assert buf.drop_select(torch.tensor([1, 2, 3]), None) == [None] * 5  # the links up: the next send is quick
         with pytest.raises(TimeoutError, match="no answer to drop_select request"):
-            buf.drop_select(entries[0][0], None, timeout=0.0005)
+            buf.drop_select(entries[0][0], None, timeout=0.05)
         got = buf.drop_select(entries[1][0], None)
         settle(buf)
         done.set()
