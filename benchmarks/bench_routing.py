@@ -485,7 +485,8 @@ def main() -> None:
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
-                fronts = [f for f in args.fronts or fronts_of(kind, args.thresholds) if f in fronts_of(kind, args.thresholds)]
+                available = fronts_of(kind, args.thresholds)
+                fronts = [f for f in args.fronts or available if f in available]
                 for round_, front, workload in itertools.product(range(args.repeat), fronts, args.workloads):
                     run = run_one(fleet, front, workload, args, model, work, per_token, follow)
                     run.round = round_

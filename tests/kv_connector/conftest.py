@@ -15,6 +15,7 @@ import pytest
 
 from harness.ports import free_port
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from proxy.protocols import NO_LOAD
 from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
@@ -125,13 +126,10 @@ def metrics(server: VllmServer) -> dict[str, float]:
     return out
 
 
-KEEP_NOTHING = {"do_remote_prefill": False, "do_remote_decode": False}  # load nothing, save and push nothing
-
-
 def flush(server: VllmServer) -> None:
     """One engine step that moves no KV: what the instance did before reaches its /metrics (the connector's stats
     travel with its next step)."""
-    server.complete([1, 2, 3], 1, kv_transfer_params=KEEP_NOTHING)
+    server.complete([1, 2, 3], 1, kv_transfer_params=NO_LOAD)  # a consumer loads nothing, a producer keeps nothing
 
 
 def kv_stats(server: VllmServer, every: dict[str, float] | None = None) -> dict[str, float]:

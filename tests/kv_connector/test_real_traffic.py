@@ -16,9 +16,9 @@ import time
 import urllib.error
 import urllib.request
 
+from proxy.protocols import NO_LOAD
 from tests.kv_connector.conftest import (
     BLOCK,
-    KEEP_NOTHING,
     ROW_BYTES,
     blocks,
     diff,
@@ -203,13 +203,13 @@ def test_requests_abandoned_half_way(pair, mode, reference):
 
 
 def test_a_request_served_whole_on_the_producer_keeps_nothing(pair, mode, reference):
-    """A request whose params say ``do_remote_decode: false`` (a proxy serving it whole) on the producer: the
-    reference's answer, and neither a save nor a push (in push mode mooncake.json names a consumer to push to)."""
+    """A request whose params say ``do_remote_decode: false`` (the proxy's NO_LOAD) on the producer: the reference's
+    answer, and neither a save nor a push (in push mode mooncake.json names a consumer to push to)."""
     producer, consumer = pair
     tokens = prompt(1100 if mode == "pull" else 1110, 700)
     flush(producer)
     before_p, before_c = kv_stats(producer), kv_stats(consumer)
-    assert producer.complete(tokens, MAX_TOKENS, kv_transfer_params=KEEP_NOTHING) == reference.complete(tokens, MAX_TOKENS)
+    assert producer.complete(tokens, MAX_TOKENS, kv_transfer_params=NO_LOAD) == reference.complete(tokens, MAX_TOKENS)
     flush(producer)
     kept = diff(kv_stats(producer), before_p)
     assert not any(kept.get(k) for k in ("saved", "saved_bytes", "pushed", "pushed_bytes")), kept
