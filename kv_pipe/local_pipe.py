@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_pipe.base import KVPipeBase
+from kv_pipe.devices import canonical, same_device
 from kv_pipe.errors import PeerDisconnected, PipeClosed, PipeTimeout
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import DTYPE_TO_CODE
@@ -48,7 +49,7 @@ class LocalPipe(KVPipeBase):
     def __init__(self, link: _Link, side: int, config: LocalPipeConfig, device: str | torch.device) -> None:
         self._link, self._side = link, side
         self.config = config
-        self.device = torch.device(device)
+        self.device = canonical(device)
 
     @property
     def closed(self) -> bool:
@@ -93,8 +94,8 @@ class LocalPipe(KVPipeBase):
         the bytes and the result is a view of it; a ``Scatter`` whose leading regions it fills exactly gets them and
         the result is a ``meta`` tensor; otherwise the result is a tensor of its own)."""
         timeout = self.config.timeout if timeout is None else timeout
-        if isinstance(out, torch.Tensor) and (not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous tensor on {self.device}")
+        if isinstance(out, torch.Tensor) and (not out.is_contiguous() or not same_device(out.device, self.device)):
+            raise ValueError(f"out must be a contiguous tensor on {self.device} (got one on {out.device})")
         link = self._link
         deadline = time.monotonic() + timeout
         with link.cv:

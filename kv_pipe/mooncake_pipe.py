@@ -6,7 +6,8 @@ How one tensor travels (sender A -> receiver B):
    its engine session and the address of its registered *staging ring* (``staging_buffer_size`` bytes).
 2. A sends a TENSOR frame (dtype, shape, size), then splits the bytes into chunks (``chunk_size``). For each:
    reserve ring space, start a one-sided Transfer Engine write into B's ring (over TCP straight from the tensor;
-   RDMA and device tensors first copy into A's own registered staging area). Up to ``max_chunks_in_flight`` writes
+   RDMA first copies into A's own registered staging area; a device tensor is first copied whole into pinned host
+   memory, ``kv_pipe.devices``). Up to ``max_chunks_in_flight`` writes
    run at once; as each completes, a CHUNK frame tells B where it is.
 3. B's ``recv_tensor`` takes the result from the endpoint's pool of memory kept mapped (``ResultPool``: a fresh
    result's page faults cost as much as the transfer; a slot is reused once the caller dropped every reference to
@@ -62,7 +63,8 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
     mooncake.json address and links it to the other side's: kv_rank 0 is the producer end (``prefill_url`` port +
     local_rank), kv_rank 1 the consumer end (``decode_url`` port + local_rank); only that peer is admitted.
     ``PipeEndpoint.link(peer, channel)`` makes links to any number of peers (XpYd). ``config=None`` reads
-    MOONCAKE_CONFIG_PATH. Received tensors are placed on ``device``. Thread-safe: concurrent senders (or receivers)
+    MOONCAKE_CONFIG_PATH. Received tensors are placed on ``device`` (``cuda``: received into pinned host memory,
+    then copied onto the device on the caller's current stream). Thread-safe: concurrent senders (or receivers)
     are serialized.
     """
 

@@ -30,6 +30,7 @@ import torch
 from kv_pipe import handshake
 from kv_pipe.acceptor import Acceptor
 from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port, physical_memory
+from kv_pipe.devices import canonical
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.handshake import DEFAULT_CHANNEL, check_channel
 from kv_pipe.memory import ResultPool
@@ -82,7 +83,7 @@ class Node(Generic[L]):
         self.address = join_host_port(host, port)
         self.kv_rank, self.local_rank = kv_rank, local_rank
         self.any_peer_rank = any_peer_rank
-        self.device = torch.device(device)
+        self.device = canonical(device)
         self.peers = None if peers is None else {self._normalize(p) for p in peers}
         self.link_idle = link_idle
         self.closed = threading.Event()
@@ -93,7 +94,8 @@ class Node(Generic[L]):
         self._receiving = 0  # bytes of the tensors being received by the links now (see reserve)
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
-        self.offers = config.zero_copy_recv and config.protocol == "tcp" and self.device.type == "cpu"
+        # (A device pipe receives into pinned host memory too, then copies that onto the device.)
+        self.offers = config.zero_copy_recv and config.protocol == "tcp"
         self.direct_recv = self.offers and config.metadata.backend == "p2p"
         self.regions: list[tuple[Region, torch.Tensor]] = []
         # Memory kept mapped for the results of recv_tensor() without out=, shared by every link (host results
@@ -211,7 +213,7 @@ class Node(Generic[L]):
         return ring
 
     def _allocate_ring(self) -> torch.Tensor:
-        return self.engine.allocate(self.config.staging_buffer_size, pin=self.device.type == "cuda")
+        return self.engine.allocate(self.config.staging_buffer_size)
 
     def _refill_spare(self) -> None:
         if self.closed.is_set():

@@ -17,6 +17,7 @@ import torch
 from kv_pipe import wire
 from kv_pipe.channel import DIRECT_MIN, Inbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
+from kv_pipe.devices import pinned_empty, same_device, to_device
 from kv_pipe.errors import PipeError, PipeStalled, PipeTimeout, ProtocolError
 from kv_pipe.memory import advise_huge_pages, copy_bytes, prefault
 from kv_pipe.node import Node
@@ -75,10 +76,21 @@ class Receiver:
         than a poll interval is received whole, never cut off. A bare ``PipeTimeout`` therefore always means that
         nothing arrived (the pipe is as it was: call again); a tensor that began and then stopped coming raises
         ``PipeStalled`` (a ``PipeTimeout``): it is lost, with the connection that carried it."""
+        if isinstance(out, torch.Tensor) and (not out.is_contiguous() or not same_device(out.device, self.device)):
+            raise ValueError(f"out must be a contiguous tensor on {self.device} (got one on {out.device})")
+        if self.device.type == "cpu":
+            return self._recv(timeout, out)
+        # A device pipe receives into pinned host memory (what the engine moves over TCP), then queues one copy onto
+        # the device on the caller's stream: no per-chunk copies that each wait for the device.
+        got = self._recv(timeout, out if isinstance(out, Scatter) else None)
+        if got is None or got.device.type == "meta":
+            return got
+        return to_device(got, self.device, out if isinstance(out, torch.Tensor) else None)
+
+    def _recv(self, timeout: float | None, out: torch.Tensor | Scatter | None) -> torch.Tensor | None:
+        """``recv_tensor`` into host memory (``out``, if a tensor, is host memory)."""
         timeout = self.config.timeout if timeout is None else timeout
         rest = max(timeout, self.config.timeout)  # each wait once a tensor has begun to arrive
-        if isinstance(out, torch.Tensor) and (not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous tensor on {self.device}")
         deadline = time.monotonic() + timeout
         with self._recv_lock:
             now = time.monotonic()
@@ -144,7 +156,9 @@ class Receiver:
             pooled = self.endpoint.results.take(header.dtype, header.shape, header.nbytes)
             if pooled is not None:
                 return pooled
-        result = torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        if self.device.type != "cpu":  # staged here, then copied onto the device (recv_tensor)
+            return pinned_empty(header.shape, header.dtype), False
+        result = torch.empty(header.shape, dtype=header.dtype)
         if header.data is None and self.config.huge_pages:
             advise_huge_pages(result.reshape(-1).view(torch.uint8))
         return result, False

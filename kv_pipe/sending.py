@@ -19,6 +19,7 @@ import torch
 from kv_pipe import handshake, wire
 from kv_pipe.channel import DIRECT_MIN, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig
+from kv_pipe.devices import to_host
 from kv_pipe.errors import PipeError
 from kv_pipe.memory import copy_bytes
 from kv_pipe.node import Node
@@ -78,15 +79,17 @@ class Sender:
                 self.last_used = time.monotonic()
 
     def _staging(self) -> torch.Tensor:
-        """The registered area chunks are copied into before they are written (RDMA, device tensors, or
-        zero_copy_send off); allocated on first use (under the send lock): over TCP from host memory it is never
-        needed, and faulting in its pages made a link's first transfer slow."""
+        """The registered area chunks are copied into before they are written (RDMA, or zero_copy_send off);
+        allocated on first use (under the send lock): over TCP it is never needed, and faulting in its pages made a
+        link's first transfer slow."""
         if self._stage is None:
-            self._stage = self._engine.allocate(self.config.staging_buffer_size, pin=torch.cuda.is_available())
+            self._stage = self._engine.allocate(self.config.staging_buffer_size)
         return self._stage
 
     def _send(self, out: Outbound, tensor: torch.Tensor, timeout: float) -> None:
-        src = tensor.detach()
+        # A device tensor is staged whole in pinned host memory by one copy on the caller's stream (its wait is for
+        # that copy's event, not for the device), then sent as host memory.
+        src = to_host(tensor.detach())
         if not src.is_contiguous():
             src = src.contiguous()
         nbytes = src.numel() * src.element_size()
@@ -98,8 +101,8 @@ class Sender:
             return
         # Over TCP the engine reads the source with plain socket writes, so host memory needs no registration: write
         # straight from the tensor (it stays alive and untouched until every write is done: this call waits for them)
-        # and save a copy per byte. RDMA needs registered memory, and device tensors go through the pinned stage.
-        direct = self.config.zero_copy_send and self.config.protocol == "tcp" and flat.device.type == "cpu"
+        # and save a copy per byte. RDMA needs registered memory: it goes through the stage.
+        direct = self.config.zero_copy_send and self.config.protocol == "tcp"
         stage = None if direct else self._staging()
         stage_addr = 0 if stage is None else stage.data_ptr()
         # A large tensor may be written straight into the receiver's result (zero-copy receive): a receiver that said

@@ -68,8 +68,9 @@ class MooncakeEngine:
             self.session = local_name
         logger.debug("Transfer Engine up: session %s, metadata %s, protocol %s", self.session, metadata.conn, config.protocol)
 
-    def allocate(self, nbytes: int, pin: bool = False) -> torch.Tensor:
-        """A host byte buffer registered with the engine (pinned when CUDA copies will use it).
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer registered with the engine (no CUDA copy reads or writes it: device tensors are staged
+        in pinned memory of their own, ``kv_pipe.devices``).
 
         Its pages are mapped now: a staging area is reused for every transfer, and faulting its pages in during the
         first passes made the copies in and out of it several times slower. Huge pages only for RDMA (fewer pages to
@@ -77,11 +78,10 @@ class MooncakeEngine:
         over TCP."""
         # host memory of its own mapping: it goes back to the system when released (from the allocator's heap, freed
         # rings stayed resident)
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else mapped(nbytes)
-        if not pin:
-            if self.protocol == "rdma":
-                advise_huge_pages(buf)
-            prefault(buf)
+        buf = mapped(nbytes)
+        if self.protocol == "rdma":
+            advise_huge_pages(buf)
+        prefault(buf)
         rc = self._engine.register_memory(buf.data_ptr(), nbytes)
         if rc != 0:
             raise TransferError(f"registering {nbytes} bytes with the Transfer Engine failed (rc={rc})")

@@ -114,16 +114,22 @@ def same(a: Any, b: Any) -> bool:
         return a is None and b is None
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(a.cpu().contiguous().reshape(-1).view(torch.uint8), b.cpu().contiguous().reshape(-1).view(torch.uint8))
 
 
-def send_cases(cfg: dict[str, Any], kv_rank: int) -> int:
+def send_cases(cfg: dict[str, Any], kv_rank: int) -> dict[str, Any]:
+    """Send every case of ``dtype_cases``, then receive them back (until a None): how many were sent, and which
+    echoes differ from their case."""
     cases = dtype_cases()
     with open_pipe(cfg, kv_rank) as pipe:
         for t in cases:
             pipe.send_tensor(t)
-        pipe.recv_tensor()  # the test's "done"
-    return len(cases)
+        back = []
+        while (item := pipe.recv_tensor()) is not None or len(back) < len(cases):
+            back.append(item)
+        pipe.send_tensor(None)  # all read: the test may close its end
+    return {"sent": len(cases), "echoes_differ": [i for i, (a, b) in enumerate(zip(cases, back, strict=True))
+                                                  if not same(a, b)]}
 
 
 # ----------------------------------------------------------------------------- stress

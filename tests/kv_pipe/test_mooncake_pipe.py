@@ -17,8 +17,10 @@ import torch
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
 from kv_pipe.channel import DIRECT_MIN
+from kv_pipe.devices import canonical
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
+from tests.conftest import CUDA
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
 from tests.kv_pipe.side_channel import hello_fields, raw_connect
@@ -32,16 +34,18 @@ def cfg():
     return make_config()
 
 
-def echoed(cfg, items: list, stats: dict | None = None, lockstep: bool = False) -> tuple[list, int]:
+def echoed(cfg, items: list, stats: dict | None = None, lockstep: bool = False, device: str = "cpu"
+           ) -> tuple[list, int]:
     """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw
     (and fills ``stats`` with this end's receive counters). ``lockstep``: wait for each echo before sending the
     next item, so this end is already receiving when an echo starts (else the echoes of large items may fill the
-    ring before this end reads them, and rightly go without a direct offer)."""
+    ring before this end reads them, and rightly go without a direct offer). ``device``: this end's pipe and the
+    tensors it sends are there (the peer's are on the host)."""
     peer = Peer(peers.echo, cfg, 0, len(items))
-    with open_pipe(cfg, 1) as pipe:
+    with open_pipe(cfg, 1, device=device) as pipe:
         back = []
         for item in items:
-            pipe.send_tensor(item)
+            pipe.send_tensor(None if item is None else item.to(device))
             if lockstep:
                 back.append(pipe.recv_tensor())
         back += [pipe.recv_tensor() for _ in range(len(items) - len(back))]
@@ -58,15 +62,16 @@ PATHS = pytest.mark.parametrize("path", [{"zero_copy_send": True, "zero_copy_rec
 
 
 @PATHS
-def test_round_trip_both_ways(path):
+def test_round_trip_both_ways(path, device):
     cfg = make_config(**path)
     big = torch.randn(3 << 20)  # 12 MiB: three chunks
     items = [torch.randn(5, 6), None, torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.tensor(3.5), big,
              big.view(-1, 1024).t()]  # and a non-contiguous one
     stats: dict = {}
-    back, tensors = echoed(cfg, items, stats, lockstep=True)
+    back, tensors = echoed(cfg, items, stats, lockstep=True, device=device)
     assert tensors == 5
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
+    assert all(t.device == canonical(device) for t in back if t is not None)
     if path["zero_copy_recv"]:  # a first small chunk of each big tensor goes through the ring, the rest direct
         assert stats["direct_bytes"] >= 2 * 4 * MiB, stats
     else:
@@ -131,17 +136,23 @@ def test_scatter_target_fills_its_regions_in_order(registered):
 
 
 @PATHS
-def test_dtype_and_shape_matrix_is_bit_exact(path):
+def test_dtype_and_shape_matrix_is_bit_exact(path, device):
+    """Every dtype and shape, received on ``device`` and sent back from there."""
     cfg = make_config(**path)
     peer = Peer(peers.send_cases, cfg, 0)
     expected = peers.dtype_cases()
-    with open_pipe(cfg, 1) as pipe:
+    with open_pipe(cfg, 1, device=device) as pipe:
         got = [pipe.recv_tensor() for _ in expected]
+        for t in got:
+            pipe.send_tensor(t)
         pipe.send_tensor(None)
-    assert peer.result() == len(expected)
+        assert pipe.recv_tensor() is None  # the peer read them all
+    echoes = peer.result()
+    assert echoes["sent"] == len(expected)
     mismatches = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not same(a, b)]
     assert not mismatches, f"cases {mismatches} differ"
-    assert all(t.is_contiguous() for t in got if t is not None)
+    assert echoes["echoes_differ"] == [], "sent back from the device"
+    assert all(t.is_contiguous() and t.device == canonical(device) for t in got if t is not None)
 
 
 def test_none_is_not_confused_with_any_tensor(cfg):
@@ -474,12 +485,19 @@ def test_a_chunked_tensor_after_an_unaligned_one_does_not_stall():
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
 
-def test_receive_into_a_caller_buffer(cfg):
+# the same device, spelled as users spell it: the pipe's name for it and the buffer's may differ
+SPELLINGS = [("cpu", "cpu"), ("cpu", torch.device("cpu", 0)),
+             pytest.param("cuda", "cuda:0", marks=CUDA), pytest.param("cuda:0", "cuda", marks=CUDA),
+             pytest.param(torch.device("cuda", 0), "cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("pipe_device, buffer_device", SPELLINGS)
+def test_receive_into_a_caller_buffer(cfg, pipe_device, buffer_device):
     items = [torch.arange(3 * MiB, dtype=torch.float32), torch.tensor([1.5, 2.5]), torch.arange(10, dtype=torch.int64)]
     peer = Peer(peers.echo, cfg, 0, len(items))
-    buffer = torch.zeros(16 * MiB, dtype=torch.uint8)
-    small = torch.zeros(8, dtype=torch.uint8)
-    with open_pipe(cfg, 1) as pipe:
+    buffer = torch.zeros(16 * MiB, dtype=torch.uint8, device=buffer_device)
+    small = torch.zeros(8, dtype=torch.uint8, device=buffer_device)
+    with open_pipe(cfg, 1, device=pipe_device) as pipe:
         for item in items:
             pipe.send_tensor(item)
         big = pipe.recv_tensor(out=buffer)
