@@ -25,10 +25,11 @@ from vllm.logger import init_logger
 
 from kv_connector.config import ConnectorConfig
 from kv_connector.metadata import MooncakeConnectorMetadata
+from kv_connector.metrics import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.options import check_kv_cache_dtype, recompute_tokens
 from kv_connector.scheduler_consumer import ConsumerScheduler
 from kv_connector.scheduler_producer import ProducerScheduler
-from kv_connector.stats import MooncakeConnectorStats, MooncakePromMetrics
+from kv_connector.vllm_glue import worker_spec
 from kv_connector.worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
+KVConnectorMetadata.register(MooncakeConnectorMetadata)  # a plain dataclass, so that the worker needs no vLLM
 
 
 def route_stack_logs() -> None:
@@ -67,7 +69,8 @@ class MooncakeConnector(KVConnectorBase_V1):
         self._bad_blocks: set[int] = set()
         self._scheduler: ProducerScheduler | ConsumerScheduler
         if role != KVConnectorRole.SCHEDULER:
-            self._worker = ConnectorWorker(vllm_config, config, kv_cache_config)
+            self._worker = ConnectorWorker(config)
+            self._kv_cache_config = kv_cache_config
         elif config.is_producer:
             self._scheduler = ProducerScheduler(config, vllm_config.cache_config.block_size)
         else:
@@ -104,7 +107,7 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side (Worker process)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        self._worker.register(kv_caches, worker_spec(self._vllm_config, self._kv_cache_config))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_step(self._meta())
@@ -127,16 +130,17 @@ class MooncakeConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, MooncakeConnectorMetadata) and meta.idle
-        results, bad_blocks = self._worker.transfer_results(idle)
-        self._bad_blocks |= bad_blocks
-        return results
+        finished = self._worker.transfer_results(idle)
+        self._bad_blocks |= finished.bad_blocks
+        return KVConnectorTransferResults(finished_recving=finished.done, failed_recving=finished.failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
         return bad
 
     def get_kv_connector_stats(self) -> MooncakeConnectorStats | None:
-        return self._worker.take_stats() if self.role == KVConnectorRole.WORKER else None
+        taken = self._worker.take_stats() if self.role == KVConnectorRole.WORKER else None
+        return None if taken is None else MooncakeConnectorStats(data=taken.data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeConnectorStats | None:

@@ -12,34 +12,21 @@ within a block, as on the CPU); other layouts serve equal TP sizes only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kv_connector import block_copy
 from kv_pipe.scatter import Scatter
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
 MAX_DESCRIPTOR = 4096  # bytes
 
 
 class LayoutMismatch(RuntimeError):
     """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
-
-
-def model_fingerprint(vllm_config: VllmConfig) -> str:
-    """Architecture plus a hash of the model's config (without its path): equal for the same model on any host."""
-    hf = vllm_config.model_config.hf_config.to_dict()
-    for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
-        hf.pop(key, None)
-    digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{'/'.join(hf.get('architectures') or ['?'])}:{digest}"
 
 
 def parse_descriptor(t: torch.Tensor | None) -> dict[str, Any]:

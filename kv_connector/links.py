@@ -11,19 +11,19 @@ and the buffers that talk over its links.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from vllm.logger import init_logger
 
 from kv_lookup_buffer import SimpleBuffer
 from kv_lookup_buffer.push_buffer import PushArrivals, PushEnd, PushReceiver
 from kv_pipe import MooncakePipe
 from kv_pipe.endpoint import PipeEndpoint
 
-logger = init_logger(f"vllm.{__name__}")
+logger = logging.getLogger(f"vllm.{__name__}")
 
 KV, PUSH = "kv", "push"
 

@@ -9,14 +9,13 @@ prefill: it runs in a pool of its own, so that such waits never hold the ``concu
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-
-from vllm.logger import init_logger
 
 from kv_connector.kv_layout import LayoutMismatch
 from kv_connector.metadata import LoadRequest
@@ -25,7 +24,7 @@ from kv_connector.transfer import KVMiss, LoadResult
 from kv_lookup_buffer import BufferClosed
 from kv_pipe import PipeError
 
-logger = init_logger(f"vllm.{__name__}")
+logger = logging.getLogger(f"vllm.{__name__}")
 AWAITING_LOADS = 64  # threads for loads awaiting a push: nearly all of their time is a wait on a condition
 
 

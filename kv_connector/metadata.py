@@ -1,11 +1,10 @@
 """What the scheduler-side connector tells the worker-side connector each step (pickled by vLLM between its own
-processes; nothing here crosses to another instance)."""
+processes; nothing here crosses to another instance). Plain dataclasses: the worker's data path runs without vLLM
+(``connector.py`` registers ``MooncakeConnectorMetadata`` as vLLM's ``KVConnectorMetadata``, an empty ABC)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kv_connector.source import LoadSource
 
@@ -51,7 +50,7 @@ class PushStep:
 
 
 @dataclass
-class MooncakeConnectorMetadata(KVConnectorMetadata):
+class MooncakeConnectorMetadata:
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     pushes: list[PushStep] = field(default_factory=list)

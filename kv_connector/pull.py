@@ -19,24 +19,25 @@ saved by one producer rank only and read from it by every consumer rank.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from vllm.logger import init_logger
 
 from kv_connector import block_copy, blocks
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, SaveRequest
+from kv_connector.staging import KVStaging
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
 from kv_lookup_buffer import BufferClosed
 from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
-logger = init_logger(f"vllm.{__name__}")
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -52,8 +53,10 @@ class PullTransfer(KVTransfer):
     producer rank saves, and with equal TP sizes consumer rank r reads producer rank r."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
-                 split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False) -> None:
+                 split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
+                 staging: KVStaging | None = None) -> None:
         self.layout, self.links, self.stats = layout, links, stats
+        self.staging = staging or KVStaging(layout.layers, layout.block_dim)
         self.block_size = block_size
         self.split = split
         self.rank = split.rank
@@ -61,7 +64,8 @@ class PullTransfer(KVTransfer):
         self._pieces: ThreadPoolExecutor | None = None  # a load's pieces from several producer ranks, in parallel
         self.corrupt_ok = corrupt_ok
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
-        self.receive = WarmPool(keep=concurrency)  # consumer: one receive buffer per load in flight
+        # consumer: one receive buffer per load in flight (pinned for a device cache: copied onto it without waits)
+        self.receive = WarmPool(keep=concurrency, pinned=self.staging.on_device)
         self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
 
     # ---------------------------------------------------------------- producer
@@ -71,20 +75,23 @@ class PullTransfer(KVTransfer):
             return
         start = time.perf_counter()
         nbytes = self.layout.kv_bytes(len(save.block_ids))
-        scratch = self.scratch.get(nbytes)
+        scratch = None if self.staging.on_device else self.scratch.get(nbytes)
         try:
-            kv = block_copy.gather(self.layout.layers, self.layout.block_dim, save.block_ids, scratch)
-            # insert copies into memory the buffer recycles: two copies into warm pages cost less than one into
-            # fresh pages, and the forward pass never waits for a consumer (full: the oldest entries are evicted)
-            self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv,
-                               self.layout.descriptor_tensor(), None)
+            kv = self.staging.gather(save.block_ids, scratch=scratch)
+            # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less
+            # than one into fresh pages). A device cache's blocks are still being copied into pinned memory: handed
+            # over, served once that copy is done. Either way the forward pass never waits for a consumer (full: the
+            # oldest entries are evicted).
+            self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor,
+                               self.layout.descriptor_tensor(), None, ready=None if kv.done is None else kv.wait)
         except (BufferClosed, PipeError, ValueError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
                            len(save.token_ids), e)
             self.stats.count("save_dropped")
             return
         finally:
-            self.scratch.put(scratch)
+            if scratch is not None:
+                self.scratch.put(scratch)
         seconds = time.perf_counter() - start
         self.stats.count("saved")
         self.stats.count("saved_bytes", nbytes)
@@ -163,7 +170,7 @@ class PullTransfer(KVTransfer):
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
             if not in_place:
                 heads = None if count is None else (piece.at, piece.at + count)
-                block_copy.scatter(self.layout.layers, self.layout.block_dim, ids, kv[:usable], heads)
+                self.staging.scatter(ids, kv[:usable], heads)
         finally:
             if buf is not None:
                 self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)

@@ -21,23 +21,23 @@ its decode params name (else the configured one).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
-from vllm.logger import init_logger
-
-from kv_connector import block_copy, blocks
+from kv_connector import blocks
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
 from kv_connector.source import push_link_source
+from kv_connector.staging import KVStaging
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
 from kv_lookup_buffer.push_buffer import PushedEntry, PushReceiver, PushSender, entry_key
 from kv_lookup_buffer.push_receiver import DROPPED, PULL, STAGED
 
-logger = init_logger(f"vllm.{__name__}")
+logger = logging.getLogger(f"vllm.{__name__}")
 _PREFERRED = {STAGED: 0, PULL: 1, DROPPED: 2}  # which link's news of a key an awaiting load acts on
 
 
@@ -54,8 +54,10 @@ class PushTransfer(KVTransfer):
     from the producer its ``LoadRequest.source`` names)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, pull: PullTransfer, stats: StatsRecorder,
-                 block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False) -> None:
+                 block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False,
+                 staging: KVStaging | None = None) -> None:
         self.layout, self.links, self.pull, self.stats = layout, links, pull, stats
+        self.staging = staging or KVStaging(layout.layers, layout.block_dim)
         self.block_size = block_size
         self.rank, self.default_peer = rank, default_peer
         self.push_wait = push_wait
@@ -103,8 +105,9 @@ class PushTransfer(KVTransfer):
             return
         self.begin_step(meta)
         for state, first, ids in self.step_pushes:
-            piece = block_copy.gather([self.layout.layers[layer]], self.layout.block_dim, ids)  # [n, 1, *block]
-            state.push.push(state.key, layer, first, piece, len(ids))
+            piece = self.staging.gather(ids, layer=layer)  # [n, 1, *block]; from a device: still being copied
+            state.push.push(state.key, layer, first, piece.tensor, len(ids),
+                            ready=None if piece.done is None else piece.wait)
 
     def finish_prompt(self, save: SaveRequest) -> None:
         """Commit the push, or save the prompt for pull (and tell the consumer not to wait for a push)."""
@@ -211,8 +214,9 @@ class PushTransfer(KVTransfer):
             raise ValueError(f"the pushed entry covers {min(covered)} of the {end - first} blocks wanted")
         if req.corrupt and self.corrupt_ok:
             logger.warning("MooncakeConnector: corrupted the KV of request %s on purpose (test switch)", req.req_id)
-        for layer, ids, rows in jobs:
-            block_copy.scatter([self.layout.layers[layer]], self.layout.block_dim, ids, rows)
+        written = [self.staging.scatter(ids, rows, layer=layer, wait=False) for layer, ids, rows in jobs]
+        for copy in written[-1:]:  # copies into a device cache run in order on one stream: the last ends last
+            copy.wait()
         return end - first
 
     # ---------------------------------------------------------------- closing

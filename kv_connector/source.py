@@ -8,16 +8,15 @@ when it claims the load; the worker only follows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
-
-from vllm.logger import init_logger
 
 from kv_connector import params as kv_params
 from kv_connector.config import ConnectorConfig
 from kv_connector.protocol import AWAIT_PUSH
 
-logger = init_logger(f"vllm.{__name__}")
+logger = logging.getLogger(f"vllm.{__name__}")
 _told_await_push_in_pull_mode = False
 
 

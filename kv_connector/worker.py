@@ -1,69 +1,81 @@
 """The connector's worker side (vLLM's Worker process): owns the KV cache tensors, the peer links (``links``) and the
-transfer (pull or push); saves inside the forward pass, loads in pool threads."""
+transfer (pull or push); saves inside the forward pass, loads in pool threads.
+
+No vLLM here: vLLM's objects are read once by the glue (``vllm_glue.worker_spec``) into a ``WorkerSpec``, and the
+worker takes the KV cache as a dict of plain tensors, so the whole data path runs (and is tested) without vLLM.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-from vllm.logger import init_logger
 
 from kv_connector.config import ConnectorConfig, kv_rank, role_pipe
 from kv_connector.heads import HeadSplit
-from kv_connector.kv_layout import KVCacheLayout, model_fingerprint
+from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
-from kv_connector.loads import Loads
+from kv_connector.loads import Finished, Loads
 from kv_connector.metadata import MooncakeConnectorMetadata
 from kv_connector.pull import PullTransfer
 from kv_connector.push import PushTransfer
-from kv_connector.stats import MooncakeConnectorStats, StatsRecorder
+from kv_connector.staging import KVStaging
+from kv_connector.stats import StatsRecorder, TransferStats
 from kv_connector.transfer import KVTransfer
 from kv_lookup_buffer import SimpleBuffer
 from kv_lookup_buffer.push_buffer import PushArrivals, PushBuffer
 from kv_pipe.endpoint import PipeEndpoint
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker knows of its instance besides the KV cache tensors (``vllm_glue.worker_spec`` reads it off
+    vLLM's objects; tests write it by hand)."""
+
+    rank: int  # this worker's tensor-parallel rank
+    block_size: int  # tokens per KV cache block
+    fingerprint: str  # the model, equal for the same model on any host (``vllm_glue.model_fingerprint``)
+    kv_heads: int  # the model's KV heads in all (1 for MLA's latent)
+    replicated: bool = False  # every rank holds the same KV (MLA)
+    num_blocks: int | None = None  # blocks per layer (None: the first dimension of the first layer)
+
 
 # the buffers' own counts that are connector metrics too (see stats.COUNTERS): their name -> ours
 BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes"}
 PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
-logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class ConnectorWorker:
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig, kv_cache_config: KVCacheConfig | None) -> None:
-        self.vllm_config, self.config, self.options = vllm_config, config, config.options
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config, self.options = config, config.options
         self.is_producer, self.push_mode = config.is_producer, config.push_mode
-        self.block_size = vllm_config.cache_config.block_size
-        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self.stats = StatsRecorder()
         self.layout: KVCacheLayout | None = None
+        self.staging: KVStaging | None = None
         self.transfer: KVTransfer | None = None
         self.loads: Loads | None = None
         self.links: PeerLinks | None = None
         self.layout_checked = False
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Set up this worker (TP rank) once vLLM has allocated its KV cache."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        rank = get_tensor_model_parallel_rank()
+    def register(self, kv_caches: dict[str, torch.Tensor], spec: WorkerSpec) -> None:
+        """Set up this worker (TP rank) once vLLM has allocated its KV cache: ``kv_caches`` maps each attention layer's
+        name to its paged cache tensor, in the model's layer order."""
         self._set_switch_interval()
-        split = self._head_split(rank)
-        self.layout = KVCacheLayout.from_caches(kv_caches, self.num_blocks, model_fingerprint(self.vllm_config),
-                                                split.span, self.block_size)
-        endpoint = self._endpoint(rank, self.layout)
+        split = HeadSplit(spec.kv_heads, self.config.tp_size, spec.rank, spec.replicated)
+        self.layout = KVCacheLayout.from_caches(kv_caches, spec.num_blocks, spec.fingerprint, split.span,
+                                                spec.block_size)
+        endpoint = self._endpoint(spec.rank, self.layout)
         self.links = self._links(endpoint)
         endpoint.start()
-        peer = role_pipe(self.config.mooncake, not self.is_producer, rank)  # the peer mooncake.json names
-        self.transfer = self._transfer(self.layout, self.links, split, rank, peer)
+        peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
+        self.staging = KVStaging(self.layout.layers, self.layout.block_dim)
+        self.transfer = self._transfer(self.layout, self.links, split, spec.block_size, peer)
         self._connect(peer)
-        self._log_ready(rank, split, endpoint.address, peer)
+        self._log_ready(spec.rank, split, endpoint.address, peer)
 
     def _set_switch_interval(self) -> None:
         interval = self.options.gil_switch_interval
@@ -74,12 +86,6 @@ class ConnectorWorker:
             logger.info("MooncakeConnector: Python thread switch interval %.2f ms -> %.2f ms (gil_switch_interval)",
                         sys.getswitchinterval() * 1e3, interval * 1e3)
             sys.setswitchinterval(interval)
-
-    def _head_split(self, rank: int) -> HeadSplit:
-        """The KV heads this rank holds; MLA caches one latent per token, alike on every rank."""
-        model = self.vllm_config.model_config
-        tp = self.config.tp_size
-        return HeadSplit(1, tp, rank, True) if model.use_mla else HeadSplit(model.get_total_num_kv_heads(), tp, rank)
 
     def _endpoint(self, rank: int, layout: KVCacheLayout) -> PipeEndpoint:
         """This rank's pipe endpoint at its address in mooncake.json (not started yet)."""
@@ -105,15 +111,15 @@ class ConnectorWorker:
                                                       ttl=opts.push_ttl, on_count=push_counts, arrivals=arrivals)
         return PeerLinks(endpoint, buffer, opts.buffer_size, make_push, arrivals)
 
-    def _transfer(self, layout: KVCacheLayout, links: PeerLinks, split: HeadSplit, rank: int, peer: str
+    def _transfer(self, layout: KVCacheLayout, links: PeerLinks, split: HeadSplit, block_size: int, peer: str
                   ) -> KVTransfer:
         opts = self.options
-        pull = PullTransfer(layout, links, self.stats, self.block_size, split, opts.allow_test_corruption,
-                            opts.load_concurrency, rank_to_rank=self.push_mode)
+        pull = PullTransfer(layout, links, self.stats, block_size, split, opts.allow_test_corruption,
+                            opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging)
         if not self.push_mode:
             return pull
-        return PushTransfer(layout, links, pull, self.stats, self.block_size, rank, peer, opts.push_wait,
-                            opts.allow_test_corruption)
+        return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,
+                            opts.allow_test_corruption, staging=self.staging)
 
     def _connect(self, peer: str) -> None:
         """Link to the peer mooncake.json names before the first request needs it; a consumer starts its loads."""
@@ -145,7 +151,10 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: MooncakeConnectorMetadata) -> None:
-        assert self.transfer is not None
+        assert self.transfer is not None and self.staging is not None
+        self.staging.fence()
+        if meta.loads:
+            self.staging.mark()
         if self.loads is not None:
             for load in meta.loads:
                 self.loads.start(load)
@@ -164,15 +173,13 @@ class ConnectorWorker:
         for save in meta.saves:
             self.transfer.finish_prompt(save)
 
-    def transfer_results(self, idle: bool) -> tuple[KVConnectorTransferResults, set[int]]:
-        """Finished loads, and the blocks of partial ones that must be recomputed."""
+    def transfer_results(self, idle: bool) -> Finished:
+        """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed."""
         if self.loads is None:
-            return KVConnectorTransferResults(), set()
-        finished = self.loads.collect(IDLE_WAIT if idle else 0.0)
-        return KVConnectorTransferResults(finished_recving=finished.done, failed_recving=finished.failed), \
-            finished.bad_blocks
+            return Finished()
+        return self.loads.collect(IDLE_WAIT if idle else 0.0)
 
-    def take_stats(self) -> MooncakeConnectorStats | None:
+    def take_stats(self) -> TransferStats | None:
         return self.stats.take()
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,17 @@ from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5
-_Outgoing = tuple[Message, "torch.Tensor | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
+
+
+@dataclass
+class _Filling:
+    """A DATA payload still being filled (an asynchronous copy out of a device): sent once ``ready()`` returns."""
+
+    tensor: torch.Tensor
+    ready: Callable[[], None]
+
+
+_Outgoing = tuple[Message, "torch.Tensor | _Filling | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
 
 
 class PushSender:
@@ -60,6 +71,12 @@ class PushSender:
             logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)", dead)
         return not dead and not self._closed.is_set()
 
+    @property
+    def credited(self) -> bool:
+        """The consumer has told this end how much room it has (``begin`` can succeed)."""
+        with self._cv:
+            return self._credit_epoch == self._epoch
+
     def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:
         """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
         False means the consumer has no room (or has not been heard from): serve this entry by pull instead."""
@@ -76,10 +93,13 @@ class PushSender:
         self._enqueue((Begin(key, nbytes, num_layers, num_blocks), None), control=True)
         return True
 
-    def push(self, key: bytes, layer: int, first_block: int, blocks: torch.Tensor, num_blocks: int) -> None:
+    def push(self, key: bytes, layer: int, first_block: int, blocks: torch.Tensor, num_blocks: int,
+             ready: Callable[[], None] | None = None) -> None:
         """Queue one layer's blocks [first_block, first_block + num_blocks) (``blocks`` is not copied: do not reuse
-        it). Returns at once; a sender thread moves it."""
-        self._enqueue((Data(key, layer, first_block, num_blocks), blocks), control=False)
+        it). Returns at once; a sender thread moves it. ``ready``: ``blocks`` is still being filled (an asynchronous
+        copy); the sender thread calls ``ready()``, which returns once it is, before sending it."""
+        payload = blocks if ready is None else _Filling(blocks, ready)
+        self._enqueue((Data(key, layer, first_block, num_blocks), payload), control=False)
 
     def commit(self, key: bytes, num_tokens: int, meta: torch.Tensor | None) -> None:
         """The entry is complete: the consumer may hand it out."""
@@ -124,6 +144,9 @@ class PushSender:
                 if isinstance(message, Hello):
                     self._hello_retries = 0
                 if isinstance(message, (Data, Commit)):
+                    if isinstance(payload, _Filling):
+                        payload.ready()
+                        payload = payload.tensor
                     self.pipe.send_tensor(payload)
                     if payload is not None and isinstance(message, Data):
                         self.stats.add("pushed_bytes", payload.numel() * payload.element_size())

@@ -99,13 +99,16 @@ class SimpleBuffer(KVLookupBufferBase):
 
     # ---------------------------------------------------------------- producer
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor | None, key: torch.Tensor | None,
-               value: torch.Tensor | None, hidden: torch.Tensor | None, *, copy: bool = True) -> None:
+               value: torch.Tensor | None, hidden: torch.Tensor | None, *, copy: bool = True,
+               ready: Callable[[], None] | None = None) -> None:
         """See ``KVLookupBufferBase.insert``. ``copy=False`` (an extension): keep the caller's tensors instead of
         copying them; the caller hands them over and must not touch them again (saves a copy of a fresh gather).
-        With ``evict``, never waits: the oldest entries make room."""
+        ``ready`` (an extension): the tensors are still being filled (an asynchronous copy out of a device); they
+        are handed over as with ``copy=False``, and the entry is served once ``ready()`` has returned (which it does
+        once they are filled). With ``evict``, never waits: the oldest entries make room."""
         self._check_usable("insert")
         self._take_role("producer")
-        self.producer.insert((input_tokens, roi, key, value, hidden), copy)
+        self.producer.insert((input_tokens, roi, key, value, hidden), copy and ready is None, ready)
 
     def start_serving(self) -> None:
         """Start answering the consumer's requests on the constructor's pipes (idempotent; insert calls it)."""

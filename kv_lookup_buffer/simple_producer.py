@@ -37,6 +37,7 @@ class _Entry:
     tensors: list[torch.Tensor | None]  # tokens, roi, key, value, hidden
     nbytes: int
     copied: bool  # its tensors are the buffer's own copies (recycled once sent), not the caller's handed over
+    ready: Callable[[], None] | None = None  # its tensors are being filled: returns once they are
     created: float = field(default_factory=time.monotonic)
     taken: int = 0  # requests that took a part of it (a shared entry leaves with the last share)
 
@@ -112,7 +113,8 @@ class BufferProducer:
             return len(self._index)
 
     # ------------------------------------------------------------------ entries
-    def insert(self, originals: tuple[torch.Tensor | None, ...], copy: bool) -> None:
+    def insert(self, originals: tuple[torch.Tensor | None, ...], copy: bool,
+               ready: Callable[[], None] | None = None) -> None:
         """``SimpleBuffer.insert``, its arguments checked by the caller except the tokens."""
         input_tokens, roi = originals[0], originals[1]
         assert input_tokens is not None
@@ -155,7 +157,7 @@ class BufferProducer:
                 self._cv.notify_all()
             raise
         with self._cv:
-            self._index.add(tokens, _Entry(tensors, nbytes, copy), hashes)
+            self._index.add(tokens, _Entry(tensors, nbytes, copy, ready), hashes)
         self.start_serving()
 
     def _drop_oldest(self, why: str, detail: str) -> None:
@@ -311,8 +313,10 @@ class BufferProducer:
             data_pipe.send_tensor(answer_frame(MISS, request.seq))
             return
         tokens, roi, key, value, hidden = entry.tensors
-        answer = [tokens, roi, _part(_rows(key, request.rows), request.part), value, hidden]
         try:
+            if entry.ready is not None:
+                entry.ready()
+            answer = [tokens, roi, _part(_rows(key, request.rows), request.part), value, hidden]
             data_pipe.send_tensor(answer_frame(HIT, request.seq))
             for t in answer:
                 data_pipe.send_tensor(t)

@@ -75,8 +75,9 @@ class WarmPool:
     than the copies into them. ``get`` hands a buffer to one user, ``put`` takes it back; at most ``keep`` idle
     buffers are kept."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 4, pinned: bool = False) -> None:
         self.keep = keep
+        self.pinned = pinned  # page-locked (a CUDA copy reads or writes them without staging)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -86,6 +87,8 @@ class WarmPool:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        if self.pinned:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         prefault(buf)  # no huge pages: compacting memory for them stalled for milliseconds per MiB here
         return buf

@@ -9,7 +9,7 @@ import pytest
 
 from kv_connector import params as kv_params
 from kv_connector.config import ConnectorConfig, kv_rank, role_pipe, role_pipes
-from kv_connector.stats import endpoint_info
+from kv_connector.metrics import endpoint_info
 from kv_pipe import ConfigError
 from kv_pipe.config import CONFIG_ENV
 from tests.kv_connector.units import SECRET, config

@@ -37,7 +37,9 @@ class FakePush:
         self.begun.append(nblocks)
         return self.room
 
-    def push(self, key, layer, first, piece, n):
+    def push(self, key, layer, first, piece, n, ready=None):
+        if ready is not None:
+            ready()
         self.pushed.append((layer, first, n, piece.clone()))
 
     def failed(self, key):

