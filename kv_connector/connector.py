@@ -107,7 +107,7 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side (Worker process)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches, worker_spec(self._vllm_config, self._kv_cache_config))
+        self._worker.register(kv_caches, worker_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_step(self._meta())
@@ -150,6 +150,24 @@ class MooncakeConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33 calls these)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """Yes: ``unregister_kv_caches`` drains the transfers and drops every registration of KV memory, and
+        ``restore_kv_caches`` redoes it after wake-up (a GPU cache is never registered: it is staged through pinned
+        host memory, so no peer can write into it while it sleeps)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self._worker.suspend()
+
+    release_kv_caches = unregister_kv_caches  # the name vLLM's newer releases call
+
+    def restore_kv_caches(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self._worker.resume()
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:

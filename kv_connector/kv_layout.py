@@ -12,6 +12,7 @@ within a block, as on the CPU); other layouts serve equal TP sizes only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -22,11 +23,24 @@ import torch
 from kv_connector import block_copy
 from kv_pipe.scatter import Scatter
 
-MAX_DESCRIPTOR = 4096  # bytes
+MAX_DESCRIPTOR = 16384  # bytes
 
 
 class LayoutMismatch(RuntimeError):
     """The producer's KV blocks do not fit this instance's KV cache (another model, dtype or block size)."""
+
+
+def _scales(kv_scales: list[list[Any]] | None) -> Any:
+    """The descriptor's form of per-layer KV scales: None (not quantized), ``{"every layer": [k, v]}``, the list, or
+    for a list too long to carry, its digest."""
+    if kv_scales is None:
+        return None
+    if all(s == kv_scales[0] for s in kv_scales):
+        return {"every layer": kv_scales[0]}
+    text = json.dumps(kv_scales)
+    if len(text) > MAX_DESCRIPTOR // 2:
+        return {"sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return kv_scales
 
 
 def parse_descriptor(t: torch.Tensor | None) -> dict[str, Any]:
@@ -53,22 +67,31 @@ class KVCacheLayout:
     block_bytes: int  # one block of one layer
     descriptor: dict[str, Any]
     heads: tuple[int, int] = (0, 1)  # the span of the model's KV heads this rank's blocks hold
-    heads_split: bool = False  # blocks are [heads, ...] on the host: parts of them (some heads) can be loaded
+    heads_split: bool = False  # blocks are [heads, ...]: parts of them (some heads) can be loaded
 
     @classmethod
     def from_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int | None, fingerprint: str,
-                    heads: tuple[int, int] = (0, 1), block_size: int | None = None) -> KVCacheLayout:
+                    heads: tuple[int, int] = (0, 1), block_size: int | None = None, cache_dtype: str = "auto",
+                    kv_scales: list[list[Any]] | None = None) -> KVCacheLayout:
+        """``cache_dtype``: vLLM's ``--kv-cache-dtype``; ``kv_scales``: a quantized cache's [k_scale, v_scale] per
+        layer (a float each, or a list of per-head floats): its bytes mean the same on two instances only with
+        equal scales, so they are part of the descriptor."""
         layers = list(kv_caches.values())
         first = layers[0]
+        odd = [name for name, t in kv_caches.items() if t.shape != first.shape or t.dtype != first.dtype]
+        if odd:
+            raise LayoutMismatch(f"the KV cache's layers differ in shape or dtype ({odd[0]}: "
+                                 f"{list(kv_caches[odd[0]].shape)} {kv_caches[odd[0]].dtype} vs {list(first.shape)} "
+                                 f"{first.dtype}; e.g. kv_cache_dtype_skip_layers): MooncakeConnector moves blocks of "
+                                 "one layout for every layer")
         num_blocks = num_blocks or first.shape[0]
         block_dim = next((d for d, n in enumerate(first.shape) if n == num_blocks), 0)
         shape = block_copy.block_shape(first, block_dim)
         block_bytes = math.prod(shape) * first.element_size()
         descriptor = {"model": fingerprint, "layers": len(layers), "block": shape, "dtype": str(first.dtype),
-                      "heads": list(heads)}
+                      "heads": list(heads), "cache_dtype": cache_dtype, "kv_scales": _scales(kv_scales)}
         split = (block_dim == 0 and len(shape) >= 2 and shape[0] == heads[1] - heads[0]
-                 and (block_size is None or shape[1] == block_size)
-                 and all(t.device.type == "cpu" and t.is_contiguous() and t.shape == first.shape for t in layers))
+                 and (block_size is None or shape[1] == block_size))
         return cls(layers, {name: i for i, name in enumerate(kv_caches)}, block_dim, block_bytes, descriptor,
                    heads, split)
 
@@ -130,8 +153,10 @@ class KVCacheLayout:
         diff = {k: (theirs.get(k), mine) for k, mine in self.expected(heads).items() if theirs.get(k) != mine}
         if diff:
             described = ", ".join(f"{k}: producer {a} vs this instance {b}" for k, (a, b) in diff.items())
-            raise LayoutMismatch(f"the producer's KV layout differs from this instance's ({described}): run the same "
-                                 "model, dtype and block size on both instances")
+            hint = ("run the same model, dtype, --kv-cache-dtype and block size on both instances" if "kv_scales" not in
+                    diff else "a quantized KV cache's bytes mean the same only with the same k/v scales: load the "
+                    "same checkpoint (its kv scales) on both instances")
+            raise LayoutMismatch(f"the producer's KV layout differs from this instance's ({described}): {hint}")
 
     def check_piece(self, layer: int, piece: torch.Tensor) -> None:
         """A pushed piece: rows of one layer, ``[blocks, 1, *block_shape]``."""

@@ -122,6 +122,12 @@ class Loads:
                 out.bad_blocks.update(req.block_ids[result.written:])
         return out
 
+    def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for every load in flight to end (they stay to be collected); how many have
+        not."""
+        futures_wait([f for _, f in list(self._running.values())], timeout=timeout)
+        return sum(not f.done() for _, f in list(self._running.values()))
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._awaiting.shutdown(wait=False, cancel_futures=True)

@@ -120,11 +120,16 @@ def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:
     return 2 if vllm_config.model_config.use_mla and current_platform.is_cpu() else 1
 
 
+UNQUANTIZED = ("auto", "float16", "bfloat16", "float", "float32", "half")
+FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 def check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
-    """The KV moves as raw bytes checked against its dtype: a quantized KV cache (fp8 and the like, whose scales are
-    not carried) is refused up front."""
+    """The KV moves as raw bytes: an unquantized cache, or an fp8 one (its bytes mean the same on both instances
+    when their k/v scales agree, which every load checks: the scales are part of the layout descriptor). Other
+    quantized caches (per-token scales, packed formats) are refused up front."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "float16", "bfloat16", "float", "float32", "half"):
-        raise ConfigError(f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves the KV cache in the model's own "
-                          "dtype only (a quantized KV cache's scales are not carried or checked yet); serve both "
-                          "instances with --kv-cache-dtype auto (or an unquantized dtype)")
+    if cache_dtype not in UNQUANTIZED + FP8:
+        raise ConfigError(f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves a KV cache in the model's dtype or "
+                          f"in {', '.join(FP8)} (with equal k/v scales on both instances); serve both instances with "
+                          "one of those")

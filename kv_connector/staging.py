@@ -81,6 +81,11 @@ class KVStaging:
         self._last_out = done
         return Staged(host, done)
 
+    def drain(self) -> None:
+        """Return once every copy out of the cache queued so far has ended (before the cache's memory goes away)."""
+        if self._last_out is not None:
+            self._last_out.synchronize()
+
     # ---------------------------------------------------------------- loader threads
     def scatter(self, ids: Sequence[int], kv: torch.Tensor, heads: tuple[int, int] | None = None,
                 layer: int | None = None, wait: bool = True) -> Staged:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,11 +41,14 @@ class WorkerSpec:
     kv_heads: int  # the model's KV heads in all (1 for MLA's latent)
     replicated: bool = False  # every rank holds the same KV (MLA)
     num_blocks: int | None = None  # blocks per layer (None: the first dimension of the first layer)
+    cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
+    kv_scales: list[list[Any]] | None = None  # a quantized (fp8) cache: [k_scale, v_scale] per layer
 
 
 # the buffers' own counts that are connector metrics too (see stats.COUNTERS): their name -> ours
 BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes"}
 PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
+DRAIN_MARGIN = 5.0  # seconds past load_timeout that sleep mode waits for loads in flight (their receive's own end)
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -60,6 +64,8 @@ class ConnectorWorker:
         self.loads: Loads | None = None
         self.links: PeerLinks | None = None
         self.layout_checked = False
+        self.suspended = False
+        self._released: list[torch.Tensor] = []  # receive regions unregistered while suspended
 
     def register(self, kv_caches: dict[str, torch.Tensor], spec: WorkerSpec) -> None:
         """Set up this worker (TP rank) once vLLM has allocated its KV cache: ``kv_caches`` maps each attention layer's
@@ -67,7 +73,7 @@ class ConnectorWorker:
         self._set_switch_interval()
         split = HeadSplit(spec.kv_heads, self.config.tp_size, spec.rank, spec.replicated)
         self.layout = KVCacheLayout.from_caches(kv_caches, spec.num_blocks, spec.fingerprint, split.span,
-                                                spec.block_size)
+                                                spec.block_size, spec.cache_dtype, spec.kv_scales)
         endpoint = self._endpoint(spec.rank, self.layout)
         self.links = self._links(endpoint)
         endpoint.start()
@@ -178,6 +184,39 @@ class ConnectorWorker:
         if self.loads is None:
             return Finished()
         return self.loads.collect(IDLE_WAIT if idle else 0.0)
+
+    # ---------------------------------------------------------------- sleep mode (vLLM >= 0.33)
+    def suspend(self) -> None:
+        """The KV cache's memory is about to be released (vLLM's sleep mode; its scheduler is paused, so no step
+        starts a transfer): wait for the loads in flight and the copies out of the cache to end, then drop every
+        registration of KV memory with the Transfer Engine. Entries already saved or pushed are host copies: they
+        stay servable. Idempotent."""
+        if self.suspended:
+            return
+        self.suspended = True
+        if self.loads is not None:
+            left = self.loads.drain(self.options.load_timeout + DRAIN_MARGIN)
+            if left:
+                logger.error("MooncakeConnector: %d load(s) still running as the KV cache is released for sleep "
+                             "mode", left)
+        if self.staging is not None:
+            self.staging.drain()
+        if self.links is not None:
+            self._released = self.links.endpoint.unregister_receive_regions()
+        logger.info("MooncakeConnector: KV cache released for sleep mode (%d registered region(s) dropped)",
+                    len(self._released))
+
+    def resume(self) -> None:
+        """The KV cache's memory is back (at the same addresses): register again what ``suspend`` dropped.
+        Idempotent."""
+        if not self.suspended:
+            return
+        assert self.links is not None
+        for region in self._released:
+            self.links.endpoint.register_receive_region(region)
+        logger.info("MooncakeConnector: KV cache restored after sleep mode (%d region(s) registered again)",
+                    len(self._released))
+        self._released, self.suspended = [], False
 
     def take_stats(self) -> TransferStats | None:
         return self.stats.take()

@@ -30,17 +30,18 @@ def tiny_model() -> Path:
 
 
 def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
-               confine: bool = False, mode: str = "pull", **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+               confine: bool = False, mode: str = "pull", serve_args: list[str] = SERVE_ARGS,
+               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
     """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model`` in transfer ``mode``,
     paired through one mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core
     (see ``VllmServer``)."""
     config = mooncake_json(work / "mooncake.json", **mooncake_extra)
     producer = VllmServer(f"{name}-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode=mode, **(producer_extra or {})), config,
-                          SERVE_ARGS, confine=confine)
+                          serve_args, confine=confine)
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
-                                           **(consumer_extra or {})), config, SERVE_ARGS, confine=confine)
+                                           **(consumer_extra or {})), config, serve_args, confine=confine)
     start_vllm(producer, consumer)
     return producer, consumer
 

@@ -68,3 +68,13 @@ def test_endpoint_info_publishes_the_pipes_and_a_consumers_push_proof():
                     "push_proof": kv_params.push_proof(SECRET.encode(), ["10.0.0.2:13103", "10.0.0.2:13104"])}
     assert endpoint_info(config("kv_producer"))["push_proof"] == ""
     assert endpoint_info(config("kv_consumer"))["push_proof"] == ""  # no secret: nothing to prove
+
+
+def test_sleep_mode_is_supported_under_both_hook_names():
+    """vLLM 0.33 calls unregister_kv_caches / restore_kv_caches around sleep mode (and refuses to start with sleep mode
+    on if supports_sleep_mode says no); its newer releases call the first release_kv_caches. (What they do:
+    test_data_path.py's sleep test.)"""
+    from kv_connector.connector import MooncakeConnector
+
+    assert MooncakeConnector.supports_sleep_mode(None) is True
+    assert MooncakeConnector.release_kv_caches is MooncakeConnector.unregister_kv_caches

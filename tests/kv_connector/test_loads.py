@@ -179,3 +179,16 @@ def test_loads_awaiting_a_push_hold_no_slot_of_the_others():
         assert done == {"await-0", "await-1", "await-2"} and not failed
     finally:
         loads.close()
+
+
+def test_drain_waits_for_the_loads_in_flight_and_leaves_them_to_collect():
+    release = threading.Event()
+    loads = Loads(lambda req, deadline: release.wait(5) and result(3), 2, 5.0, StatsRecorder())
+    try:
+        loads.start(load_request("a"))
+        assert loads.drain(0.1) == 1  # still running
+        threading.Timer(0.2, release.set).start()
+        assert loads.drain(5.0) == 0
+        assert loads.collect().done == {"a"}
+    finally:
+        loads.close()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from harness.ports import free_port
 from harness.vllm import VllmServer, connector_config, mooncake_json
-from kv_connector.options import ConnectorOptions
+from kv_connector.options import ConnectorOptions, check_kv_cache_dtype
 from kv_pipe import ConfigError
 from tests.kv_connector.conftest import SERVE_ARGS
 
@@ -42,13 +43,24 @@ def test_bad_options(extra, message):
 
 BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say)
     "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
-    "fp8-kv-cache": ({}, ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: MooncakeConnector moves the KV cache in "
-                                                      "the model's own dtype only"),
 }
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtypes_moved_as_bytes_are_accepted(cache_dtype):
+    check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype)))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4"])
+def test_other_quantized_kv_caches_are_refused_with_what_to_use(cache_dtype):
+    with pytest.raises(ConfigError, match=f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves a KV cache in the "
+                                          "model's dtype or in fp8, fp8_e4m3, fp8_e5m2"):
+        check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype)))
+
+
 def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path):
-    """Each on a core of its own, at once (a refused start-up still imports vLLM: ~30 s)."""
+    """Each on a core of its own, at once (a refused start-up still imports vLLM: ~30 s). (An fp8 KV cache, once
+    refused here, is served: test_fp8.py.)"""
     config = mooncake_json(tmp_path / "mooncake.json")
     servers = {name: VllmServer(f"bad-option-{name}", tiny_model, free_port(), core, tmp_path,
                                 connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args])

