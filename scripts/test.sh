@@ -21,7 +21,8 @@ PIPES=(tests/kv_pipe tests/kv_lookup_buffer tests/kv_connector/test_data_path.py
 UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py tests/kv_connector/test_heads.py
        tests/kv_connector/test_params.py tests/kv_connector/test_scheduler.py tests/kv_connector/test_blocks.py
        tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
-       tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py)
+       tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py
+       tests/kv_connector/test_staging.py)
 WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -29,9 +29,10 @@ def test_runs():
 @pytest.mark.parametrize("block_dim, shape", LAYOUTS)
 @pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
-def test_gather_matches_index_select(block_dim, shape, ids, dtype):
+def test_gather_matches_index_select(block_dim, shape, ids, dtype, device):
     layers = make_layers(shape, dtype)
-    assert torch.equal(block_copy.gather(layers, block_dim, ids), reference_gather(layers, block_dim, ids))
+    got = block_copy.gather([t.to(device) for t in layers], block_dim, ids)
+    assert torch.equal(got.cpu(), reference_gather(layers, block_dim, ids))
 
 
 def reference_gather(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> torch.Tensor:
@@ -42,16 +43,16 @@ def reference_gather(layers: list[torch.Tensor], block_dim: int, ids: list[int])
 
 @pytest.mark.parametrize("block_dim, shape", LAYOUTS)
 @pytest.mark.parametrize("ids", IDS)
-def test_scatter_matches_index_copy(block_dim, shape, ids):
-    layers = make_layers(shape, torch.bfloat16)
-    expected = [layer.clone() for layer in layers]
+def test_scatter_matches_index_copy(block_dim, shape, ids, device):
+    expected = make_layers(shape, torch.bfloat16)
+    layers = [layer.clone().to(device) for layer in expected]
     block = [n for d, n in enumerate(shape) if d != block_dim]
     kv = torch.randn(len(ids), len(layers), *block).to(torch.bfloat16)
     index = torch.tensor(ids, dtype=torch.long)
     for li, layer in enumerate(expected):
         layer.index_copy_(block_dim, index, kv[:, li].movedim(0, block_dim))
     block_copy.scatter(layers, block_dim, ids, kv)
-    assert all(torch.equal(a, b) for a, b in zip(layers, expected, strict=True))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(layers, expected, strict=True))
 
 
 def test_scatter_takes_the_first_blocks_of_a_longer_entry():

@@ -340,3 +340,47 @@ def test_the_request_frame_is_unchanged():
     assert frame.dtype == torch.int64 and frame.tolist() == [3, 5, 1, 1, 3, 0, -1, 2, 7, 8]
     assert request_frame(4, -1).tolist() == [4, -1, 0, 0, -1, 0, -1, 1]
     assert answer_frame(0, 5).tolist() == [0x4D4B5641, 0, 5]
+
+
+def test_device_tensors_are_inserted_and_selected_exactly(device):
+    """Entries of ``device`` tensors, kept as copies (the caller may reuse its own) or handed over, come back bit for
+    bit, rows and parts of the key as asked."""
+    a, b = local_pipe_pair(timeout=5.0, device=device)
+    producer = SimpleBuffer(a, a, 1 << 24, timeout=5.0, role="producer")
+    consumer = SimpleBuffer(b, b, 1 << 30, timeout=5.0, role="consumer")
+    try:
+        key = torch.randn(6, 2, 4, 8).to(torch.bfloat16).to(device)
+        value = torch.randn(6, 3, device=device)
+        producer.insert(torch.tensor([1, 2, 3]), None, key, value, None)
+        producer.insert(torch.tensor([4, 5]), None, key.clone(), None, None, copy=False)
+        key_kept = key.clone()
+        key.zero_()  # the buffer holds its own copy
+        got = consumer.drop_select(torch.tensor([1, 2, 3]), None)
+        assert same(got[2].cpu(), key_kept.cpu()) and same(got[3].cpu(), value.cpu())
+        rows = consumer.drop_select(torch.tensor([4, 5]), None, key_rows=(2, 5), key_part=(1, 2))
+        assert same(rows[2].cpu(), key_kept[2:5, :, 1:2].cpu())
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_an_entry_still_being_filled_is_served_once_ready(link):
+    """``insert(ready=...)``: the tensors are handed over while an asynchronous copy still fills them (a device's
+    blocks on their way to pinned memory); a request for the entry is answered only after ``ready()`` returned."""
+    producer, consumer = link()
+    filled = threading.Event()
+    key = torch.zeros(4, 8)
+
+    def ready():
+        filled.wait(5)
+
+    producer.insert(torch.tensor([7, 8, 9]), None, key, None, None, ready=ready)
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(consumer.drop_select(torch.tensor([7, 8, 9]), None)))
+    asking.start()
+    time.sleep(0.2)
+    assert not answers, "answered before the entry was ready"
+    key.fill_(3.0)  # the copy lands, then says so
+    filled.set()
+    asking.join(5)
+    assert answers and torch.equal(answers[0][2], torch.full((4, 8), 3.0))
