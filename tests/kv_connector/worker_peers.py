@@ -10,12 +10,13 @@ it, and compares the consumer's blocks with it bit for bit.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from harness.workers import connector_worker, prefill_steps, push_link, run_loads, wait_until
 
 NUM_BLOCKS = 24
 
@@ -97,19 +98,11 @@ def strict_sync(device: str) -> Iterator[None]:
 
 def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, mode: str, seed: int, device: str,
             kv_scales: list[list[float]] | None = None, **options: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    from kv_connector.config import ConnectorConfig
-    from kv_connector.options import ConnectorOptions
-    from kv_connector.worker import ConnectorWorker, WorkerSpec
-    from kv_pipe import MooncakeTransferEngineConfig
-
-    config = ConnectorConfig(role, ConnectorOptions(transfer_mode=mode, **options), MooncakeTransferEngineConfig(**cfg),
-                             tp, f"{role}-engine")
     cache = caches(layout, tp, rank, seed, device)
-    worker = ConnectorWorker(config)
-    worker.register(cache, WorkerSpec(rank=rank, block_size=layout.block_size, fingerprint="test:data-path",
-                                      kv_heads=layout.kv_heads, replicated=layout.heads_dim is None,
-                                      num_blocks=NUM_BLOCKS, cache_dtype="fp8" if layout.dtype == torch.uint8
-                                      else "auto", kv_scales=kv_scales))
+    worker = connector_worker(role, cfg, cache, block_size=layout.block_size, kv_heads=layout.kv_heads,
+                              replicated=layout.heads_dim is None, tp=tp, rank=rank, mode=mode, num_blocks=NUM_BLOCKS,
+                              cache_dtype="fp8" if layout.dtype == torch.uint8 else "auto", kv_scales=kv_scales,
+                              **options)
     return worker, cache
 
 
@@ -118,59 +111,22 @@ def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
             kv_scales: list[list[float]] | None = None) -> dict[str, Any]:
     """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
     pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats."""
-    from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
-
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales)
     try:
         if mode == "push":  # the first credit of the consumer's push link comes before the first request
-            wait_credit(worker)
+            link = push_link(worker)
+            wait_until(lambda: link.credited, "no credit from the consumer's push link")
         with strict_sync(device):
-            for req_id, tokens, block_ids in prompts:
-                end = 0
-                while end < len(tokens):
-                    start, end = end, min(end + chunk, len(tokens))
-                    meta = MooncakeConnectorMetadata()
-                    if mode == "push":
-                        meta.pushes.append(PushStep(req_id, block_ids, end, len(tokens), tokens if start == 0 else None))
-                    if end == len(tokens):
-                        meta.saves.append(SaveRequest(req_id, tokens, block_ids))
-                    worker.start_step(meta)
-                    for name in cache:
-                        worker.save_layer(name, meta)
-                    worker.wait_for_save(meta)
+            prefill_steps(worker, list(cache), prompts, mode, chunk)
         if mode == "push":  # what vLLM's answer to the prefill would take: the pushes reach the consumer
-            wait_committed(worker, len(prompts))
+            wait_until(lambda: link.stats["committed"] >= len(prompts), "the pushes were not all committed")
         ready.set()
         done.wait(120)
         taken = worker.take_stats()
         return {} if taken is None else taken.data
     finally:
         worker.close()
-
-
-def _push_link(worker: Any) -> Any:
-    from kv_connector.config import role_pipe
-
-    return worker.links.push_buffer(role_pipe(worker.config.mooncake, False, worker.transfer.rank))
-
-
-def _wait(until: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not until():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.02)
-
-
-def wait_credit(worker: Any) -> None:
-    push = _push_link(worker)
-    _wait(lambda: push.credited, "no credit from the consumer's push link")
-
-
-def wait_committed(worker: Any, n: int) -> None:
-    push = _push_link(worker)
-    _wait(lambda: push.stats["committed"] >= n, f"{n} pushes were not all committed")
 
 
 def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
@@ -180,9 +136,6 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
     ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
     bytes of blocks ``look_at``. ``sleep``: first release the KV cache and restore it (vLLM's sleep mode), counting
     the receive regions registered with the engine at each stage."""
-    from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
-    from kv_connector.source import LoadSource
-
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, kv_scales=kv_scales,
                             load_timeout=30.0)
@@ -199,19 +152,8 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
         registered.set()
         if not go.wait(120):
             raise TimeoutError("the producers never got ready")
-        source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp)
-        meta = MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads])
-        done: set[str] = set()
-        failed: set[str] = set()
-        bad: set[int] = set()
         with strict_sync(device):
-            worker.start_step(meta)
-            deadline = time.monotonic() + 60
-            while len(done) < len(loads) and time.monotonic() < deadline:
-                finished = worker.transfer_results(idle=True)
-                done |= finished.done
-                failed |= finished.failed
-                bad |= finished.bad_blocks
+            done, failed, bad = run_loads(worker, loads, producers, tp)
         taken = worker.take_stats()
         return {"done": sorted(done), "failed": sorted(failed), "bad_blocks": sorted(bad), "regions": regions,
                 "stats": {} if taken is None else taken.data,

@@ -1,0 +1,88 @@
+"""Connector workers without vLLM (``kv_connector.worker.ConnectorWorker`` over a KV cache of plain tensors), driven
+as vLLM's model runner drives them: prefill steps (``start_step``, ``save_layer`` per layer, ``wait_for_save``) and
+loads (``start_step`` with loads, then ``transfer_results`` until they end). For the data-path tests and the GPU
+benchmark; kv_connector is imported when used (a peer process pays for it then)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def connector_worker(role: str, cfg: dict[str, Any], caches: dict[str, torch.Tensor], *, block_size: int,
+                     kv_heads: int, replicated: bool = False, tp: int = 1, rank: int = 0, mode: str = "pull",
+                     num_blocks: int | None = None, cache_dtype: str = "auto",
+                     kv_scales: list[list[float]] | None = None, **options: Any) -> Any:
+    """A registered worker of ``role`` (kv_producer or kv_consumer), TP ``rank`` of ``tp``, for mooncake.json fields
+    ``cfg`` and connector ``options``."""
+    from kv_connector.config import ConnectorConfig
+    from kv_connector.options import ConnectorOptions
+    from kv_connector.worker import ConnectorWorker, WorkerSpec
+    from kv_pipe import MooncakeTransferEngineConfig
+
+    config = ConnectorConfig(role, ConnectorOptions(transfer_mode=mode, **options), MooncakeTransferEngineConfig(**cfg),
+                             tp, f"{role}-engine")
+    worker = ConnectorWorker(config)
+    worker.register(caches, WorkerSpec(rank=rank, block_size=block_size, fingerprint="harness:worker",
+                                       kv_heads=kv_heads, replicated=replicated, num_blocks=num_blocks,
+                                       cache_dtype=cache_dtype, kv_scales=kv_scales))
+    return worker
+
+
+def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, list[int], list[int]]], mode: str,
+                  chunk: int) -> None:
+    """Prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, as vLLM's scheduler tells
+    the worker to: every step pushes (push mode), the step that completes a prompt saves it."""
+    from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
+
+    for req_id, tokens, block_ids in prompts:
+        end = 0
+        while end < len(tokens):
+            start, end = end, min(end + chunk, len(tokens))
+            meta = MooncakeConnectorMetadata()
+            if mode == "push":
+                meta.pushes.append(PushStep(req_id, block_ids, end, len(tokens), tokens if start == 0 else None))
+            if end == len(tokens):
+                meta.saves.append(SaveRequest(req_id, tokens, block_ids))
+            worker.start_step(meta)
+            for name in layer_names:
+                worker.save_layer(name, meta)
+            worker.wait_for_save(meta)
+
+
+def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp: int, timeout: float = 60.0
+              ) -> tuple[set[str], set[str], set[int]]:
+    """Start ``loads`` (``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank) in one step,
+    then collect until they all ended: (done, failed, blocks to recompute)."""
+    from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
+    from kv_connector.source import LoadSource
+
+    source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp)
+    worker.start_step(MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads]))
+    done: set[str] = set()
+    failed: set[str] = set()
+    bad: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(done) < len(loads) and time.monotonic() < deadline:
+        finished = worker.transfer_results(idle=True)
+        done |= finished.done
+        failed |= finished.failed
+        bad |= finished.bad_blocks
+    return done, failed, bad
+
+
+def push_link(worker: Any) -> Any:
+    """A producer's push link to the consumer mooncake.json names for its rank."""
+    from kv_connector.config import role_pipe
+
+    return worker.links.push_buffer(role_pipe(worker.config.mooncake, False, worker.transfer.rank))
+
+
+def wait_until(until: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
