@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from harness.ports import free_port, port_pair  # noqa: E402
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
+from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 from scripts.build_tiny_model import kv_bytes_per_token  # noqa: E402
 
 LENGTHS = [150, 300, 500, 800, 1100, 1500]
@@ -42,9 +42,10 @@ RUNS = [(a, m, 1, 1) for a in ARCHS for m in ("pull", "push")] + \
 LOAD_LINE = re.compile(r"loaded request \S+ \((pulled|pushed)\): .* in ([\d.]+) ms")
 
 
-def serve_args(tp: int) -> list[str]:
+def serve_args(tp: int, mla: bool = False) -> list[str]:
     return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
-            str(128 << 20), "--max-num-batched-tokens", "2048", "--tensor-parallel-size", str(tp)]
+            str(128 << 20), "--max-num-batched-tokens", "2048", "--tensor-parallel-size", str(tp),
+            *(MLA_ARGS if mla else [])]
 
 
 def tp_env(tp: int, core: int) -> dict[str, str]:
@@ -53,18 +54,19 @@ def tp_env(tp: int, core: int) -> dict[str, str]:
 
 def run(preset: str, mode: str, ptp: int, ctp: int, work: Path, cases: list[list[int]]) -> dict:
     path = build_model(preset, quiet=True)
+    mla = preset == "deepseek_mla"
     cfg = mooncake_json(work / f"{preset}-{mode}-{ptp}{ctp}.json", prefill_url=f"127.0.0.1:{port_pair()}",
                         decode_url=f"127.0.0.1:{port_pair()}")
     name = f"{preset}-{mode}-tp{ptp}to{ctp}"
     producer = VllmServer(f"{name}-producer", path, free_port(), 0, work, connector_config("kv_producer",
-                          transfer_mode=mode), cfg, serve_args(ptp), {**tp_env(ptp, 0), "VLLM_SERVER_DEV_MODE": "1"})
+                          transfer_mode=mode), cfg, serve_args(ptp, mla), {**tp_env(ptp, 0), "VLLM_SERVER_DEV_MODE": "1"})
     consumer = VllmServer(f"{name}-consumer", path, free_port(), 1, work, connector_config("kv_consumer",
-                          transfer_mode=mode), cfg, serve_args(ctp), tp_env(ctp, 1))
+                          transfer_mode=mode), cfg, serve_args(ctp, mla), tp_env(ctp, 1))
     servers = [producer, consumer]
     reference = None
     if ptp != ctp:
         reference = VllmServer(f"{name}-colocated", path, free_port(), 0, work, None, None,
-                               [*serve_args(ctp), "--no-enable-prefix-caching"], tp_env(ctp, 0))
+                               [*serve_args(ctp, mla), "--no-enable-prefix-caching"], tp_env(ctp, 0))
         servers.append(reference)
     equal = 0
     try:

@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from harness.ports import free_port  # noqa: E402
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
+from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 
 ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
-        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching"]
+        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", *MLA_ARGS]
 LENGTHS = [150, 300, 500, 800, 1100, 1500]
 
 

