@@ -36,11 +36,15 @@ def test_silent_connections_do_not_hold_up_a_real_peer(cfg):
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
         endpoint.start()
+        start = time.monotonic()
+        real_peer_round_trip(cfg, endpoint, server)  # what a round trip takes on this machine now (a peer process)
+        alone = time.monotonic() - start
         silent = [socket.create_connection((endpoint.host, endpoint.port)) for _ in range(10)]
         try:
             start = time.monotonic()
             real_peer_round_trip(cfg, endpoint, server)
-            assert time.monotonic() - start < 8.0  # one after the other, the silent ones would take 10 x 3 s
+            delay = time.monotonic() - start - alone
+            assert delay < 15.0, delay  # one after the other, the silent ones would add 10 x 3 s
         finally:
             for s in silent:
                 s.close()
@@ -55,11 +59,16 @@ def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
         endpoint.start()
+        start = time.monotonic()
         silent = [socket.create_connection((endpoint.host, endpoint.port), source_address=("127.0.0.2", 0))
                   for _ in range(70)]
         try:
-            time.sleep(0.5)  # the endpoint has accepted them all (well before the HELLO timeout)
-            closed = [closed_by_the_endpoint(s) for s in silent]
+            # The excess ones are closed as they are accepted; the held ones only at their HELLO deadline, 3 s after
+            # being accepted: until then exactly 54 are closed (a busy machine may take a while to accept them all).
+            closed = [False] * len(silent)
+            while sum(closed) < 54 and time.monotonic() - start < 2.8:
+                time.sleep(0.05)
+                closed = [c or closed_by_the_endpoint(s) for c, s in zip(closed, silent, strict=True)]
             assert sum(closed) == 54, closed
             real_peer_round_trip(cfg, endpoint, server)
             deadline = time.monotonic() + 10
