@@ -60,8 +60,13 @@ _ctx = mp.get_context("spawn")  # CUDA in a child needs a fresh process
 
 # ------------------------------------------------------------------------------------------------ helpers
 def pattern(nbytes: int, seed: int, device: str) -> torch.Tensor:
+    """``nbytes`` bytes from ``seed``, the same on every device: 1 MiB drawn at random, repeated, each repeat XORed
+    with its own index (a piece in the wrong place shows; a GiB is made in milliseconds on a GPU)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+    base = torch.randint(0, 256, (min(nbytes, MiB),), dtype=torch.uint8, generator=g).to(device)
+    repeats = -(-nbytes // base.numel())
+    marks = (torch.arange(repeats, device=device) % 251).to(torch.uint8).view(-1, 1)
+    return (base.repeat(repeats, 1) ^ marks).view(-1)[:nbytes].contiguous()
 
 
 def settle(device: str) -> None:
@@ -219,8 +224,7 @@ def flash_caches(layers: int, num_blocks: int, seed: int, device: str) -> dict[s
     out = {}
     for i in range(layers):
         n = torch.Size(shape).numel() * 2
-        out[f"model.layers.{i}.self_attn.attn"] = pattern(n, seed * 1000 + i, "cpu").view(torch.bfloat16).view(
-            shape).to(device)
+        out[f"model.layers.{i}.self_attn.attn"] = pattern(n, seed * 1000 + i, device).view(torch.bfloat16).view(shape)
     return out
 
 

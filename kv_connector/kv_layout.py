@@ -90,7 +90,10 @@ class KVCacheLayout:
         block_bytes = math.prod(shape) * first.element_size()
         descriptor = {"model": fingerprint, "layers": len(layers), "block": shape, "dtype": str(first.dtype),
                       "heads": list(heads), "cache_dtype": cache_dtype, "kv_scales": _scales(kv_scales)}
-        split = (block_dim == 0 and len(shape) >= 2 and shape[0] == heads[1] - heads[0]
+        # blocks are [heads, block size, ...]; not when another dimension could be the heads as well (FlashInfer's
+        # [2 (K, V), block size, heads, ...] with 2 heads per rank)
+        span = heads[1] - heads[0]
+        split = (block_dim == 0 and len(shape) >= 2 and shape[0] == span and span not in shape[2:]
                  and (block_size is None or shape[1] == block_size))
         return cls(layers, {name: i for i, name in enumerate(kv_caches)}, block_dim, block_bytes, descriptor,
                    heads, split)

@@ -84,7 +84,7 @@ class PullTransfer(KVTransfer):
             # oldest entries are evicted).
             self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor,
                                self.layout.descriptor_tensor(), None, ready=None if kv.done is None else kv.wait)
-        except (BufferClosed, PipeError, ValueError) as e:
+        except (BufferClosed, PipeError, ValueError, torch.OutOfMemoryError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
                            len(save.token_ids), e)
             self.stats.count("save_dropped")

@@ -214,9 +214,13 @@ class PushTransfer(KVTransfer):
             raise ValueError(f"the pushed entry covers {min(covered)} of the {end - first} blocks wanted")
         if req.corrupt and self.corrupt_ok:
             logger.warning("MooncakeConnector: corrupted the KV of request %s on purpose (test switch)", req.req_id)
-        written = [self.staging.scatter(ids, rows, layer=layer, wait=False) for layer, ids, rows in jobs]
-        for copy in written[-1:]:  # copies into a device cache run in order on one stream: the last ends last
-            copy.wait()
+        last = None
+        try:
+            for layer, ids, rows in jobs:
+                last = self.staging.scatter(ids, rows, layer=layer, wait=False)
+        finally:  # copies into a device cache run in order on one stream: the last ends last
+            if last is not None:
+                last.wait()
         return end - first
 
     # ---------------------------------------------------------------- closing

@@ -19,6 +19,7 @@ copies on two streams of the worker's own, never by a synchronizing call in the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 
 from kv_connector import block_copy
 
+CHUNK_BYTES = 64 << 20  # device memory a copy uses at a time beyond the cache (bounded whatever the prompt's size)
+
 
 @dataclass
 class Staged:
@@ -34,10 +37,12 @@ class Staged:
 
     tensor: torch.Tensor
     done: Any = None  # torch.cuda.Event of the copy, or None when it is complete
+    device: torch.device | None = None  # the event's device
 
     def wait(self) -> None:
         if self.done is not None:
-            self.done.synchronize()  # an event wait: not a device or stream synchronize
+            with torch.cuda.device(self.device):  # from any thread, without touching another GPU's context
+                self.done.synchronize()  # an event wait: not a device or stream synchronize
 
 
 class KVStaging:
@@ -51,12 +56,14 @@ class KVStaging:
         self._in = torch.cuda.Stream(self.device) if self.on_device else None
         self._last_out: Any = None  # the event of the latest copy out of the cache
         self._step: Any = None  # recorded on the forward stream by ``mark``
+        row = math.prod(self.layers[0].shape) // self.layers[0].shape[block_dim] * self.layers[0].element_size()
+        self._rows_per_chunk = max(1, CHUNK_BYTES // (row * len(self.layers)))  # of the block-major tensor
 
     # ---------------------------------------------------------------- the forward pass's thread
     def mark(self) -> None:
         """A step that starts loads begins: loads copy into the cache only after the work queued so far."""
         if self.on_device:
-            self._step = _record()
+            self._step = self._record(torch.cuda.current_stream(self.device))
 
     def fence(self) -> None:
         """A step begins: its kernels wait (on the device) for the copies out of the cache queued before it."""
@@ -69,29 +76,35 @@ class KVStaging:
         layers = self.layers if layer is None else [self.layers[layer]]
         if not self.on_device:
             return Staged(block_copy.gather(layers, self.block_dim, ids, scratch))
-        after = _record()
-        index = _index(ids, self.device)
-        with torch.cuda.stream(self._out):
+        shape = [len(ids), len(layers), *block_copy.block_shape(layers[0], self.block_dim)]
+        host = torch.empty(shape, dtype=layers[0].dtype, pin_memory=True)
+        after = self._record(torch.cuda.current_stream(self.device))
+        index = _index(ids)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._out):
             self._out.wait_event(after)
-            dense = torch.stack([t.index_select(self.block_dim, index.to(self.device, non_blocking=True))
-                                 .movedim(self.block_dim, 0) for t in layers], dim=1)
-            host = torch.empty(dense.shape, dtype=dense.dtype, pin_memory=True)
-            host.copy_(dense, non_blocking=True)
-            done = _record(self._out)
+            device_index = index.to(self.device, non_blocking=True)
+            step = self._rows_per_chunk * (len(self.layers) // len(layers))
+            for lo in range(0, len(ids), step):  # a bounded piece at a time: no prompt-sized device buffer
+                part = device_index[lo:lo + step]
+                dense = torch.stack([t.index_select(self.block_dim, part).movedim(self.block_dim, 0) for t in layers],
+                                    dim=1)
+                host[lo:lo + step].copy_(dense, non_blocking=True)
+            done = self._record(self._out)
         self._last_out = done
-        return Staged(host, done)
+        return Staged(host, done, self.device)
 
     def drain(self) -> None:
         """Return once every copy out of the cache queued so far has ended (before the cache's memory goes away)."""
         if self._last_out is not None:
-            self._last_out.synchronize()
+            Staged(self.layers[0], self._last_out, self.device).wait()
 
     # ---------------------------------------------------------------- loader threads
     def scatter(self, ids: Sequence[int], kv: torch.Tensor, heads: tuple[int, int] | None = None,
                 layer: int | None = None, wait: bool = True) -> Staged:
         """Write the first ``len(ids)`` rows of the block-major host tensor ``kv`` into blocks ``ids`` of every layer
         (or of ``layer`` only; ``heads``: only that range of each block's first dimension, as
-        ``block_copy.scatter``). ``wait``: return once the bytes are in place, else ``Staged.wait`` does."""
+        ``block_copy.scatter``). ``wait``: return once the bytes are in place, else ``Staged.wait`` does. If it
+        raises, no copy it queued is still running."""
         layers = self.layers if layer is None else [self.layers[layer]]
         if not self.on_device:
             block_copy.scatter(layers, self.block_dim, ids, kv, heads)
@@ -102,28 +115,35 @@ class KVStaging:
             pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             pinned.copy_(src)
             src = pinned
-        index = _index(ids, self.device)
-        with torch.cuda.stream(self._in):
-            if self._step is not None:
-                self._in.wait_event(self._step)
-            rows = src.to(self.device, non_blocking=True)
-            device_index = index.to(self.device, non_blocking=True)
-            if heads is not None:
-                layers = [t.narrow(1, heads[0], heads[1] - heads[0]) for t in layers]
-            for li, t in enumerate(layers):
-                t.index_copy_(self.block_dim, device_index, rows[:, li].movedim(0, self.block_dim))
-            staged = Staged(kv, _record(self._in))
+        index = _index(ids)
+        if heads is not None:
+            layers = [t.narrow(1, heads[0], heads[1] - heads[0]) for t in layers]
+        with torch.cuda.device(self.device), torch.cuda.stream(self._in):
+            try:
+                if self._step is not None:
+                    self._in.wait_event(self._step)
+                device_index = index.to(self.device, non_blocking=True)
+                step = self._rows_per_chunk * (len(self.layers) // len(layers))
+                for lo in range(0, n, step):  # a bounded piece at a time: no prompt-sized device buffer
+                    rows = src[lo:lo + step].to(self.device, non_blocking=True)
+                    for li, t in enumerate(layers):
+                        t.index_copy_(self.block_dim, device_index[lo:lo + step],
+                                      rows[:, li].movedim(0, self.block_dim))
+            except BaseException:  # the caller may reuse ``kv`` and vLLM the blocks once this returns
+                Staged(kv, self._record(self._in), self.device).wait()
+                raise
+            staged = Staged(kv, self._record(self._in), self.device)
         if wait:
             staged.wait()
         return staged
 
+    def _record(self, stream: Any) -> Any:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
-def _record(stream: Any = None) -> Any:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
-
-def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Block ids in pinned host memory, for a copy to ``device`` that does not wait."""
-    return torch.tensor(list(ids), dtype=torch.long).pin_memory(device)
+def _index(ids: Sequence[int]) -> torch.Tensor:
+    """Block ids in pinned host memory, for a copy to the device that does not wait."""
+    return torch.tensor(list(ids), dtype=torch.long).pin_memory()

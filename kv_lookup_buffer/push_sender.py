@@ -140,13 +140,13 @@ class PushSender:
             if key in self._failed and not isinstance(message, (Hello, Pull)):
                 continue  # the rest of an entry that failed (its PULL notice still goes)
             try:
+                if isinstance(payload, _Filling):  # before the header: a failure leaves the stream in step
+                    payload.ready()
+                    payload = payload.tensor
                 self.pipe.send_tensor(encode(message))
                 if isinstance(message, Hello):
                     self._hello_retries = 0
                 if isinstance(message, (Data, Commit)):
-                    if isinstance(payload, _Filling):
-                        payload.ready()
-                        payload = payload.tensor
                     self.pipe.send_tensor(payload)
                     if payload is not None and isinstance(message, Data):
                         self.stats.add("pushed_bytes", payload.numel() * payload.element_size())

@@ -313,9 +313,18 @@ class BufferProducer:
             data_pipe.send_tensor(answer_frame(MISS, request.seq))
             return
         tokens, roi, key, value, hidden = entry.tensors
-        try:
-            if entry.ready is not None:
+        if entry.ready is not None:
+            try:
                 entry.ready()
+            except Exception as e:  # its bytes never arrived (a failed device copy): nothing to send
+                logger.error("an entry of %d tokens could not be filled (%s): dropped, answering MISS", len(tokens), e)
+                with self._cv:
+                    if last:
+                        self._release(entry)
+                self._count("misses")
+                data_pipe.send_tensor(answer_frame(MISS, request.seq))
+                return
+        try:
             answer = [tokens, roi, _part(_rows(key, request.rows), request.part), value, hidden]
             data_pipe.send_tensor(answer_frame(HIT, request.seq))
             for t in answer:

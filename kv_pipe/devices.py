@@ -37,10 +37,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
+    with torch.cuda.device(t.device):
+        stream = torch.cuda.current_stream(t.device)
+        host.copy_(t, non_blocking=True)  # queued on ``t``'s device's current stream
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()
     return host
 
 

@@ -7,14 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kv_connector import staging as staging_module
 from kv_connector.staging import KVStaging
 from tests.kv_connector.test_block_copy import IDS, LAYOUTS, make_layers, reference_gather
 from tests.kv_connector.worker_peers import strict_sync
 
+# a device copy goes in pieces of at most CHUNK_BYTES: the default, and one block row at a time
+PIECES = pytest.mark.parametrize("piece_bytes", [staging_module.CHUNK_BYTES, 1], ids=["whole", "row-by-row"])
 
+
+@PIECES
 @pytest.mark.parametrize("block_dim, shape", LAYOUTS)
 @pytest.mark.parametrize("ids", IDS)
-def test_gather_gives_the_blocks_in_host_memory(block_dim, shape, ids, device):
+def test_gather_gives_the_blocks_in_host_memory(block_dim, shape, ids, device, piece_bytes, monkeypatch):
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", piece_bytes)
     host = make_layers(shape, torch.bfloat16)
     staging = KVStaging([t.to(device) for t in host], block_dim)
     with strict_sync(device):
@@ -27,8 +33,10 @@ def test_gather_gives_the_blocks_in_host_memory(block_dim, shape, ids, device):
     assert torch.equal(one.tensor, reference_gather(host[1:2], block_dim, ids))
 
 
+@PIECES
 @pytest.mark.parametrize("block_dim, shape", LAYOUTS)
-def test_scatter_writes_the_blocks_it_names_and_nothing_else(block_dim, shape, device):
+def test_scatter_writes_the_blocks_it_names_and_nothing_else(block_dim, shape, device, piece_bytes, monkeypatch):
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", piece_bytes)
     host = make_layers(shape, torch.float32)
     ids = [3, 4, 5, 9, 0]
     rows = torch.randn(6, 3, *reference_gather(host, block_dim, [0]).shape[2:])  # one row more than written
