@@ -39,12 +39,15 @@ class Finished:
 
 class Loads:
     def __init__(self, load: Callable[[LoadRequest, float], LoadResult], concurrency: int, timeout: float,
-                 stats: StatsRecorder) -> None:
+                 stats: StatsRecorder, thread_init: Callable[[], None] | None = None) -> None:
+        """``thread_init``: run by each loader thread first (e.g. make the KV cache's GPU its current device)."""
         self._load = load
         self.timeout = timeout
         self.stats = stats
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mooncake-kv-load")
-        self._awaiting = ThreadPoolExecutor(max_workers=AWAITING_LOADS, thread_name_prefix="mooncake-kv-await")
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mooncake-kv-load",
+                                        initializer=thread_init)
+        self._awaiting = ThreadPoolExecutor(max_workers=AWAITING_LOADS, thread_name_prefix="mooncake-kv-await",
+                                            initializer=thread_init)
         self._running: dict[str, tuple[LoadRequest, Future[LoadResult | None]]] = {}
         self._lock = threading.Lock()
 

@@ -111,7 +111,8 @@ class PullTransfer(KVTransfer):
             results = [self._load_piece(req, pieces[0], producers, deadline)]
         else:  # every piece runs to its end, so that no producer keeps a share nobody takes
             if self._pieces is None:
-                self._pieces = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-kv-piece")
+                self._pieces = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-kv-piece",
+                                                  initializer=self.staging.bind_thread)
             futures = [self._pieces.submit(self._load_piece, req, piece, producers, deadline) for piece in pieces]
             errors = [f.exception() for f in futures]
             if any(errors):

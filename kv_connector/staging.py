@@ -99,6 +99,12 @@ class KVStaging:
             Staged(self.layers[0], self._last_out, self.device).wait()
 
     # ---------------------------------------------------------------- loader threads
+    def bind_thread(self) -> None:
+        """Make the cache's GPU this thread's current device (a loader thread's first act): what it allocates in
+        pinned memory or asks of CUDA then never touches another GPU (a new thread starts on GPU 0)."""
+        if self.on_device:
+            torch.cuda.set_device(self.device)
+
     def scatter(self, ids: Sequence[int], kv: torch.Tensor, heads: tuple[int, int] | None = None,
                 layer: int | None = None, wait: bool = True) -> Staged:
         """Write the first ``len(ids)`` rows of the block-major host tensor ``kv`` into blocks ``ids`` of every layer

@@ -134,7 +134,9 @@ class ConnectorWorker:
             if self.push_mode:  # its first credit is there before the first request
                 self.links.push_buffer(peer)
             return
-        self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats)
+        assert self.staging is not None
+        self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
+                           self.staging.bind_thread)
         self.links.warm_up(peer, self.options.load_timeout)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:
