@@ -7,7 +7,9 @@ decode request; the consumer loads from exactly that producer.
 
 What a decode request's params ask of a consumer (``decode_params``):
 
-- ``{"do_remote_prefill": true, "remote_pipe": [...], ...}`` (a producer's answer): load from that producer.
+- ``{"do_remote_prefill": true, "remote_pipe": [...], ...}`` (a producer's answer): load from that producer. With
+  ``"mooncake_pushed": true`` (push mode: that producer pushes the prompt here, or tells this consumer to pull it)
+  the load waits for that news from the producer's push link, up to ``load_timeout``, before it pulls.
 - ``{"do_remote_prefill": false}``: load nothing, compute the whole prompt here (as vLLM's protocol has it: only
   ``true`` loads). A proxy sends this when it skips the remote prefill, e.g. because this instance already holds
   most of the prompt in its prefix cache.
@@ -37,7 +39,18 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_PREFILL, ENGINE, PIPE, PROOF, PUSH_PROOF, PUSH_TO, REQUEST, TP_SIZE
+from kv_connector.protocol import (
+    AWAIT_PUSH,
+    DO_REMOTE_PREFILL,
+    ENGINE,
+    PIPE,
+    PROOF,
+    PUSH_PROOF,
+    PUSH_TO,
+    PUSHED,
+    REQUEST,
+    TP_SIZE,
+)
 from kv_pipe import ConfigError, auth
 from kv_pipe.config import join_host_port, parse_host_port
 
@@ -48,11 +61,14 @@ class ParamsError(ValueError):
     """``kv_transfer_params`` that cannot be used; the message names the field."""
 
 
-def producer_params(addresses: list[str], engine_id: str, request_id: str, secret: bytes = b"") -> dict[str, Any]:
+def producer_params(addresses: list[str], engine_id: str, request_id: str, secret: bytes = b"",
+                    pushed: bool = False) -> dict[str, Any]:
     """The answer of a producer's ``request_finished`` for a request that asked for remote decode (signed if there is
-    a secret)."""
+    a secret). ``pushed``: the prompt went to the decoding consumer by push (or a notice to pull it did)."""
     params = {"do_remote_prefill": True, "do_remote_decode": False, PIPE: list(addresses), ENGINE: engine_id,
               TP_SIZE: len(addresses), REQUEST: request_id}
+    if pushed:
+        params[PUSHED] = True
     if secret:
         params[PROOF] = _params_proof(secret, list(addresses), engine_id, request_id)
     return params
@@ -103,6 +119,7 @@ class DecodeParams:
     load: bool = True  # False: load nothing (``do_remote_prefill: false``)
     pipes: list[str] | None = None  # the producer whose KV waits there, per its TP rank; None: mooncake.json's
     await_push: bool = False  # wait for whichever producer pushes this prompt (``pipes`` is None)
+    pushed: bool = False  # the named producer pushes this prompt here (or says to pull it): wait for its news
 
 
 def _flag(params: dict[str, Any], field: str) -> bool | None:
@@ -141,7 +158,8 @@ def decode_params(params: dict[str, Any] | None, secret: bytes = b"") -> DecodeP
         raise ParamsError(f"{ENGINE} and {REQUEST} must be short strings")
     if secret:
         _check_proof(params, PROOF, _params_proof(secret, pipes, engine, request), f"the producer at {pipes[0]}")
-    return DecodeParams(pipes=pipes)
+    # not covered by the proof: a client that sets it only makes its own load wait for news (up to load_timeout)
+    return DecodeParams(pipes=pipes, pushed=bool(_flag(params, PUSHED)))
 
 
 def push_targets(params: dict[str, Any] | None, tp_size: int, secret: bytes = b"") -> list[str] | None:

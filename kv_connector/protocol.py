@@ -14,6 +14,7 @@ ENGINE = "remote_engine_id"
 TP_SIZE = "remote_tp_size"
 REQUEST = "remote_request_id"
 PROOF = "mooncake_proof"  # decode: the producer's proof of its params (with a secret)
+PUSHED = "mooncake_pushed"  # push mode: the producer sends this prompt's KV (or a notice to pull it) to the consumer
 
 # what the proxy puts on a decode it sends together with its prefill (push mode): no producer has answered yet
 AWAIT_PUSH = "mooncake_await_push"  # with do_remote_prefill true: wait for whichever producer pushes this prompt

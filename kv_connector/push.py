@@ -128,8 +128,10 @@ class PushTransfer(KVTransfer):
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         if req.source.await_push:
             return self._load_awaited(req, deadline)
-        start = time.perf_counter()
         peer = req.source.peer(self.rank)
+        if req.source.pushed and peer is not None:  # its producer said it pushes here: wait for what it sends
+            return self._load_awaited(req, deadline, peer)
+        start = time.perf_counter()
         push = None if peer is None else self.links.push_buffer(peer)
         key = entry_key(req.token_ids)
         entry = None if push is None else push.take(key, min(self.push_wait, max(deadline - time.monotonic(), 0.0)))
@@ -140,19 +142,24 @@ class PushTransfer(KVTransfer):
         return self._copy(req, entry, start, f"waited {(time.perf_counter() - start) * 1e3:.1f} ms for the push to "
                                              "be committed")
 
-    def _load_awaited(self, req: LoadRequest, deadline: float) -> LoadResult:
-        """A decode sent together with its prefill: wait up to ``push_wait`` s for any producer to begin pushing the
-        prompt (it may have begun, even committed, before this load started), then take the entry once committed
-        (by ``deadline``); if that producer serves it by pull, pull from it."""
+    def _load_awaited(self, req: LoadRequest, deadline: float, producer: str | None = None) -> LoadResult:
+        """Wait for news of the prompt's push, then act on it: take the entry once committed (by ``deadline``), or
+        pull it from the producer that says so. ``producer`` None: a decode sent together with its prefill, whichever
+        producer begins the push within ``push_wait`` s (it may have begun, even committed, before this load started);
+        else the producer whose answer said it pushes the prompt here (its news may come after that answer), until
+        ``deadline``."""
         start = time.perf_counter()
         key = entry_key(req.token_ids)
-        begin_by = min(time.monotonic() + self.push_wait, deadline)
+        begin_by = deadline if producer is not None else min(time.monotonic() + self.push_wait, deadline)
         while True:
             seen = self.links.arrivals.seq  # read before looking: whatever arrives meanwhile ends the wait at once
-            found = self._look(key)
+            found = self._look(key, producer)
             if found is not None:
                 break
             if time.monotonic() >= begin_by:
+                if producer is not None:
+                    raise TimeoutError(f"the producer at {producer} said it pushes its prompt here, but neither the "
+                                       "push nor a notice to pull came by the load's deadline")
                 self.stats.count("await_push_timeouts")
                 raise TimeoutError(f"no producer began pushing its prompt within {self.push_wait:g} s (push_wait)")
             self.links.arrivals.wait(seen, begin_by - time.monotonic())
@@ -160,25 +167,27 @@ class PushTransfer(KVTransfer):
         begun = time.perf_counter()
         entry = receiver.take(key, max(deadline - time.monotonic(), 0.0)) if state == STAGED else None
         if entry is not None:
-            result = self._copy(req, entry, start, f"waited {(begun - start) * 1e3:.1f} ms for a producer to begin "
-                                                   f"the push and {(time.perf_counter() - begun) * 1e3:.1f} ms for "
-                                                   "its commit")
+            result = self._copy(req, entry, start, f"waited {(begun - start) * 1e3:.1f} ms for the producer to "
+                                                   f"begin the push and {(time.perf_counter() - begun) * 1e3:.1f} ms "
+                                                   "for its commit")
         elif receiver.take_notice(key) == PULL:  # no room, or the push failed: the producer saved it for pull
             logger.info("MooncakeConnector: the producer at %s serves request %s by pull", peer, req.req_id)
-            result = self.pull.load(dataclasses.replace(req, source=push_link_source(peer, self.rank)), deadline)
+            source = req.source if producer is not None else push_link_source(peer, self.rank)
+            result = self.pull.load(dataclasses.replace(req, source=source), deadline)
         elif receiver.look(key) == STAGED:
             raise TimeoutError(f"the push of its prompt from {peer} was not committed by the load's deadline")
         else:
             raise ValueError(f"the push of its prompt from {peer} was refused, aborted, dropped or taken by another request")
-        self.stats.count("await_push_loads")
+        if producer is None:
+            self.stats.count("await_push_loads")
         return result
 
-    def _look(self, key: bytes) -> tuple[str, PushReceiver, str] | None:
+    def _look(self, key: bytes, producer: str | None = None) -> tuple[str, PushReceiver, str] | None:
         """The push link with news of ``key`` (its producer's address, its receiver, what it knows): a staged entry
-        before a pull notice before a drop."""
+        before a pull notice before a drop; ``producer``: that producer's link only."""
         best = None
         for peer, receiver in self.links.push_receivers():
-            state = receiver.look(key)
+            state = receiver.look(key) if producer is None or peer == producer else None
             if state is not None and (best is None or _PREFERRED[state] < _PREFERRED[best[2]]):
                 best = (peer, receiver, state)
         return best

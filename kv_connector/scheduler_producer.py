@@ -96,8 +96,8 @@ class ProducerScheduler:
         self.saved.discard(req_id)
         self.prompts.pop(req_id, None)
         self.pushing.discard(req_id)
-        self.push_to.pop(req_id, None)
+        pushed = self.push and self.push_to.pop(req_id, None) != []  # [] : kept for pull, nothing was sent
         params = request.kv_transfer_params
         if not saved or not isinstance(params, dict) or not params.get("do_remote_decode") or not self.pipes:
             return None
-        return kv_params.producer_params(self.pipes, self.config.engine_id, req_id, self.config.secret)
+        return kv_params.producer_params(self.pipes, self.config.engine_id, req_id, self.config.secret, pushed)

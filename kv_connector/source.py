@@ -28,6 +28,7 @@ class LoadSource:
     from_params: bool  # named by the request's params (else mooncake.json's producer)
     same_tp: bool  # the producer runs this instance's TP size: its rank r pairs with our rank r
     await_push: bool = False  # no producer named (``pipes`` empty): take the push of whichever producer begins one
+    pushed: bool = False  # the named producer pushes the prompt here (or says to pull it): wait for that news
 
     def peer(self, rank: int) -> str | None:
         """The producer rank paired with our ``rank`` (push links go rank to rank); None if the TP sizes differ or no
@@ -56,7 +57,9 @@ def load_source(params: dict[str, Any] | None, config: ConnectorConfig) -> LoadS
         return None
     if asked.pipes is None:  # a proxy that forwards no params, or prefill and decode sent by hand
         return LoadSource(config.peer_pipes, from_params=False, same_tp=True)
-    return LoadSource(asked.pipes, from_params=True, same_tp=len(asked.pipes) == config.tp_size)
+    same_tp = len(asked.pipes) == config.tp_size
+    return LoadSource(asked.pipes, from_params=True, same_tp=same_tp,
+                      pushed=asked.pushed and config.push_mode and same_tp)  # pushes go rank to rank
 
 
 def push_link_source(peer: str, rank: int) -> LoadSource:

@@ -62,6 +62,10 @@ class Proxy:
         self._background_failed = Counter("mooncake_proxy_background_prefill_failed", "Prefills sent beside their "
                                           "decode (concurrent dispatch) that failed; the decode instance computed "
                                           "the prompt itself.", registry=self.metrics)
+        self._fallbacks = Counter("mooncake_proxy_prefill_fallbacks", "Requests no prefill instance could take (all "
+                                  "unreachable, timed out, or failed with a server error), computed whole on their "
+                                  "decode instance instead (--no-fallback: refused).", ["reason"], registry=self.metrics)
+        self._outage = False  # the last remote prefill failed for want of a prefill instance (logged once an outage)
         self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
         connect = config.connect_timeout
@@ -178,6 +182,7 @@ class Proxy:
             raise RelayedError(response.status, data, response.headers.get("Content-Type"))
         answer = json_answer(data)
         self.router.calibrate(hint, answer)
+        self.prefilled()
         return upstream, answer_params(answer)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
@@ -225,10 +230,45 @@ class Proxy:
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
             else:
                 decode_params = await self.remote_prefill(path, payload, chat, headers, decode, hint)
+        except (ProxyError, RelayedError) as error:
+            reason = self.prefill_unavailable(error)
+            if reason is None or not self.config.fallback:
+                self.decode_balancer.release(decode)
+                raise
+            self.fell_back(reason, error, request_id)
+            decode_params = dict(NO_LOAD)
         except BaseException:
             self.decode_balancer.release(decode)
             raise
         return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming, hint)
+
+    @staticmethod
+    def prefill_unavailable(error: ProxyError | RelayedError) -> str | None:
+        """Why no prefill instance could take the request (a reason for /metrics), or None if the request itself is
+        at fault (a 4xx answer: the decode instance would refuse it too) or the failure was not the prefill's."""
+        if isinstance(error, RelayedError):
+            return "server_error" if error.status >= 500 else None
+        if error.stage != PREFILL or error.status < 500:
+            return None
+        return {"upstream_unreachable": "unreachable", "upstream_timeout": "timeout",
+                "upstream_cooling_down": "cooldown"}.get(error.kind, "error")
+
+    def fell_back(self, reason: str, error: ProxyError | RelayedError, request_id: str) -> None:
+        """Count a request sent whole to its decode instance; say so once per outage (``prefilled`` ends it)."""
+        self._fallbacks.labels(reason=reason).inc()
+        if not self._outage:
+            self._outage = True
+            log.warning("[%s] no prefill instance could take the request (%s: %s): sending requests whole to the decode "
+                        "instances until a prefill succeeds again (--no-fallback refuses them instead)", request_id,
+                        reason, error)
+        else:
+            log.debug("[%s] sent whole to its decode instance (%s)", request_id, reason)
+
+    def prefilled(self) -> None:
+        """A remote prefill succeeded: an outage, if one was under way, is over."""
+        if self._outage:
+            self._outage = False
+            log.warning("a prefill instance answers again: remote prefills resume")
 
     async def remote_prefill(self, path: str, payload: dict[str, Any], chat: bool, headers: dict[str, str],
                              decode: Upstream, hint: Fingerprint | None) -> dict[str, Any] | None:
@@ -240,6 +280,12 @@ class Proxy:
         body = json.dumps(prefill_payload(payload, chat, prefill_params)).encode()
         awaited = self.protocol.awaited_push(prefill_params) if self.config.dispatch == "concurrent" else None
         chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER]).upstream
+        if awaited is not None and chosen.cooling_down() and self.config.fallback:
+            # every prefill instance failed a moment ago (a cooling-down one is chosen only then): a decode sent
+            # beside it would wait push_wait for a push that is unlikely to come
+            self.prefill_balancer.release(chosen)
+            raise ProxyError(502, "upstream_cooling_down", "every prefill instance failed recently", PREFILL,
+                             chosen.name)
         if awaited is not None:
             self._dispatched.labels(mode="concurrent").inc()
             task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, hint))

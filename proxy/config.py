@@ -77,6 +77,7 @@ class ProxyConfig:
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
     dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
+    fallback: bool = True  # no prefill instance could take a request: its decode instance computes it whole
 
     def __post_init__(self) -> None:
         for role in (PREFILL, DECODE):
@@ -168,6 +169,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                         help="for a decode instance that takes pushed KV: send the decode request together with the "
                              "prefill (concurrent; default), or after the prefill answered (sequential). Pull-mode "
                              "instances always get it after the prefill (they need its answer)")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="answer 502 when no prefill instance can take a request (all down or cooling down, or "
+                             "their prefill failed with a server error); by default its decode instance then computes "
+                             "it whole, as a colocated instance would")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -180,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, prefix_index_entries=args.prefix_index_entries,
                            admin_token=args.admin_token if args.admin_token is not None
-                           else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch)
+                           else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch,
+                           fallback=not args.no_fallback)
     except ConfigError as error:
         parser.error(str(error))

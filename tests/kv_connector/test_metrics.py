@@ -64,8 +64,12 @@ def test_one_transfer_moves_the_metrics_by_what_moved(pair, mode, reference):
     kv_bytes = blocks(len(tokens) - 1) * ROW_BYTES  # the consumer claims all but the last token
     before_p, _ = scrape(producer)
     before_c, _ = scrape(consumer)
-    producer.complete(tokens, 1)
-    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+    # as the proxy sends them: the producer's answer (push mode: it says it pushes the prompt) goes on the decode
+    answer = producer.post("/v1/completions", {"model": producer.model, "prompt": tokens, "max_tokens": 1,
+                                               "kv_transfer_params": {"do_remote_decode": True}})
+    params = answer["kv_transfer_params"]
+    assert params.get("mooncake_pushed", False) is (mode == "push"), params
+    assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == reference.complete(tokens, MAX_TOKENS)
     c = change(consumer, before_c, "loaded_total", 1)
     kind, other = ("load", "push_load") if mode == "pull" else ("push_load", "load")
     assert c.get("loaded_total") == 1 and c.get("loaded_bytes_total") == kv_bytes, c

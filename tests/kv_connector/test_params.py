@@ -170,3 +170,10 @@ def test_proofs_do_not_carry_over_between_kinds_or_requests():
         kv_params.decode_params(push, SECRET)  # nor the other way round
     with pytest.raises(kv_params.ParamsError, match="does not verify"):
         kv_params.decode_params({**params, kv_params.PROOF: params[kv_params.PROOF].upper()}, SECRET)
+
+
+def test_a_pushed_flag_comes_only_as_true_or_false():
+    sent = kv_params.producer_params(["127.0.0.1:9000"], "engine-a", "req-1", pushed=True)
+    assert kv_params.decode_params(sent) == kv_params.DecodeParams(pipes=["127.0.0.1:9000"], pushed=True)
+    with pytest.raises(kv_params.ParamsError, match="mooncake_pushed: expected true or false"):
+        kv_params.decode_params({**sent, "mooncake_pushed": "yes"})

@@ -4,6 +4,7 @@ blocks it lacks from a pushed entry, and takes it from the producer its load sou
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -376,3 +377,48 @@ def test_an_aborted_push_fails_the_load_at_once(awaiting):
         t.load(awaited(), time.monotonic() + 5)
     assert time.monotonic() - start < 1.0 and pull.loaded == []
     assert receiver.look(key) is None  # acted on: a later push of the same tokens starts afresh
+
+
+# ---------------------------------------------------------------- a producer's answer said it pushes the prompt here
+def told(source_peer: str = PEER_B, req_id: str = "r") -> LoadRequest:
+    """A decode whose producer's params say ``mooncake_pushed``: from ``source_peer``, this rank's pair."""
+    return dataclasses.replace(awaited(req_id), source=LoadSource([source_peer], from_params=True, same_tp=True,
+                                                                  pushed=True))
+
+
+def test_a_load_told_of_a_push_waits_for_its_begin_from_that_producer(awaiting):
+    """The producer's answer reached the consumer before its BEGIN did (its sender thread was slow): the load waits
+    for it, longer than push_wait allows an unannounced push, and takes the push; the same prompt pushed by another
+    producer meanwhile is not taken."""
+    t, links, pull = awaiting(push_wait=0.05)
+    tokens = list(range(15))
+    other = links.ends[PREFILL][1]
+    push_prompt(t, links.ends[PREFILL][0], tokens, 4)
+    assert wait_for(lambda: other.look(entry_key(tokens)) == "staged" and other._entries[entry_key(tokens)].committed)
+    threading.Timer(0.4, push_prompt, (t, links.ends[PEER_B][0], tokens, 4)).start()
+    start = time.monotonic()
+    result = t.load(told(), time.monotonic() + 5)
+    assert 0.35 < time.monotonic() - start < 2.0
+    assert other.look(entry_key(tokens)) == "staged"  # the other producer's push is still there
+    assert result.source == "pushed" and result.written == 4 and pull.loaded == []
+    assert_written(t, told())
+    assert t.stats.take().data.get("await_push_loads", 0) == 0  # not a decode sent with its prefill
+
+
+def test_a_load_told_of_a_push_pulls_from_that_producer_when_it_says_so(awaiting):
+    t, links, pull = awaiting(push_wait=0.05)
+    key = entry_key(list(range(15)))
+    asked = []
+    pull.load = lambda req, deadline: asked.append(req.source) or LoadResult(len(req.block_ids), 7, 7, "pulled", "")
+    links.ends[PREFILL][0].notify_pull(key)  # another producer's notice of the same prompt: not this load's
+    threading.Timer(0.3, links.ends[PEER_B][0].notify_pull, (key,)).start()
+    result = t.load(told(), time.monotonic() + 5)
+    assert result.source == "pulled" and asked[0].pipes == [PEER_B] and asked[0].from_params
+
+
+def test_a_load_told_of_a_push_that_never_comes_fails_at_its_deadline(awaiting):
+    t, _, pull = awaiting(push_wait=0.05)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="said it pushes its prompt here, but neither the push nor a notice"):
+        t.load(told(), time.monotonic() + 0.5)
+    assert 0.45 < time.monotonic() - start < 1.5 and pull.loaded == []

@@ -271,3 +271,21 @@ def test_pull_mode_announces_no_pushes():
     sched.after_alloc(request("r", 40, {"mooncake_push_to": [DECODE]}), kv_blocks([]), 0)
     meta = sched.build_meta(step(new={"r": (0, 40)}, block_ids={"r": [1, 2, 3]}))
     assert meta.pushes == [] and len(meta.saves) == 1
+
+
+@pytest.mark.parametrize("mode, params, pushed", [
+    ("pull", {"do_remote_decode": True}, False),
+    ("push", {"do_remote_decode": True}, True),  # mooncake.json's consumer
+    ("push", {"do_remote_decode": True, "mooncake_push_to": [DECODE]}, True),
+    ("push", {"do_remote_decode": True, "mooncake_push_to": []}, False),  # kept for pull: nothing comes
+])
+def test_a_pushed_prompts_answer_tells_the_consumer_to_wait_for_the_push(mode, params, pushed):
+    """A push-mode producer says so in its answer (``mooncake_pushed``): the consumer waits for the push (or the
+    notice to pull) from it instead of pulling while the BEGIN is still on its way."""
+    sched = ProducerScheduler(config("kv_producer", mode=mode), BLOCK)
+    req = request("r", 40, params)
+    sched.after_alloc(req, kv_blocks([]), 0)
+    sched.build_meta(step(new={"r": (0, 40)}, block_ids={"r": [1, 2, 3]}))
+    answer = sched.finished(req)
+    assert answer.get("mooncake_pushed", False) is pushed
+    assert kv_params.decode_params(answer).pushed is pushed

@@ -67,3 +67,11 @@ def test_an_awaited_push_names_no_producer_and_pull_mode_loads_nothing():
 def test_a_pull_notice_on_a_push_link_loads_from_that_links_peer_at_this_rank():
     source = push_link_source("10.9.9.9:3", 2)
     assert source.peer(2) == "10.9.9.9:3" and source.pipes[2] == "10.9.9.9:3" and not source.await_push
+
+
+def test_a_producers_word_that_it_pushed_counts_in_push_mode_at_its_tp_size_only():
+    pushed = kv_params.producer_params(["10.9.9.9:1"], "p", "r", pushed=True)
+    assert load_source(pushed, config(mode="push")).pushed
+    assert not load_source(pushed, config(mode="pull")).pushed  # nobody pushes to a pull-mode consumer
+    assert not load_source(kv_params.producer_params(["10.9.9.9:1", "10.9.9.9:2"], "p", "r", pushed=True),
+                           config(mode="push")).pushed  # pushes go rank to rank

@@ -118,6 +118,8 @@ def test_health_and_models() -> None:
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
 @pytest.mark.parametrize("status", [400, 422, 500, 503])
 def test_upstream_error_status_relayed(stage: str, status: int) -> None:
+    """A prefill's 4xx is the request's fault: relayed (the decode instance would refuse it too). A prefill's 5xx is
+    relayed with --no-fallback (test_fallback.py: by default its decode instance computes the request whole)."""
     error = {"error": {"message": f"bad thing {status}", "type": "BadRequestError", "code": status}}
 
     async def test(env: Environment) -> None:
@@ -128,7 +130,7 @@ def test_upstream_error_status_relayed(stage: str, status: int) -> None:
         assert len(env.decode[0].received) == (0 if stage == "prefill" else 1)
         await assert_idle(env)
 
-    run(test)
+    run(test, fallback=status < 500)
 
 
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
@@ -144,7 +146,7 @@ def test_unreachable_upstream_is_502_naming_the_stage(stage: str) -> None:
         await assert_idle(env)
 
     if stage == "prefill":
-        run(test, 0, 1, prefill_urls=[dead])
+        run(test, 0, 1, prefill_urls=[dead], fallback=False)
     else:
         run(test, 1, 0, decode_urls=[dead])
 
@@ -162,7 +164,7 @@ def test_timeout_is_504_naming_the_stage(stage: str, stream: bool) -> None:
         await asyncio.wait_for(slow.cancelled.wait(), 5)  # the proxy gave up on the upstream request
         await assert_idle(env)
 
-    run(test, timeout=0.5)
+    run(test, timeout=0.5, fallback=False)
 
 
 def test_client_disconnect_during_prefill_cancels_it() -> None:

@@ -105,7 +105,8 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
             assert first != second and bootstrap.queries == 1
         finally:
             await bootstrap.stop()
-        # a bootstrap server that is gone (the cached engine id expired): 502 naming it, and nothing sent upstream:
+        # a bootstrap server that is gone (the cached engine id expired): with --no-fallback, 502 naming it (by
+        # default the decode instance computes the request whole, test_fallback.py), and nothing sent upstream:
         # the engine id is asked before the prefill, so no prefilled KV waits for a decode that never comes
         env.proxy.proxy.prefill_balancer.upstreams[0].learned_at.clear()
         status, _, body = await env.post("/v1/completions", COMPLETION)
@@ -114,4 +115,4 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
         assert len(env.prefill[0].received) == 2 and len(env.decode[0].received) == 2
         await assert_idle(env)
 
-    run(test, protocol="bootstrap", bootstrap=(f"http://127.0.0.1:{unused_port()}",))
+    run(test, protocol="bootstrap", bootstrap=(f"http://127.0.0.1:{unused_port()}",), fallback=False)

@@ -1,0 +1,111 @@
+"""Degrade, don't refuse: when no prefill instance can take a request (all unreachable, timed out, failed with a
+server error, or all cooling down after failing), the proxy sends it whole to its decode instance (``do_remote_prefill:
+false``: it computes the prompt as a colocated instance would), counts it by reason on /metrics and says so once per
+outage; ``--no-fallback`` keeps the 502. Real HTTP: fake vLLM upstreams, the proxy, an aiohttp client."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from proxy.protocols import NO_LOAD
+from tests.proxy.test_protocols import endpoint_info
+from tests.proxy.upstreams import COMPLETION, Environment, assert_idle, proxy_metric, run, unused_port
+
+pytestmark = pytest.mark.timeout(60)
+FALLBACKS = "mooncake_proxy_prefill_fallbacks_total"
+
+
+def whole(env: Environment) -> list[dict]:
+    """The kv_transfer_params of the decode requests that went out whole."""
+    return [r.body.get("kv_transfer_params") for r in env.decode[0].received]
+
+
+def test_no_prefill_instance_reachable_sends_requests_whole_and_says_so_once(caplog) -> None:
+    dead = f"http://127.0.0.1:{unused_port()}"
+
+    async def test(env: Environment) -> None:
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            for _ in range(3):
+                status, _, body = await env.post("/v1/completions", COMPLETION)
+                assert status == 200 and body["served_by"] == "D0"
+                status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": True})
+                assert status == 200 and body.endswith("data: [DONE]\n\n")
+        assert whole(env) == [NO_LOAD] * 6
+        # a pull-mode decode instance: each prefill is tried first (refused in a moment), then the decode goes whole
+        assert await proxy_metric(env, FALLBACKS, reason="unreachable") == 6.0
+        outages = [r for r in caplog.records if "no prefill instance could take the request" in r.getMessage()]
+        assert len(outages) == 1, [r.getMessage() for r in caplog.records]
+        await assert_idle(env)
+
+    run(test, 0, 1, prefill_urls=[dead])
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_prefill_failing_with_a_server_error_falls_back_and_recovery_is_logged(status: int, caplog) -> None:
+    async def test(env: Environment) -> None:
+        env.prefill[0].status = status
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            got, _, body = await env.post("/v1/completions", COMPLETION)
+            assert got == 200 and body["served_by"] == "D0" and whole(env) == [NO_LOAD]
+            env.prefill[0].status = 200  # it serves again: remote prefills resume
+            got, _, _ = await env.post("/v1/completions", COMPLETION)
+            assert got == 200 and whole(env)[1] != NO_LOAD
+        assert await proxy_metric(env, FALLBACKS, reason="server_error") == 1.0
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("remote prefills resume" in m for m in messages), messages
+        await assert_idle(env)
+
+    run(test)
+
+
+def test_a_prefill_that_times_out_falls_back() -> None:
+    async def test(env: Environment) -> None:
+        env.prefill[0].delay = 10.0
+        start = time.monotonic()
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 200 and body["served_by"] == "D0" and whole(env) == [NO_LOAD]
+        assert time.monotonic() - start < 3.0
+        assert await proxy_metric(env, FALLBACKS, reason="timeout") == 1.0
+        await assert_idle(env)
+
+    run(test, timeout=0.5)
+
+
+def test_push_mode_with_every_prefill_instance_cooling_down_sends_the_decode_whole_at_once() -> None:
+    """Concurrent dispatch would send the decode beside a prefill that cannot succeed, to wait push_wait for a push:
+    once every prefill instance failed (cooling down), the decode goes out whole at once instead."""
+    async def test(env: Environment) -> None:
+        env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100")
+        await env.prefill[0].stop()
+        await env.post("/v1/completions", COMPLETION)  # the background prefill finds it gone: cooling down
+        await env.proxy.proxy.settle()
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 200 and body["served_by"] == "D0" and whole(env)[-1] == NO_LOAD
+        assert await proxy_metric(env, FALLBACKS, reason="cooldown") == 1.0
+
+    run(test, cooldown=30.0)
+
+
+@pytest.mark.parametrize("status", [400, 422])
+def test_a_prefill_refusing_the_request_is_relayed_not_retried_whole(status: int) -> None:
+    async def test(env: Environment) -> None:
+        env.prefill[0].status = status
+        got, _, _ = await env.post("/v1/completions", COMPLETION)
+        assert got == status and not env.decode[0].received
+        assert await proxy_metric(env, FALLBACKS, reason="server_error") == 0.0
+
+    run(test)
+
+
+def test_no_fallback_keeps_the_502() -> None:
+    dead = f"http://127.0.0.1:{unused_port()}"
+
+    async def test(env: Environment) -> None:
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 502 and body["error"]["stage"] == "prefill" and not env.decode[0].received
+        assert await proxy_metric(env, FALLBACKS, reason="unreachable") == 0.0
+
+    run(test, 0, 1, prefill_urls=[dead], fallback=False)
