@@ -6,6 +6,7 @@ Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 10
 
 from __future__ import annotations
 
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from harness.processes import http_ok, spawn, stop, wait_ready
+from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
@@ -193,3 +195,29 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
 
 def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)
+
+
+@pytest.fixture(scope="module")
+def proxy_for(tmp_path_factory: pytest.TempPathFactory):
+    """Starts proxy_server.py in front of the given instances; all stopped at the end of the module."""
+    procs = []
+
+    def start(producers: list[VllmServer], consumers: list[VllmServer], *options: str) -> OpenAIClient:
+        port = free_port()
+        # every prefill remote: once a consumer answered the shared system prompt, its questions (150-310 tokens)
+        # would fall below the default --skip-prefill-below and be computed there, and these tests count transfers
+        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port),
+               "--skip-prefill-below", "0", *options]
+        for p in producers:
+            cmd += ["--prefill", p.url]
+        for c in consumers:
+            cmd += ["--decode", c.url]
+        log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+        proc = spawn(cmd, log)
+        procs.append(proc)
+        wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "proxy", 60)
+        return OpenAIClient(f"http://127.0.0.1:{port}", consumers[0].model)
+
+    yield start
+    for proc in procs:
+        stop(proc)

@@ -9,13 +9,14 @@ import signal
 import statistics
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness.processes import kill, signal_group
-from harness.vllm import VllmServer
+from harness.vllm import OpenAIClient, VllmServer
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
@@ -144,6 +145,66 @@ def test_producer_killed_and_restarted_under_traffic(fault_pair, reference):
         expected = list(pool.map(lambda r: reference.complete(r[1], 8), results))
     wrong = [r for r, answer in zip(results, expected, strict=True) if r[2] != answer]
     assert not wrong, f"{len(wrong)} of {len(results)} answers differ from the reference (phases {[r[0] for r in wrong]})"
+    assert after.get("loaded", 0) >= 1 and after.get("fetched_bytes", 0) > 0, "loads did not resume"
+
+
+def proxy_metric(proxy: OpenAIClient, name: str) -> float:
+    """The sum of a counter's samples on the proxy's /metrics."""
+    with urllib.request.urlopen(f"{proxy.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_the_only_producer_killed_under_traffic_through_the_proxy(fault_pair, proxy_for, reference):
+    """The proxy in front of the pair, with its defaults: two clients keep sending requests while the only producer
+    is killed and restarted. Every request is answered, with the reference's text: while no producer can take
+    them, the proxy sends them whole to the consumer (counted on its /metrics, logged once per outage); once the
+    producer is back, remote prefills and loads resume."""
+    producer, consumer = fault_pair
+    proxy = proxy_for([producer], [consumer], "--cooldown", "1")
+    stop_clients = threading.Event()
+    phase = ["up"]
+    results: list[tuple[str, list[int], str]] = []
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop_clients.is_set():
+            tokens = prompt(9000 + 1000 * k + i, 300 + 40 * (i % 5))
+            i += 1
+            try:
+                results.append((phase[0], tokens, proxy.complete(tokens, 8)))
+            except OSError as e:  # an HTTP error status too
+                errors.append(f"{phase[0]}: {e}")
+            stop_clients.wait(0.5)  # fewer requests than the test above: each is checked against the reference
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(3)
+        kill(producer.proc)
+        phase[0] = "down"
+        time.sleep(4)
+        phase[0] = "restarting"
+        producer.restart()
+        phase[0] = "back"
+        before = kv_stats(consumer)
+        time.sleep(5)
+    finally:
+        stop_clients.set()
+        for t in clients:
+            t.join(timeout=120)
+    after = settled_stats(consumer, before, 1)
+    by_phase = {p: sum(r[0] == p for r in results) for p in ("up", "down", "restarting", "back")}
+    print(f"answers by phase {by_phase}, errors {len(errors)}")
+    assert not errors, errors[:3]
+    assert all(n >= 2 for n in by_phase.values()), by_phase
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        expected = list(pool.map(lambda r: reference.complete(r[1], 8), results))
+    wrong = [r[0] for r, answer in zip(results, expected, strict=True) if r[2] != answer]
+    assert not wrong, f"{len(wrong)} of {len(results)} answers differ from the reference (phases {wrong})"
+    assert proxy_metric(proxy, "mooncake_proxy_prefill_fallbacks_total") >= by_phase["down"]
     assert after.get("loaded", 0) >= 1 and after.get("fetched_bytes", 0) > 0, "loads did not resume"
 
 

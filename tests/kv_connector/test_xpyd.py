@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port
-from harness.processes import http_ok, kill, signal_group, spawn, stop, wait_ready
-from harness.vllm import REPO, OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
+from harness.processes import kill, signal_group
+from harness.vllm import OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.protocol import PUSH_PROOF
 from proxy.discovery import push_target
 from tests.kv_connector.conftest import (
@@ -73,32 +72,6 @@ def fleet(request: pytest.FixtureRequest, tiny_model: Path,
     finally:
         new_producer.stop()
         new_consumer.stop()
-
-
-@pytest.fixture(scope="module")
-def proxy_for(tmp_path_factory: pytest.TempPathFactory):
-    """Starts proxy_server.py in front of the given instances; all stopped at the end of the module."""
-    procs = []
-
-    def start(producers: list[VllmServer], consumers: list[VllmServer], *options: str) -> OpenAIClient:
-        port = free_port()
-        # every prefill remote: once a consumer answered the shared system prompt, its questions (150-310 tokens)
-        # would fall below the default --skip-prefill-below and be computed there, and these tests count transfers
-        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--host", "127.0.0.1", "--port", str(port),
-               "--skip-prefill-below", "0", *options]
-        for p in producers:
-            cmd += ["--prefill", p.url]
-        for c in consumers:
-            cmd += ["--decode", c.url]
-        log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-        proc = spawn(cmd, log)
-        procs.append(proc)
-        wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "proxy", 60)
-        return OpenAIClient(f"http://127.0.0.1:{port}", consumers[0].model)
-
-    yield start
-    for proc in procs:
-        stop(proc)
 
 
 def run_through(proxy: OpenAIClient, producers: list[VllmServer], consumers: list[VllmServer], reference: VllmServer,
