@@ -8,9 +8,11 @@ nobody takes within ``entry_ttl``, so a save never waits for a consumer.
 Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens from the producer that prefilled it (its
 params name it; else the one in mooncake.json), asking only for rows [first_block,
 first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire,
-straight into the request's blocks of the KV cache (a ``Scatter`` target: the pipe offers the blocks to the
-producer's writes, or copies each chunk there from its ring). The entry's tokens come back with it: a block is used
-only where its tokens agree with the prompt; blocks written with anything else are reported and recomputed.
+into a pooled receive buffer, then copied into the request's blocks. Never straight into the blocks: a receive the
+network cuts off may resume writing long after, so at the load's deadline (``load_timeout`` from the claim) the load
+ends, the request is recomputed, and the buffer is quarantined until nothing more can land in it (``AnswerAbandoned``);
+the KV cache is never open to a peer's writes. The entry's tokens come back with it: a block is used only where its
+tokens agree with the prompt; blocks written with anything else are reported and recomputed.
 
 Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
 of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
@@ -20,12 +22,13 @@ saved by one producer rank only and read from it by every consumer rank.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_connector import block_copy, blocks
+from kv_connector import blocks
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
@@ -33,7 +36,7 @@ from kv_connector.metadata import LoadRequest, SaveRequest
 from kv_connector.staging import KVStaging
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
-from kv_lookup_buffer import BufferClosed
+from kv_lookup_buffer import AnswerAbandoned, BufferClosed
 from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
@@ -67,6 +70,8 @@ class PullTransfer(KVTransfer):
         # consumer: one receive buffer per load in flight (pinned for a device cache: copied onto it without waits)
         self.receive = WarmPool(keep=concurrency, pinned=self.staging.on_device)
         self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
+        self._lock = threading.Lock()
+        self._quarantined: list[tuple[threading.Event, torch.Tensor]] = []  # (landed, buffer) of abandoned receives
 
     # ---------------------------------------------------------------- producer
     def finish_prompt(self, save: SaveRequest) -> None:
@@ -135,20 +140,26 @@ class PullTransfer(KVTransfer):
         rows = (req.first_block, req.first_block + n)
         count = None if piece.whole else piece.part[1] - piece.part[0]
         query = torch.tensor(req.token_ids, dtype=torch.int64)
-        # Host cache: receive into the blocks themselves. Else into a pooled buffer, copied into the blocks after.
         if count is not None and not self.layout.heads_split:
             raise LayoutMismatch(f"the producer runs TP {len(producers)} and this instance TP "
                                  f"{self.split.tp}, but this KV cache's layout cannot take parts of blocks: run both "
                                  "instances with the same tensor_parallel_size")
         wanted = self.layout.kv_bytes(n) // (1 if count is None else self.layout.heads[1] - self.layout.heads[0])
-        buf = None if self.layout.on_host else self.receive.get(wanted * (count or 1))
-        target = (self.layout.scatter(req.block_ids) if count is None else
-                  self.layout.scatter(req.block_ids, piece.at, count)) if buf is None else buf
+        # Received into a pooled buffer, then copied into the blocks: a receive cut off at the load's deadline leaves
+        # the buffer to the writes still on their way (quarantined), never the blocks vLLM recomputes into.
+        self._reclaim()
+        buf = self.receive.get(wanted * (count or 1))
         buffer = self.links.pull_buffer(producers[piece.producer])
-        # If drop_select raises, writes may still land in buf for a while: it is then not put back for reuse.
-        tokens, _, kv, descriptor, _ = buffer.drop_select(
-            query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
-            key_out=target, timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            tokens, _, kv, descriptor, _ = buffer.drop_select(
+                query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
+                key_out=buf, timeout=max(deadline - time.monotonic(), 0.001), deadline=deadline)
+        except AnswerAbandoned as e:
+            with self._lock:
+                self._quarantined.append((e.landed, buf))
+            raise TimeoutError("the producer's answer was still arriving at the load's deadline (load_timeout): "
+                               "its late bytes go to a quarantined buffer, never to the KV cache") from None
+        # (if drop_select raised otherwise, writes may still land in buf for a while: it is not put back for reuse)
         fetched = time.perf_counter()
         try:
             if kv is None:
@@ -162,24 +173,27 @@ class PullTransfer(KVTransfer):
             if usable == 0:
                 raise KVMiss()
             ids = req.block_ids[:usable]
-            in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
             if req.corrupt and self.corrupt_ok:  # test-only control: proves the consumer really uses the KV
                 if count is not None:
                     raise ValueError("test corruption is for equal TP sizes only")
-                kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
-                in_place = False
+                kv = kv.flip(-1)
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
-            if not in_place:
-                heads = None if count is None else (piece.at, piece.at + count)
-                self.staging.scatter(ids, kv[:usable], heads)
+            heads = None if count is None else (piece.at, piece.at + count)
+            self.staging.scatter(ids, kv[:usable], heads)
         finally:
-            if buf is not None:
-                self.receive.put(buf)  # the pipe is done with it: the receive completed (or never started writing)
+            self.receive.put(buf)  # the pipe is done with it: the receive completed
         copied = time.perf_counter()
-        where = ("received into the KV cache blocks" if received_in_place
-                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
+        where = f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms"
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
+
+    def _reclaim(self) -> None:
+        """Give the buffers of abandoned receives back to the pool once nothing more can land in them."""
+        with self._lock:
+            landed = [buf for done, buf in self._quarantined if done.is_set()]
+            self._quarantined = [(done, buf) for done, buf in self._quarantined if not done.is_set()]
+        for buf in landed:
+            self.receive.put(buf)
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

@@ -48,7 +48,7 @@ class WorkerSpec:
 # the buffers' own counts that are connector metrics too (see stats.COUNTERS): their name -> ours
 BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes"}
 PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
-DRAIN_MARGIN = 5.0  # seconds past load_timeout that sleep mode waits for loads in flight (their receive's own end)
+DRAIN_MARGIN = 5.0  # seconds past load_timeout that sleep mode waits for loads in flight (their copy into the cache)
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -65,7 +65,6 @@ class ConnectorWorker:
         self.links: PeerLinks | None = None
         self.layout_checked = False
         self.suspended = False
-        self._released: list[torch.Tensor] = []  # receive regions unregistered while suspended
 
     def register(self, kv_caches: dict[str, torch.Tensor], spec: WorkerSpec) -> None:
         """Set up this worker (TP rank) once vLLM has allocated its KV cache: ``kv_caches`` maps each attention layer's
@@ -74,7 +73,7 @@ class ConnectorWorker:
         split = HeadSplit(spec.kv_heads, self.config.tp_size, spec.rank, spec.replicated)
         self.layout = KVCacheLayout.from_caches(kv_caches, spec.num_blocks, spec.fingerprint, split.span,
                                                 spec.block_size, spec.cache_dtype, spec.kv_scales)
-        endpoint = self._endpoint(spec.rank, self.layout)
+        endpoint = self._endpoint(spec.rank)
         self.links = self._links(endpoint)
         endpoint.start()
         peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
@@ -93,16 +92,12 @@ class ConnectorWorker:
                         sys.getswitchinterval() * 1e3, interval * 1e3)
             sys.setswitchinterval(interval)
 
-    def _endpoint(self, rank: int, layout: KVCacheLayout) -> PipeEndpoint:
+    def _endpoint(self, rank: int) -> PipeEndpoint:
         """This rank's pipe endpoint at its address in mooncake.json (not started yet)."""
         host, port = self.config.mooncake.pipe_address(kv_rank(self.is_producer), rank)
-        endpoint = PipeEndpoint(self.config.mooncake, host, port, kv_rank=kv_rank(self.is_producer), local_rank=rank,
-                                link_idle=self.options.link_idle, start=False,
-                                any_peer_rank=True)  # instances may run different TP sizes
-        if not self.is_producer and layout.on_host:
-            for layer in layout.layers:  # loads are received straight into the blocks they fill
-                endpoint.register_receive_region(layer)
-        return endpoint
+        return PipeEndpoint(self.config.mooncake, host, port, kv_rank=kv_rank(self.is_producer), local_rank=rank,
+                            link_idle=self.options.link_idle, start=False,
+                            any_peer_rank=True)  # instances may run different TP sizes
 
     def _links(self, endpoint: PipeEndpoint) -> PeerLinks:
         opts = self.options
@@ -190,9 +185,10 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- sleep mode (vLLM >= 0.33)
     def suspend(self) -> None:
         """The KV cache's memory is about to be released (vLLM's sleep mode; its scheduler is paused, so no step
-        starts a transfer): wait for the loads in flight and the copies out of the cache to end, then drop every
-        registration of KV memory with the Transfer Engine. Entries already saved or pushed are host copies: they
-        stay servable. Idempotent."""
+        starts a transfer): wait for the loads in flight and the copies out of the cache to end. No registration of
+        KV memory is left to drop: the connector never registers the cache with the engine (loads are received into
+        buffers of their own, a GPU cache is staged). Entries already saved or pushed are host copies: they stay
+        servable. Idempotent."""
         if self.suspended:
             return
         self.suspended = True
@@ -203,22 +199,13 @@ class ConnectorWorker:
                              "mode", left)
         if self.staging is not None:
             self.staging.drain()
-        if self.links is not None:
-            self._released = self.links.endpoint.unregister_receive_regions()
-        logger.info("MooncakeConnector: KV cache released for sleep mode (%d registered region(s) dropped)",
-                    len(self._released))
+        logger.info("MooncakeConnector: KV cache released for sleep mode")
 
     def resume(self) -> None:
-        """The KV cache's memory is back (at the same addresses): register again what ``suspend`` dropped.
-        Idempotent."""
-        if not self.suspended:
-            return
-        assert self.links is not None
-        for region in self._released:
-            self.links.endpoint.register_receive_region(region)
-        logger.info("MooncakeConnector: KV cache restored after sleep mode (%d region(s) registered again)",
-                    len(self._released))
-        self._released, self.suspended = [], False
+        """The KV cache's memory is back (at the same addresses). Idempotent."""
+        if self.suspended:
+            self.suspended = False
+            logger.info("MooncakeConnector: KV cache restored after sleep mode")
 
     def take_stats(self) -> TransferStats | None:
         return self.stats.take()

@@ -5,6 +5,7 @@ Same names as vLLM v0's ``kv_transfer.kv_lookup_buffer.base.KVLookupBufferBase``
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -13,6 +14,16 @@ import torch
 
 class BufferClosed(RuntimeError):
     """The buffer, or the other side of it, was closed."""
+
+
+class AnswerAbandoned(TimeoutError):
+    """``drop_select`` gave up at its deadline while the answer was still being received: its bytes may go on
+    landing in ``key_out`` until ``landed`` is set (the receive ended, and no write the producer started can land any
+    more). Until then ``key_out`` must not be reused."""
+
+    def __init__(self, message: str, landed: threading.Event) -> None:
+        super().__init__(message)
+        self.landed = landed
 
 
 class Counts(dict[str, int]):

@@ -79,7 +79,8 @@ class SimpleBuffer(KVLookupBufferBase):
         self._died: str | None = None  # the thread of ours that ended unexpectedly (see ``healthy``)
         # requests_lost (producer) / answers_lost (consumer): requests / answers that broke off mid-way (their
         # sender froze or died after they had begun to arrive); logged too
-        self.stats = Counts(("hits", "misses", "malformed", "late_hits_dropped", "stray_frames", "expired", "evicted",
+        self.stats = Counts(("hits", "misses", "malformed", "late_hits_dropped", "abandoned_hits_dropped", "stray_frames",
+                             "expired", "evicted",
                              "hit_bytes", "hit_key_bytes", "requests_lost", "answers_lost"), on_count)
         self.producer = BufferProducer(signal_pipe, data_pipe, buffer_size_thresh, self.timeout, max_age, evict,
                                        self._closed, self.stats, self._thread_died)
@@ -126,7 +127,7 @@ class SimpleBuffer(KVLookupBufferBase):
     def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
                     key_out: torch.Tensor | Scatter | None = None, key_rows: tuple[int, int] | None = None,
                     key_part: tuple[int, int] | None = None, shares: int = 1,
-                    timeout: float | None = None) -> list[torch.Tensor | None]:
+                    timeout: float | None = None, deadline: float | None = None) -> list[torch.Tensor | None]:
         """See ``KVLookupBufferBase.drop_select``. Extensions:
 
         - ``key_rows=(start, stop)``: only rows [start, stop) of the entry's key are sent (its first dimension,
@@ -142,7 +143,10 @@ class SimpleBuffer(KVLookupBufferBase):
           buffer ``key_out`` (see ``MooncakePipe.recv_tensor``).
         - ``timeout``: seconds to wait for the answer (default: the buffer's); ``TimeoutError`` after that. Once the
           entry is being received the call waits for the end of that (the pipe's own timeouts bound it), so nothing
-          is written into ``key_out`` after this call returns or raises.
+          is written into ``key_out`` after this call returns or raises; unless
+        - ``deadline`` (a ``time.monotonic()`` value) comes first: the call then raises ``AnswerAbandoned`` while the
+          entry is still arriving; bytes may go on landing in ``key_out`` until its ``landed`` event is set (the
+          answer is received to its end in the background and dropped).
 
         Several threads may call this at once: their requests are in flight together.
         """
@@ -161,7 +165,7 @@ class SimpleBuffer(KVLookupBufferBase):
         if isinstance(shares, bool) or not isinstance(shares, int) or not 1 <= shares <= MAX_SHARES:
             raise ValueError(f"shares must be an integer from 1 to {MAX_SHARES}, got {shares!r}")
         wait = self.timeout if timeout is None else timeout
-        return self.consumer.drop_select(query, key_out, key_rows, key_part, shares, wait)
+        return self.consumer.drop_select(query, key_out, key_rows, key_part, shares, wait, deadline)
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, op: str) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from kv_lookup_buffer.base import BufferClosed, Counts
+from kv_lookup_buffer.base import AnswerAbandoned, BufferClosed, Counts
 from kv_lookup_buffer.simple_wire import CLOSED, HIT, MISS, OP_CLOSE, OP_DROP_SELECT, read_answer, request_frame
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 from kv_pipe.scatter import Scatter
@@ -31,7 +32,9 @@ class _Pending:
 
     key_out: torch.Tensor | Scatter | None
     receiving: bool = False  # its entry is being received (into key_out): the caller waits for the end of it
+    abandoned: bool = False  # the caller gave up at its deadline while it was being received
     done: threading.Event = field(default_factory=threading.Event)
+    landed: threading.Event = field(default_factory=threading.Event)  # nothing more can be written into key_out
     result: list[torch.Tensor | None] | None = None
     error: BaseException | None = None
 
@@ -57,10 +60,12 @@ class BufferConsumer:
         self._thread: threading.Thread | None = None
         self._seq = 0  # the request counter
         self._pending: dict[int, _Pending] = {}  # requests in flight, by seq
+        # after an answer broke off, how long writes the producer started may still land in its key_out
+        self._late_writes = getattr(getattr(data_pipe, "config", None), "timeout", 30.0) + 5.0
 
     def drop_select(self, query: torch.Tensor | None, key_out: torch.Tensor | Scatter | None,
                     key_rows: tuple[int, int] | None, key_part: tuple[int, int] | None, shares: int,
-                    wait: float) -> list[torch.Tensor | None]:
+                    wait: float, deadline: float | None = None) -> list[torch.Tensor | None]:
         """``SimpleBuffer.drop_select`` with its arguments checked (``query``: the roi-masked tokens)."""
         pending = _Pending(key_out)
         with self._lock:
@@ -80,7 +85,14 @@ class BufferConsumer:
                         self._pending.pop(seq, None)  # a late answer is dropped, never received into key_out
                 if not receiving:
                     raise TimeoutError(f"no answer to drop_select request {seq} within {wait:.1f} s")
-                pending.done.wait()
+                if deadline is None:
+                    pending.done.wait()
+                elif not pending.done.wait(max(deadline - time.monotonic(), 0.0)):
+                    with self._lock:
+                        pending.abandoned = not pending.done.is_set()
+                    if pending.abandoned:
+                        raise AnswerAbandoned(f"the answer to drop_select request {seq} was still arriving at the "
+                                              "deadline", pending.landed)
         finally:
             with self._lock:
                 self._pending.pop(seq, None)
@@ -124,12 +136,19 @@ class BufferConsumer:
                     try:
                         result = self._receive_entry(pending.key_out if pending is not None else None)
                     except Exception as e:  # whatever broke it, the rest of the entry is still coming
+                        if pending is not None:  # writes the producer started may land in key_out a while yet
+                            threading.Timer(self._late_writes, pending.landed.set).start()
                         self.data_pipe.abandon_receive(f"answer {seq} broke off: {e}")
                         raise _AnswerBrokeOff(f"the answer to drop_select request {seq} broke off: {e}") from e
                     if pending is None:
                         self.stats.add("late_hits_dropped")
                         logger.warning("dropped a late answer to drop_select request %d (its caller gave up)", seq)
+                    elif pending.abandoned:
+                        self.stats.add("abandoned_hits_dropped")
+                        logger.warning("dropped the answer to drop_select request %d: it came whole only after its "
+                                       "caller's deadline", seq)
                 if pending is not None:
+                    pending.landed.set()
                     pending.result = result
                     pending.done.set()
             except PipeTimeout as e:

@@ -186,15 +186,6 @@ class Node(Generic[L]):
             raise PipeError(f"the Transfer Engine refused to register {nbytes} bytes")
         self.regions.append(((region.data_ptr(), nbytes), region))
 
-    def unregister_receive_regions(self) -> list[torch.Tensor]:
-        """Close every region registered by ``register_receive_region`` to peers' writes (its memory is about to be
-        released, e.g. by vLLM's sleep mode); the regions, to register again once the memory is back. No receive
-        may be under way into them (the caller has drained its loads)."""
-        regions, self.regions = [t for _, t in self.regions], []
-        for region in regions:
-            self.engine.unregister_region(region.data_ptr())
-        return regions
-
     def take_ring(self, pipe: L) -> torch.Tensor:
         """A registered, prefaulted staging ring for the inbound direction of ``pipe``: the spare one, made again in
         the background for the next link (an endpoint open to any peer; one with a fixed peer links once). At most

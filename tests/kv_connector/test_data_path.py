@@ -41,19 +41,22 @@ def load(req_id: str, tokens: list[int], cached: int, block_ids: list[int]) -> d
 
 def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, list[int], list[int]]],
              loads: list[dict], producer_tp: int = 1, chunk: int = 1 << 30,
-             scales: tuple[list | None, list | None] = (None, None), sleep: bool = False) -> tuple[dict, list[dict]]:
+             scales: tuple[list | None, list | None] = (None, None), sleep: bool = False, stall: float = 0.0,
+             consumer_options: dict | None = None) -> tuple[dict, list[dict]]:
     """Producer ranks (``producer_tp``) and one consumer (TP 1) in processes of their own: the consumer's result
     and each producer rank's stats. ``scales``: the producer's and the consumer's KV scales (an fp8 cache)."""
     cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
     producers = [f"127.0.0.1:{int(cfg['prefill_url'].rsplit(':', 1)[1]) + r}" for r in range(producer_tp)]
     registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
-    look_at = sorted({b for ld in loads for b in ld["block_ids"]} | {0, 1})
+    more = (consumer_options or {}).get("then") or []
+    look_at = sorted({b for ld in [*loads, *more] for b in ld["block_ids"]} | {0, 1})
+    options = {"load_timeout": 30.0, "then": None, "pause": 0.0, **(consumer_options or {})}
     consumer = Peer(worker_peers.consume, cfg, layout_name, 1, 0, mode, device, loads, producers, registered, go,
-                    look_at, scales[1], sleep)
+                    look_at, scales[1], sleep, options["load_timeout"], options["then"], options["pause"])
     assert registered.wait(60), "the consumer did not start"
     readies = [ctx().Event() for _ in range(producer_tp)]
     ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
-                  done, scales[0]) for r in range(producer_tp)]
+                  done, scales[0], stall) for r in range(producer_tp)]
     try:
         assert all(ready.wait(90) for ready in readies), "a producer rank did not finish its prefills"
         go.set()
@@ -160,15 +163,33 @@ def test_an_fp8_cache_with_other_scales_is_never_loaded():
     assert result["stats"]["load_failures"] == 1 and result["stats"].get("loaded_bytes", 0) == 0, result["stats"]
 
 
-def test_sleep_mode_releases_and_restores_the_caches_registrations(device):
-    """vLLM's sleep mode (>= 0.33): ``unregister_kv_caches`` drops every registration of KV memory (a host cache's
-    receive regions; a device cache has none), ``restore_kv_caches`` makes them again; both idempotent; loads after
-    the wake-up write the producer's blocks as before."""
+def test_sleep_mode_releases_and_restores_the_cache(device):
+    """vLLM's sleep mode (>= 0.33): ``unregister_kv_caches`` and ``restore_kv_caches``, each twice (idempotent); the
+    KV cache is never registered with the engine (no peer can write into it, asleep or awake); loads after the
+    wake-up write the producer's blocks as before."""
     layout = LAYOUTS["gqa-cpu"]
     a = prompt(5 * BLOCK - 3, 8)
     prompts = [("a", a, [7, 3, 12, 20, 5])]
     loads = [load("a", a, 0, [14, 2, 21, 8, 6])]
     result, _ = transfer("gqa-cpu", "pull", device, prompts, loads, sleep=True)
-    registered = layout.layers if device == "cpu" else 0
-    assert result["regions"] == [registered, 0, registered], result["regions"]
+    assert result["regions"] == [0, 0, 0], result["regions"]
     expect_loaded(result, layout, prompts, loads)
+
+
+def test_a_load_whose_answer_stalls_ends_by_its_deadline_and_its_late_bytes_never_reach_the_cache(device):
+    """The producer's answer begins (header, tokens) and then its KV comes 4 s late; the load's deadline
+    (load_timeout 1.5 s) comes first: the load ends then, failed (vLLM recomputes the prompt into its blocks), not
+    when the bytes finally arrive. Those land in a quarantined receive buffer, never in the KV cache: the request's
+    blocks are as they were. The link then serves the next load, bit for bit."""
+    layout = LAYOUTS["gqa-cpu"]
+    a, b = prompt(5 * BLOCK - 3, 11), prompt(4 * BLOCK + 2, 12)
+    prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17])]
+    first, second = [load("a", a, 0, [14, 2, 21, 8, 6])], [load("b", b, 0, [15, 16, 23, 19, 22])]
+    result, _ = transfer("gqa-cpu", "pull", device, prompts, first, stall=4.0,
+                         consumer_options={"load_timeout": 1.5, "then": second, "pause": 4.0})
+    assert result["failed"] == ["a"] and result["stats"].get("load_failures") == 1, result
+    assert result["seconds"] < 1.5 + 1.0, result["seconds"]  # the load's own deadline, plus collecting it
+    untouched = caches(layout, 1, 0, 99, "cpu")
+    assert all(result["blocks"][block] == block_bytes(untouched, layout, block) for block in first[0]["block_ids"])
+    assert result["then"] == [["b"], [], []], result["then"]
+    expect_loaded({**result, "done": ["b"], "failed": []}, layout, prompts, second)

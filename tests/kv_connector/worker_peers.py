@@ -10,6 +10,8 @@ it, and compares the consumer's blocks with it bit for bit.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -106,11 +108,31 @@ def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, 
     return worker, cache
 
 
+def stall_first_entry(seconds: float) -> None:
+    """Make this process's pipes wait ``seconds`` before sending the first tensor larger than 4 KiB (the first
+    entry's KV, after its answer's header and tokens went out): a producer whose writes come late."""
+    from kv_pipe import MooncakePipe
+
+    original = MooncakePipe.send_tensor
+    stalled = threading.Event()
+
+    def send_tensor(self: Any, tensor: Any, timeout: float | None = None) -> None:
+        if tensor is not None and tensor.numel() * tensor.element_size() > 4096 and not stalled.is_set():
+            stalled.set()
+            time.sleep(seconds)
+        return original(self, tensor, timeout)
+
+    MooncakePipe.send_tensor = send_tensor  # type: ignore[method-assign]
+
+
 def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any,
-            kv_scales: list[list[float]] | None = None) -> dict[str, Any]:
+            kv_scales: list[list[float]] | None = None, stall: float = 0.0) -> dict[str, Any]:
     """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
-    pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats."""
+    pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats. ``stall``:
+    the first entry it serves comes that many seconds late (``stall_first_entry``)."""
+    if stall:
+        stall_first_entry(stall)
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales)
     try:
@@ -131,14 +153,17 @@ def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
 
 def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             loads: list[dict[str, Any]], producers: list[str], registered: Any, go: Any,
-            look_at: list[int], kv_scales: list[list[float]] | None = None, sleep: bool = False) -> dict[str, Any]:
+            look_at: list[int], kv_scales: list[list[float]] | None = None, sleep: bool = False,
+            load_timeout: float = 30.0, then: list[dict[str, Any]] | None = None, pause: float = 0.0
+            ) -> dict[str, Any]:
     """A consumer rank: set ``registered`` once linked up, wait for ``go``, then run ``loads`` (dicts of
     ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
     bytes of blocks ``look_at``. ``sleep``: first release the KV cache and restore it (vLLM's sleep mode), counting
-    the receive regions registered with the engine at each stage."""
+    the receive regions registered with the engine at each stage. ``then``: more loads, ``pause`` seconds after the
+    first ones ended (their result under ``"then"``)."""
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, kv_scales=kv_scales,
-                            load_timeout=30.0)
+                            load_timeout=load_timeout)
     try:
         regions = []
         if sleep:
@@ -153,9 +178,16 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
         if not go.wait(120):
             raise TimeoutError("the producers never got ready")
         with strict_sync(device):
+            start = time.monotonic()
             done, failed, bad = run_loads(worker, loads, producers, tp)
+            seconds = time.monotonic() - start
+            later = None
+            if then:
+                time.sleep(pause)
+                later = [sorted(x) for x in run_loads(worker, then, producers, tp)]
         taken = worker.take_stats()
         return {"done": sorted(done), "failed": sorted(failed), "bad_blocks": sorted(bad), "regions": regions,
+                "seconds": seconds, "then": later,
                 "stats": {} if taken is None else taken.data,
                 "blocks": {b: block_bytes(cache, layout, b) for b in look_at}}
     finally:
