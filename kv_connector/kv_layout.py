@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kv_connector import block_copy
+from kv_pipe.scatter import Scatter
 
 MAX_DESCRIPTOR = 16384  # bytes
 
@@ -104,6 +105,31 @@ class KVCacheLayout:
 
     def kv_bytes(self, nblocks: int) -> int:
         return nblocks * self.row_bytes
+
+    @property
+    def on_host(self) -> bool:
+        """The cache is contiguous host memory: loads can be received straight into its blocks
+        (``receive_into_cache``)."""
+        return all(t.device.type == "cpu" and t.is_contiguous() for t in self.layers)
+
+    def scatter(self, block_ids: list[int], at: int = 0, count: int | None = None) -> Scatter:
+        """Where the rows of a block-major entry go: block ``block_ids[i]`` of every layer for row i, in the entry's
+        byte order (row, layer, index before the block dimension). ``at``, ``count``: only heads ``at`` .. ``at +
+        count - 1`` of each block (needs ``heads_split``): for an entry holding just those heads."""
+        first = self.layers[0]
+        if count is not None:
+            if not self.heads_split:
+                raise LayoutMismatch("this KV cache's blocks cannot be filled head by head")
+            per_head = self.block_bytes // first.shape[1]
+            regions = [(layer.data_ptr() + b * self.block_bytes + at * per_head, count * per_head)
+                       for b in block_ids for layer in self.layers]
+            return Scatter.of(regions, self.layers)
+        outer = math.prod(first.shape[:self.block_dim])
+        blocks = first.shape[self.block_dim]
+        slab = self.block_bytes // outer
+        regions = [(layer.data_ptr() + (o * blocks + b) * slab, slab)
+                   for b in block_ids for layer in self.layers for o in range(outer)]
+        return Scatter.of(regions, self.layers)
 
     def descriptor_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(self.descriptor, sort_keys=True).encode()), dtype=torch.uint8)

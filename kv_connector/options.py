@@ -43,6 +43,11 @@ class ConnectorOptions:
     - ``recompute_tokens``: consumer: how many of a prompt's last tokens it computes itself instead of loading them
       (at least 1: vLLM computes the last one to sample from). 0 (the default) picks 1, or 2 for an MLA model on
       the CPU, whose single-token (decode) attention path disagrees with its prefill path (docs/architecture.md).
+    - ``receive_into_cache``: consumer, pull, a host KV cache: receive a load straight into the cache's blocks (the
+      cache is registered with the engine once; one copy less per loaded byte: more load throughput) instead of
+      into a buffer copied into them. Then a load whose transfer stalls cannot end at ``load_timeout``: it waits
+      until the stalled receive ends or the pipe's ``timeout`` (+5 s) passed, since the blocks may not be handed
+      back while a write can still land. Off by default: a load ends by ``load_timeout`` whatever the network does.
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
       ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used.
     """
@@ -59,6 +64,7 @@ class ConnectorOptions:
     push_wait: float = 5.0
     gil_switch_interval: float = 0.0001
     recompute_tokens: int = 0
+    receive_into_cache: bool = False
     allow_test_corruption: bool = False
 
     @classmethod
@@ -96,8 +102,9 @@ class ConnectorOptions:
                 not 0 <= opts.recompute_tokens <= 4096:
             raise ConfigError("kv_connector_extra_config.recompute_tokens: expected an integer from 1 to 4096 (or 0 "
                               f"for the default), got {opts.recompute_tokens!r}")
-        if not isinstance(opts.allow_test_corruption, bool):
-            raise ConfigError("kv_connector_extra_config.allow_test_corruption: expected true or false")
+        for name in ("allow_test_corruption", "receive_into_cache"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected true or false")
         return opts
 
 

@@ -8,11 +8,13 @@ nobody takes within ``entry_ttl``, so a save never waits for a consumer.
 Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens from the producer that prefilled it (its
 params name it; else the one in mooncake.json), asking only for rows [first_block,
 first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire,
-into a pooled receive buffer, then copied into the request's blocks. Never straight into the blocks: a receive the
+into a pooled receive buffer, then copied into the request's blocks. Not straight into the blocks: a receive the
 network cuts off may resume writing long after, so at the load's deadline (``load_timeout`` from the claim) the load
 ends, the request is recomputed, and the buffer is quarantined until nothing more can land in it (``AnswerAbandoned``);
-the KV cache is never open to a peer's writes. The entry's tokens come back with it: a block is used only where its
-tokens agree with the prompt; blocks written with anything else are reported and recomputed.
+the KV cache is never open to a peer's writes. (``receive_into_cache``: straight into the blocks, registered once,
+one copy less per byte; a stalled receive then holds its load until it ends.) The entry's tokens come back with it:
+a block is used only where its tokens agree with the prompt; blocks written with anything else are reported and
+recomputed.
 
 Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
 of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
@@ -28,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_connector import blocks
+from kv_connector import block_copy, blocks
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
@@ -57,9 +59,10 @@ class PullTransfer(KVTransfer):
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
                  split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
-                 staging: KVStaging | None = None) -> None:
+                 staging: KVStaging | None = None, into_cache: bool = False) -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.staging = staging or KVStaging(layout.layers, layout.block_dim)
+        self.into_cache = into_cache  # receive_into_cache: loads go straight into the (registered) blocks
         self.block_size = block_size
         self.split = split
         self.rank = split.rank
@@ -146,14 +149,18 @@ class PullTransfer(KVTransfer):
                                  "instances with the same tensor_parallel_size")
         wanted = self.layout.kv_bytes(n) // (1 if count is None else self.layout.heads[1] - self.layout.heads[0])
         # Received into a pooled buffer, then copied into the blocks: a receive cut off at the load's deadline leaves
-        # the buffer to the writes still on their way (quarantined), never the blocks vLLM recomputes into.
+        # the buffer to the writes still on their way (quarantined), never the blocks vLLM recomputes into. With
+        # receive_into_cache, straight into the blocks: the load then waits for a stalled receive to end.
         self._reclaim()
-        buf = self.receive.get(wanted * (count or 1))
+        buf = None if self.into_cache else self.receive.get(wanted * (count or 1))
+        target = buf if buf is not None else (self.layout.scatter(req.block_ids) if count is None else
+                                              self.layout.scatter(req.block_ids, piece.at, count))
         buffer = self.links.pull_buffer(producers[piece.producer])
         try:
             tokens, _, kv, descriptor, _ = buffer.drop_select(
                 query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
-                key_out=buf, timeout=max(deadline - time.monotonic(), 0.001), deadline=deadline)
+                key_out=target, timeout=max(deadline - time.monotonic(), 0.001),
+                deadline=None if buf is None else deadline)
         except AnswerAbandoned as e:
             with self._lock:
                 self._quarantined.append((e.landed, buf))
@@ -173,17 +180,22 @@ class PullTransfer(KVTransfer):
             if usable == 0:
                 raise KVMiss()
             ids = req.block_ids[:usable]
+            in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
             if req.corrupt and self.corrupt_ok:  # test-only control: proves the consumer really uses the KV
                 if count is not None:
                     raise ValueError("test corruption is for equal TP sizes only")
-                kv = kv.flip(-1)
+                kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
+                in_place = False
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
-            heads = None if count is None else (piece.at, piece.at + count)
-            self.staging.scatter(ids, kv[:usable], heads)
+            if not in_place:
+                heads = None if count is None else (piece.at, piece.at + count)
+                self.staging.scatter(ids, kv[:usable], heads)
         finally:
-            self.receive.put(buf)  # the pipe is done with it: the receive completed
+            if buf is not None:
+                self.receive.put(buf)  # the pipe is done with it: the receive completed
         copied = time.perf_counter()
-        where = f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms"
+        where = ("received into the KV cache blocks" if received_in_place
+                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 

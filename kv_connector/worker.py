@@ -73,7 +73,7 @@ class ConnectorWorker:
         split = HeadSplit(spec.kv_heads, self.config.tp_size, spec.rank, spec.replicated)
         self.layout = KVCacheLayout.from_caches(kv_caches, spec.num_blocks, spec.fingerprint, split.span,
                                                 spec.block_size, spec.cache_dtype, spec.kv_scales)
-        endpoint = self._endpoint(spec.rank)
+        endpoint = self._endpoint(spec.rank, self.layout)
         self.links = self._links(endpoint)
         endpoint.start()
         peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
@@ -92,12 +92,19 @@ class ConnectorWorker:
                         sys.getswitchinterval() * 1e3, interval * 1e3)
             sys.setswitchinterval(interval)
 
-    def _endpoint(self, rank: int) -> PipeEndpoint:
+    def _endpoint(self, rank: int, layout: KVCacheLayout) -> PipeEndpoint:
         """This rank's pipe endpoint at its address in mooncake.json (not started yet)."""
         host, port = self.config.mooncake.pipe_address(kv_rank(self.is_producer), rank)
-        return PipeEndpoint(self.config.mooncake, host, port, kv_rank=kv_rank(self.is_producer), local_rank=rank,
-                            link_idle=self.options.link_idle, start=False,
-                            any_peer_rank=True)  # instances may run different TP sizes
+        endpoint = PipeEndpoint(self.config.mooncake, host, port, kv_rank=kv_rank(self.is_producer), local_rank=rank,
+                                link_idle=self.options.link_idle, start=False,
+                                any_peer_rank=True)  # instances may run different TP sizes
+        if self._into_cache(layout):
+            for layer in layout.layers:  # loads are received straight into the blocks they fill
+                endpoint.register_receive_region(layer)
+        return endpoint
+
+    def _into_cache(self, layout: KVCacheLayout) -> bool:
+        return self.options.receive_into_cache and not self.is_producer and layout.on_host
 
     def _links(self, endpoint: PipeEndpoint) -> PeerLinks:
         opts = self.options
@@ -116,7 +123,8 @@ class ConnectorWorker:
                   ) -> KVTransfer:
         opts = self.options
         pull = PullTransfer(layout, links, self.stats, block_size, split, opts.allow_test_corruption,
-                            opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging)
+                            opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging,
+                            into_cache=self._into_cache(layout))
         if not self.push_mode:
             return pull
         return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,
@@ -186,9 +194,9 @@ class ConnectorWorker:
     def suspend(self) -> None:
         """The KV cache's memory is about to be released (vLLM's sleep mode; its scheduler is paused, so no step
         starts a transfer): wait for the loads in flight and the copies out of the cache to end. No registration of
-        KV memory is left to drop: the connector never registers the cache with the engine (loads are received into
-        buffers of their own, a GPU cache is staged). Entries already saved or pushed are host copies: they stay
-        servable. Idempotent."""
+        KV memory is left to drop: a GPU cache is never registered with the engine (it is staged; only a host cache
+        is, with ``receive_into_cache``, and sleep mode exists only on GPUs). Entries already saved or pushed are host
+        copies: they stay servable. Idempotent."""
         if self.suspended:
             return
         self.suspended = True

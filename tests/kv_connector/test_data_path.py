@@ -50,9 +50,10 @@ def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, 
     registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
     more = (consumer_options or {}).get("then") or []
     look_at = sorted({b for ld in [*loads, *more] for b in ld["block_ids"]} | {0, 1})
-    options = {"load_timeout": 30.0, "then": None, "pause": 0.0, **(consumer_options or {})}
+    options = {"load_timeout": 30.0, "then": None, "pause": 0.0, "into_cache": False, **(consumer_options or {})}
     consumer = Peer(worker_peers.consume, cfg, layout_name, 1, 0, mode, device, loads, producers, registered, go,
-                    look_at, scales[1], sleep, options["load_timeout"], options["then"], options["pause"])
+                    look_at, scales[1], sleep, options["load_timeout"], options["then"], options["pause"],
+                    options["into_cache"])
     assert registered.wait(60), "the consumer did not start"
     readies = [ctx().Event() for _ in range(producer_tp)]
     ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
@@ -89,15 +90,18 @@ def row_bytes(layout: Layout) -> int:
     return layout.layers * math.prod(layout.shape) // layout.shape[layout.block_dim] * layout.dtype.itemsize
 
 
+@pytest.mark.parametrize("into_cache", [False, True], ids=["via-buffer", "into-cache"])
 @pytest.mark.parametrize("layout_name", [name for name in LAYOUTS if name != "fp8"])
-def test_pull_writes_the_producers_blocks_bit_for_bit(layout_name, device):
+def test_pull_writes_the_producers_blocks_bit_for_bit(layout_name, device, into_cache):
     """Two prompts in pull mode: one the consumer lacks entirely, one whose first two blocks are in its own prefix
-    cache (only the rest moves). Producer and consumer blocks in scattered, unrelated places."""
+    cache (only the rest moves). Producer and consumer blocks in scattered, unrelated places. Received into a buffer
+    and copied (the default), or straight into the blocks (``receive_into_cache``; a GPU cache is always staged)."""
     layout = LAYOUTS[layout_name]
     a, b = prompt(5 * BLOCK - 3, 1), prompt(6 * BLOCK, 2)
     prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
     loads = [load("a", a, 0, [14, 2, 21, 8, 6]), load("b", b, 2, [15, 16, 23, 19])]
-    result, (stats,) = transfer(layout_name, "pull", device, prompts, loads)
+    result, (stats,) = transfer(layout_name, "pull", device, prompts, loads,
+                                consumer_options={"into_cache": into_cache})
     expect_loaded(result, layout, prompts, loads)
     moved = (5 + 4) * row_bytes(layout)  # the blocks the consumer lacked, nothing more
     assert result["stats"]["fetched_bytes"] == moved and result["stats"]["loaded_bytes"] == moved, result["stats"]
@@ -193,3 +197,16 @@ def test_a_load_whose_answer_stalls_ends_by_its_deadline_and_its_late_bytes_neve
     assert all(result["blocks"][block] == block_bytes(untouched, layout, block) for block in first[0]["block_ids"])
     assert result["then"] == [["b"], [], []], result["then"]
     expect_loaded({**result, "done": ["b"], "failed": []}, layout, prompts, second)
+
+
+def test_receive_into_cache_waits_for_a_stalled_answer_instead():
+    """``receive_into_cache`` (host caches): the same stalled answer is received into the blocks themselves, so the
+    load cannot end at its deadline (a late write could land in blocks vLLM recomputes into): it waits and loads."""
+    layout = LAYOUTS["gqa-cpu"]
+    a = prompt(5 * BLOCK - 3, 13)
+    prompts = [("a", a, [7, 3, 12, 20, 5])]
+    loads = [load("a", a, 0, [14, 2, 21, 8, 6])]
+    result, _ = transfer("gqa-cpu", "pull", "cpu", prompts, loads, stall=3.0,
+                         consumer_options={"load_timeout": 1.5, "into_cache": True})
+    assert result["seconds"] > 2.5, result["seconds"]
+    expect_loaded(result, layout, prompts, loads)

@@ -30,6 +30,7 @@ def test_defaults():
     ({"load_timeout": float("nan")}, "load_timeout: expected seconds > 0"),
     ({"load_concurrency": 0}, "load_concurrency: expected a positive integer"),
     ({"allow_test_corruption": "yes"}, "allow_test_corruption: expected true or false"),
+    ({"receive_into_cache": 1}, "receive_into_cache: expected true or false"),
     ({"gil_switch_interval": 1}, "gil_switch_interval: expected seconds between 1e-6 and 0.1"),
     ({"gil_switch_interval": -0.001}, "gil_switch_interval: expected seconds"),
     ({"recompute_tokens": -1}, "recompute_tokens: expected an integer from 1 to 4096"),

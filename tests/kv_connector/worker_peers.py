@@ -154,16 +154,16 @@ def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
 def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             loads: list[dict[str, Any]], producers: list[str], registered: Any, go: Any,
             look_at: list[int], kv_scales: list[list[float]] | None = None, sleep: bool = False,
-            load_timeout: float = 30.0, then: list[dict[str, Any]] | None = None, pause: float = 0.0
-            ) -> dict[str, Any]:
+            load_timeout: float = 30.0, then: list[dict[str, Any]] | None = None, pause: float = 0.0,
+            into_cache: bool = False) -> dict[str, Any]:
     """A consumer rank: set ``registered`` once linked up, wait for ``go``, then run ``loads`` (dicts of
     ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
     bytes of blocks ``look_at``. ``sleep``: first release the KV cache and restore it (vLLM's sleep mode), counting
     the receive regions registered with the engine at each stage. ``then``: more loads, ``pause`` seconds after the
-    first ones ended (their result under ``"then"``)."""
+    first ones ended (their result under ``"then"``). ``into_cache``: the ``receive_into_cache`` option."""
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, kv_scales=kv_scales,
-                            load_timeout=load_timeout)
+                            load_timeout=load_timeout, receive_into_cache=into_cache)
     try:
         regions = []
         if sleep:
