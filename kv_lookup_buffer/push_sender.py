@@ -19,6 +19,7 @@ from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5
+FIRST_CREDIT_WAIT = 1.0  # seconds the first BEGIN on a new link waits for the consumer's first credit (once a link)
 
 
 @dataclass
@@ -38,8 +39,12 @@ class PushSender:
 
     role = "producer"
 
-    def __init__(self, pipe: KVPipeBase, on_count: Callable[[str, int], None] | None = None) -> None:
+    def __init__(self, pipe: KVPipeBase, on_count: Callable[[str, int], None] | None = None,
+                 first_credit_wait: float | None = None) -> None:
         self.pipe = pipe
+        # a link made for a request (first use, or again after link_idle) has no credit yet: without this wait
+        # that request would always go by pull
+        self._first_credit_wait = FIRST_CREDIT_WAIT if first_credit_wait is None else first_credit_wait
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self.stats = push_stats(on_count)
@@ -79,11 +84,16 @@ class PushSender:
 
     def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:
         """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
-        False means the consumer has no room (or has not been heard from): serve this entry by pull instead."""
+        False means the consumer has no room (or has not been heard from): serve this entry by pull instead. The
+        first call on a link waits up to ``first_credit_wait`` s for the consumer's first credit."""
         if not self.healthy:
             self.stats.add("no_credit")
             return False
         with self._cv:
+            if self._first_credit_wait > 0:
+                self._cv.wait_for(lambda: self._credit_epoch == self._epoch or self._closed.is_set(),
+                                  self._first_credit_wait)
+                self._first_credit_wait = 0.0
             if self._credit_epoch != self._epoch or nbytes > self._credit_free - sum(self._sent_begins):
                 self.stats.add("no_credit")
                 return False
@@ -208,6 +218,7 @@ class PushSender:
                 while len(self._sent_begins) > max(uncounted, 0):
                     self._sent_begins.popleft()
                 self._credit_free, self._credit_epoch = message.free_bytes, message.epoch
+                self._cv.notify_all()
 
     def close(self) -> None:
         """Stop the threads (the pipe is the caller's to close). Idempotent."""

@@ -136,12 +136,10 @@ def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales)
     try:
-        if mode == "push":  # the first credit of the consumer's push link comes before the first request
-            link = push_link(worker)
-            wait_until(lambda: link.credited, "no credit from the consumer's push link")
-        with strict_sync(device):
+        with strict_sync(device):  # push: the first prompt is the link's first use (it waits for the first credit)
             prefill_steps(worker, list(cache), prompts, mode, chunk)
         if mode == "push":  # what vLLM's answer to the prefill would take: the pushes reach the consumer
+            link = push_link(worker)
             wait_until(lambda: link.stats["committed"] >= len(prompts), "the pushes were not all committed")
         ready.set()
         done.wait(120)

@@ -129,10 +129,14 @@ def test_an_entry_pushed_in_pieces_is_taken_once(ends):
 
 def test_no_credit_means_pull(ends):
     a, b = local_pipe_pair(timeout=5.0)
-    sender = PushSender(a)
+    sender = PushSender(a, first_credit_wait=0.3)
     try:
-        assert not sender.begin(KEY, NBYTES, LAYERS, BLOCKS)  # no consumer heard from yet
-        assert sender.stats["no_credit"] == 1
+        start = time.monotonic()
+        assert not sender.begin(KEY, NBYTES, LAYERS, BLOCKS)  # no consumer heard from: waited for it once
+        assert 0.25 < time.monotonic() - start < 2.0
+        start = time.monotonic()
+        assert not sender.begin(KEY, NBYTES, LAYERS, BLOCKS) and time.monotonic() - start < 0.1  # not again
+        assert sender.stats["no_credit"] == 2
     finally:
         sender.close()
     sender, receiver = ends(capacity=NBYTES + 10)  # room for one entry
@@ -145,6 +149,16 @@ def test_no_credit_means_pull(ends):
     push_all(sender)
     assert take_once_begun(receiver) is not None
     assert wait_for(lambda: sender.begin(other, NBYTES, LAYERS, BLOCKS))  # taken: its room is credited back
+
+
+def test_the_first_begin_on_a_new_link_waits_for_the_first_credit(ends):
+    """A link made for a request (its first, or again after link_idle) has not heard from the consumer yet: that
+    request is pushed all the same, not served by pull."""
+    sender, receiver = ends(capacity=1 << 20)
+    assert sender.begin(KEY, NBYTES, LAYERS, BLOCKS)  # at once, no retry
+    assert sender.stats["no_credit"] == 0
+    push_all(sender)
+    assert take_once_begun(receiver) is not None
 
 
 def test_a_pull_notice_ends_a_begun_push_and_take_does_not_wait(ends):
