@@ -64,19 +64,21 @@ class OpenAIClient:
 
 
 class VllmServer(OpenAIClient):
-    """One ``vllm serve`` process on 127.0.0.1 (pinned to ``core``), with its log file."""
+    """One ``vllm serve`` process on ``host`` (127.0.0.1 unless given; pinned to ``core``), with its log file."""
 
     def __init__(self, name: str, model: Path, port: int, core: int, log_dir: Path, kv_transfer_config: dict | None,
                  mooncake_json: Path | None, extra_args: list[str], env: dict[str, str] | None = None,
-                 confine: bool = False) -> None:
-        super().__init__(f"http://{HOST}:{port}", str(model))
+                 confine: bool = False, host: str = HOST, prefix: list[str] | None = None) -> None:
+        super().__init__(f"http://{host}:{port}", str(model))
         self.name, self.port = name, port
         self.log = log_dir / f"{name}.log"
         # confine: every process of the instance on its core. A starting vLLM (torch's import) pins itself to each
         # core it may use in turn to probe it, and next to a busy vLLM on the other core that probe stalled for
         # minutes on this 2-core machine: an instance (re)started under load must stay off the busy core.
-        self.cmd = [*(["taskset", "-c", str(core)] if confine else []), str(Path(sys.executable).parent / "vllm"), "serve",
-                    self.model, "--host", HOST, "--port", str(port), *extra_args]
+        # prefix: e.g. another host's network namespace (harness/netns.py), serving on its address ``host``
+        self.cmd = [*(prefix or []), *(["taskset", "-c", str(core)] if confine else []),
+                    str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", host, "--port", str(port),
+                    *extra_args]
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         # the connector is found through the installed package, as for users; ``env`` adds or overrides variables

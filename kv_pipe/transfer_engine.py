@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 
@@ -35,8 +36,8 @@ def _import_engine() -> type:
 class MooncakeEngine:
     """One initialized Transfer Engine bound to ``host``.
 
-    ``session`` is the name peers use to reach this engine: ``host:rpc_port`` with P2PHANDSHAKE, else the
-    ``host:port`` it was registered under in the metadata service.
+    ``session`` is the name peers use to reach this engine (they learn it in the pipe's handshake): ``host:rpc_port``
+    with P2PHANDSHAKE, else ``host:port#<random>``, registered under it in the metadata service.
     """
 
     def __init__(self, config: MooncakeTransferEngineConfig, host: str, port: int, local_rank: int = 0) -> None:
@@ -55,6 +56,10 @@ class MooncakeEngine:
         self.protocol = config.protocol
         metadata = config.metadata
         local_name = join_host_port(host, port)
+        if metadata.backend != "p2p":
+            # a name of its own each time: a peer's engine caches the descriptor it fetched under a name, and a
+            # process restarted under the old name (new buffers, new ports) would get writes aimed at the old one
+            local_name = f"{local_name}#{secrets.token_hex(4)}"
         device = config.device_for(local_rank)
         rc = self._engine.initialize(local_name, metadata.conn, config.protocol, device)
         if rc != 0:

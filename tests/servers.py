@@ -65,25 +65,29 @@ def _metadata_answers(port: int, log: Path) -> Callable[[], bool]:
 
 
 @contextlib.contextmanager
-def etcd_server(data_root: Path) -> Iterator[str]:
-    """A one-member etcd cluster on 127.0.0.1 with its data under ``data_root``; yields its "host:port"."""
+def etcd_server(data_root: Path, host: str = HOST, prefix: list[str] | None = None,
+                probe_host: str | None = None) -> Iterator[str]:
+    """A one-member etcd cluster on ``host`` with its data under ``data_root``; yields its "host:port". ``prefix``:
+    run it on another host (harness/netns.py), reached from here at ``probe_host``."""
     binary = find_etcd()
     error: ServerUnavailable | None = None
     for attempt in range(ATTEMPTS):
         client, peer = free_port(), free_port()
         data_dir = data_root / f"etcd-{attempt}"
-        client_url, peer_url = f"http://{HOST}:{client}", f"http://{HOST}:{peer}"
-        cmd = [binary, "--name", "test", "--data-dir", str(data_dir),
-               "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+        client_url, peer_url = f"http://{host}:{client}", f"http://{HOST}:{peer}"  # peers: none but itself
+        listen = client_url if probe_host is None else f"{client_url},http://{probe_host}:{client}"
+        cmd = [*(prefix or []), binary, "--name", "test", "--data-dir", str(data_dir),
+               "--listen-client-urls", listen, "--advertise-client-urls", client_url,
                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                "--initial-cluster", f"test={peer_url}", "--initial-cluster-state", "new"]
         try:
-            proc = start(cmd, data_root / f"etcd-{attempt}.log", http_ok(f"{client_url}/health"), "etcd")
+            proc = start(cmd, data_root / f"etcd-{attempt}.log",
+                         http_ok(f"http://{probe_host or host}:{client}/health"), "etcd")
         except ServerUnavailable as e:
             error = e
             continue
         try:
-            yield f"{HOST}:{client}"
+            yield f"{host}:{client}"
         finally:
             stop(proc)
         return

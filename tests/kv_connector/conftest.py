@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.netns import Host
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
@@ -33,17 +34,22 @@ def tiny_model() -> Path:
 
 def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
                confine: bool = False, mode: str = "pull", serve_args: list[str] = SERVE_ARGS,
-               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+               hosts: tuple[Host, Host] | None = None, **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
     """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model`` in transfer ``mode``,
     paired through one mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core
-    (see ``VllmServer``)."""
+    (see ``VllmServer``). ``hosts``: the producer and the consumer each on a host of its own (harness/netns.py),
+    their pipes on the hosts' KV link."""
+    if hosts is not None:
+        mooncake_extra = {"prefill_url": f"{hosts[0].kv}:{free_port()}", "decode_url": f"{hosts[1].kv}:{free_port()}",
+                          **mooncake_extra}
     config = mooncake_json(work / "mooncake.json", **mooncake_extra)
+    on = [{} if hosts is None else {"host": host.http, "prefix": host.prefix()} for host in (hosts or (None, None))]
     producer = VllmServer(f"{name}-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode=mode, **(producer_extra or {})), config,
-                          serve_args, confine=confine)
+                          serve_args, confine=confine, **on[0])
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
-                                           **(consumer_extra or {})), config, serve_args, confine=confine)
+                                           **(consumer_extra or {})), config, serve_args, confine=confine, **on[1])
     start_vllm(producer, consumer)
     return producer, consumer
 

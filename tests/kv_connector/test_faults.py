@@ -1,22 +1,33 @@
 """Faults on real vLLM instances (pull mode, a pair of its own): prefills whose decode never comes filling the
 producer's buffer, entries expiring, the producer killed and restarted under traffic, the consumer killed and
-restarted. Every answer equals the colocated reference throughout."""
+restarted. Every answer equals the colocated reference throughout.
+
+Where the suite runs as root the pair is on two hosts (harness/netns.py): the producer and the consumer each in a
+network namespace of its own, the KV, the side channel and the Transfer Engine's metadata (etcd, on the producer's
+host) crossing a software wire between them, with the secret and ``engine_ports`` set, the proxy and the reference
+in the root namespace. The tests of the wire itself (delay and loss, a partition mid-load and its healing) run only
+there; elsewhere the pair is on 127.0.0.1 and they are skipped, saying why."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import statistics
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from harness import netns
+from harness.netns import Host, Wire
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer
+from tests import servers
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
@@ -25,10 +36,49 @@ TTL = 4.0
 PACE = 0.2  # seconds between a client's requests under traffic: steady traffic, and a few hundred answers to check
 
 
+SECRET = "two-hosts-secret-" + "5" * 32
+ENGINE_PORTS = [17000, 17099]
+LOAD_TIMEOUT = 10.0  # the consumer's load_timeout (the default)
+
+
+@dataclass(frozen=True)
+class Network:
+    producer: Host
+    consumer: Host
+    wire: Wire
+    etcd: str  # "host:port" on the producer's host
+
+
 @pytest.fixture(scope="module")
-def fault_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+def network(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Network | None]:
+    """Two hosts and the wire between them, etcd on the producer's host; None where they cannot be made."""
+    if netns.unavailable() is not None:
+        yield None
+        return
+    with netns.two_hosts() as (producer, consumer, wire), servers.etcd_server(
+            tmp_path_factory.mktemp("etcd"), host=producer.kv, prefix=producer.prefix(), probe_host=producer.http) as etcd:
+        yield Network(producer, consumer, wire, etcd)
+
+
+@pytest.fixture
+def two_hosts(network: Network | None) -> Iterator[Network]:
+    """The network, for a test of the wire (skipped on 127.0.0.1); the wire is whole again after it."""
+    if network is None:
+        pytest.skip(f"the pair runs on 127.0.0.1: {netns.unavailable()}")
+    yield network
+    network.wire.heal()
+    network.wire.set()
+
+
+@pytest.fixture(scope="module")
+def fault_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               network: Network | None) -> Iterator[tuple[VllmServer, VllmServer]]:
+    where: dict = {} if network is None else {
+        "hosts": (network.producer, network.consumer), "auth_secret": SECRET, "engine_ports": ENGINE_PORTS,
+        "metadata_server": f"etcd://{network.etcd}", "metadata_backend": "etcd"}
     producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("faults"), "faults", confine=True,
-                                    producer_extra={"buffer_size": BUFFER, "entry_ttl": TTL})
+                                    producer_extra={"buffer_size": BUFFER, "entry_ttl": TTL},
+                                    consumer_extra={"load_timeout": LOAD_TIMEOUT}, **where)
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -95,6 +145,86 @@ def proxy_metric(proxy: OpenAIClient, name: str) -> float:
     with urllib.request.urlopen(f"{proxy.url}/metrics", timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_kv_crosses_the_link_between_the_hosts(two_hosts, fault_pair, proxy_for, reference):
+    """Six requests with a shared system prompt, three at a time, through the proxy (in the root namespace): every
+    answer is the reference's, each loaded from the other host, and the KV crossed the wire. Each instance listens
+    on its own host's addresses: the side channel on the KV link's, the Transfer Engine within ``engine_ports``."""
+    producer, consumer = fault_pair
+    proxy = proxy_for([producer], [consumer])
+    system = prompt(2500, 384)
+    prompts = [system + prompt(2510 + i, 150 + 30 * i) for i in range(6)]
+    before, crossed = kv_stats(consumer), two_hosts.wire.bytes_to_consumer
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda tokens: proxy.complete(tokens, MAX_TOKENS), prompts))
+    assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in prompts]
+    moved = settled_stats(consumer, before, 6)
+    crossed = two_hosts.wire.bytes_to_consumer - crossed
+    print(f"two hosts: {moved.get('fetched_bytes', 0) / 2**20:.1f} MiB of KV loaded, {crossed / 2**20:.1f} MiB crossed "
+          f"the wire to the consumer's host; stats change {moved}")
+    assert moved.get("loaded") == 6 and not moved.get("load_failures"), moved
+    assert crossed >= moved["fetched_bytes"] > 0
+    config = json.loads(Path(producer.env["MOONCAKE_CONFIG_PATH"]).read_text())
+    for host, server, url in ((two_hosts.producer, producer, config["prefill_url"]),
+                              (two_hosts.consumer, consumer, config["decode_url"])):
+        listening = host.listening()
+        print(f"{server.name} listens on {sorted(listening)}")
+        side_port = int(url.rsplit(":", 1)[1])
+        assert (host.kv, side_port) in listening, (url, listening)
+        assert (host.http, server.port) in listening, listening
+        others = [(ip, port) for ip, port in listening if port not in (side_port, server.port)
+                  and ip not in ("127.0.0.1", "::1") and not ENGINE_PORTS[0] <= port <= ENGINE_PORTS[1]
+                  and f"{ip}:{port}" != two_hosts.etcd and (ip, port) != (two_hosts.producer.http,
+                                                                   int(two_hosts.etcd.rsplit(":", 1)[1]))]
+        assert not others, f"{server.name} listens outside its side channel, HTTP port and engine_ports: {others}"
+
+
+def test_delay_and_loss_on_the_wire(two_hosts, fault_pair, reference):
+    """20 ms each way and 1% of the frames lost: every load completes, exact."""
+    producer, consumer = fault_pair
+    two_hosts.wire.set(delay=0.02, loss=0.01)
+    prompts = [prompt(2600 + i, 400 + 150 * i) for i in range(4)]
+    before, crossed = kv_stats(consumer), two_hosts.wire.bytes_to_consumer
+    seconds = []
+    for tokens in prompts:
+        producer.complete(tokens, 1)
+        start = time.monotonic()
+        assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+        seconds.append(round(time.monotonic() - start, 2))
+    moved = settled_stats(consumer, before, 4)
+    print(f"delay 20 ms, loss 1%: decodes took {seconds} s; {moved.get('fetched_bytes', 0) / 2**20:.1f} MiB loaded, "
+          f"{(two_hosts.wire.bytes_to_consumer - crossed) / 2**20:.1f} MiB crossed; stats change {moved}")
+    assert moved.get("loaded") == 4 and not moved.get("load_failures"), moved
+    assert moved.get("fetched_bytes") == sum(blocks(len(tokens) - 1) for tokens in prompts) * ROW_BYTES
+
+
+def test_a_partition_mid_load_ends_it_within_load_timeout_then_loads_resume(two_hosts, fault_pair, reference):
+    """The wire is cut once the first MiB of a 4 MiB load crossed, and stays cut: the load fails by load_timeout
+    (plus a small margin), the prompt is recomputed, the answer is right. Once healed, the next prompt loads."""
+    producer, consumer = fault_pair
+    tokens = prompt(2700, 1000)
+    producer.complete(tokens, 1)
+    before = kv_stats(consumer)
+    two_hosts.wire.cut_after(1 << 20)
+    start = time.monotonic()
+    answer = consumer.complete(tokens, MAX_TOKENS, timeout=120)
+    seconds = time.monotonic() - start
+    assert two_hosts.wire.is_cut, "the load finished before the wire was cut"
+    change = settled_stats(consumer, before, 1)
+    print(f"partition mid-load: answered after {seconds:.2f} s (load_timeout {LOAD_TIMEOUT:g} s); stats change {change}")
+    assert answer == reference.complete(tokens, MAX_TOKENS)
+    assert change.get("load_failures") == 1 and not change.get("loaded"), change
+    assert seconds < LOAD_TIMEOUT + 3.0, f"the load held its request {seconds:.1f} s"
+    two_hosts.wire.heal()
+    tokens = prompt(2701, 800)
+    producer.complete(tokens, 1)
+    before = kv_stats(consumer)
+    start = time.monotonic()
+    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+    healed = settled_stats(consumer, before, 1)
+    print(f"healed: the next decode took {time.monotonic() - start:.2f} s; stats change {healed}")
+    assert healed.get("loaded") == 1 and healed.get("fetched_bytes") == blocks(799) * ROW_BYTES, healed
 
 
 def test_producer_killed_and_restarted_under_traffic(fault_pair, proxy_for, reference):
