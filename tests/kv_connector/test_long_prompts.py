@@ -35,9 +35,10 @@ def long_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmSe
     config = mooncake_json(work / "mooncake.json", timeout=30)
     producer = VllmServer("long-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode="push"), config, ARGS,
-                          env={"VLLM_SERVER_DEV_MODE": "1"})
+                          env={"VLLM_SERVER_DEV_MODE": "1"}, worker_process=False)
     consumer = VllmServer("long-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", transfer_mode="push", load_timeout=60), config, ARGS)
+                          connector_config("kv_consumer", transfer_mode="push", load_timeout=60), config, ARGS,
+                          worker_process=False)
     start_vllm(producer, consumer)
     yield producer, consumer
     producer.stop()

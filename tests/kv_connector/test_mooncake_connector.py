@@ -92,7 +92,7 @@ def test_layout_mismatch_is_refused_clearly(pd_pair, reference, tmp_path: Path):
     config = mooncake_json(tmp_path / "mooncake.json", prefill_url=producer_pipe)
     bigger_cache = [*SERVE_ARGS[:-4], "--kv-cache-memory-bytes", str(256 << 20), *SERVE_ARGS[-2:]]  # 64 KiB/token
     consumer = VllmServer("consumer-kv32k", other_model, free_port(), 1, tmp_path, connector_config("kv_consumer"),
-                          config, bigger_cache)
+                          config, bigger_cache, worker_process=False)
     start_vllm(consumer)
     try:
         tokens = prompt(300, 300)

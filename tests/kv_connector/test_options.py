@@ -64,7 +64,8 @@ def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Pat
     refused here, is served: test_fp8.py.)"""
     config = mooncake_json(tmp_path / "mooncake.json")
     servers = {name: VllmServer(f"bad-option-{name}", tiny_model, free_port(), core, tmp_path,
-                                connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args])
+                                connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args],
+                                worker_process=False)
                for core, (name, (extra, args, _)) in enumerate(BAD_STARTS.items())}
     try:
         for name, server in servers.items():

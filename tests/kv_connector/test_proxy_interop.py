@@ -38,9 +38,11 @@ def builtin_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),
            "PYTHONPATH": os.pathsep.join(p for p in (peers, os.environ.get("PYTHONPATH")) if p)}
     producer = VllmServer("builtin-producer", tiny_model, free_port(), 0, work,
-                          {**shim, "kv_role": "kv_producer", "engine_id": "interop-prefill"}, None, SERVE_ARGS, env)
+                          {**shim, "kv_role": "kv_producer", "engine_id": "interop-prefill"}, None, SERVE_ARGS, env,
+                          worker_process=False)
     consumer = VllmServer("builtin-consumer", tiny_model, free_port(), 1, work,
-                          {**shim, "kv_role": "kv_consumer", "engine_id": "interop-decode"}, None, SERVE_ARGS, env)
+                          {**shim, "kv_role": "kv_consumer", "engine_id": "interop-decode"}, None, SERVE_ARGS, env,
+                          worker_process=False)
     try:
         start_vllm(producer, consumer)
         yield producer, consumer, bootstrap

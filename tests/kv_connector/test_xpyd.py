@@ -62,10 +62,10 @@ def fleet(request: pytest.FixtureRequest, tiny_model: Path,
         metadata = {**etcd_metadata(request.getfixturevalue("etcd")), "auth_secret": PUSH_PAIR_SECRET}
     new_producer = VllmServer(f"xpyd-{mode}-producer1", tiny_model, free_port(), 0, work,
                               connector_config("kv_producer", transfer_mode=mode),
-                              mooncake_json(work / "producer1.json", **metadata), SERVE_ARGS)
+                              mooncake_json(work / "producer1.json", **metadata), SERVE_ARGS, worker_process=False)
     new_consumer = VllmServer(f"xpyd-{mode}-consumer1", tiny_model, free_port(), 1, work,
                               connector_config("kv_consumer", transfer_mode=mode),
-                              mooncake_json(work / "consumer1.json", **metadata), SERVE_ARGS)
+                              mooncake_json(work / "consumer1.json", **metadata), SERVE_ARGS, worker_process=False)
     try:
         start_vllm(new_producer, new_consumer)
         yield [producer, new_producer], [consumer, new_consumer]
