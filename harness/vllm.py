@@ -95,10 +95,21 @@ class VllmServer(OpenAIClient):
         if mooncake_json is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
         self.env = env
+        self.ready = False
         self.proc = spawn(self.cmd, self.log, env)
 
     def wait_ready(self) -> None:
         wait_ready(self.proc, self.cmd, self.log, http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
+        self.ready = True
+
+    def ensure_ready(self) -> None:
+        """Wait for the start-up if it has not ended yet (an instance handed out while it starts)."""
+        if not self.ready:
+            self.wait_ready()
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        self.ensure_ready()
+        return super().post(path, body, timeout)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -109,6 +120,7 @@ class VllmServer(OpenAIClient):
     def restart(self) -> None:
         """Start the same command again (after a stop or a kill), and wait until it serves."""
         stop(self.proc)
+        self.ready = False
         self.proc = spawn(self.cmd, self.log, self.env)
         self.wait_ready()
 

@@ -59,16 +59,17 @@ def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None =
 
 @pytest.fixture(scope="session")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """The colocated reference: the same model and settings, no connector, no prefix caching (core 0)."""
+    """The colocated reference: the same model and settings, no connector, no prefix caching (core 0). Handed out
+    while it starts (its first request waits for it): the session's pairs depend on it and start beside it."""
     server = VllmServer("reference", tiny_model, free_port(), 0, tmp_path_factory.mktemp("reference"), None, None,
                         [*SERVE_ARGS, "--no-enable-prefix-caching"], worker_process=False)
-    start_vllm(server)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
     """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode)."""
     producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull", worker_process=True)
     yield producer, consumer
@@ -95,8 +96,8 @@ def etcd_metadata(address: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def push_pair(tiny_model: Path, etcd: str,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+def push_pair(tiny_model: Path, etcd: str, tmp_path_factory: pytest.TempPathFactory,
+              reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
     """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), a shared secret
     (``PUSH_PAIR_SECRET``: its params are signed) and its Transfer Engine metadata in etcd (``pd_pair`` and the
     other pairs use P2PHANDSHAKE)."""
@@ -169,6 +170,20 @@ def settled_stats(server: VllmServer, before: dict[str, float], loads: int, time
         if ended >= loads or time.monotonic() > deadline:
             return change
         time.sleep(0.05)
+
+
+def log_mark(server: VllmServer) -> int:
+    """Where the instance's log ends now (for ``warnings_since``)."""
+    return server.log.stat().st_size
+
+
+def warnings_since(server: VllmServer, mark: int) -> str:
+    """The warnings and errors the instance logged after ``mark``: what an assertion about its loads shows."""
+    with server.log.open("rb") as log:
+        log.seek(mark)
+        text = log.read().decode(errors="replace")
+    said = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line or line.startswith(("W", "E"))]
+    return f"{server.name} logged:\n" + "\n".join(said[-15:])
 
 
 def busy(every: dict[str, float]) -> float:

@@ -63,11 +63,9 @@ class Layout:
         return -(-(length - self.recompute) // self.block) - local // self.block
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, Layout, VllmServer, VllmServer]]:
-    arch = request.param
-    model = build_model(arch)
+def spawn_pair(arch: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Layout, VllmServer, VllmServer]:
+    """The architecture's producer and consumer, spawned (not waited for)."""
+    model = build_model(arch, quiet=True)
     layout = Layout(model)
     work = tmp_path_factory.mktemp(arch)
     config = mooncake_json(work / "mooncake.json")
@@ -77,8 +75,37 @@ def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                           env={"VLLM_SERVER_DEV_MODE": "1"}, worker_process=False)
     consumer = VllmServer(f"{arch}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", transfer_mode="push"), config, args, worker_process=False)
+    return layout, producer, consumer
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Layout, VllmServer, VllmServer]]]:
+    """Pairs spawned ahead of their tests; whatever is left is stopped with the module."""
+    pairs: dict[str, tuple[Layout, VllmServer, VllmServer]] = {}
+    yield pairs
+    for _, producer, consumer in pairs.values():
+        producer.stop()
+        consumer.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             spawned: dict[str, tuple[Layout, VllmServer, VllmServer]]
+             ) -> Iterator[tuple[str, Layout, VllmServer, VllmServer]]:
+    """One pair at a time; the next architecture's pair starts while this one's tests run (they leave a core idle
+    most of the time, and a start-up is mostly one process importing vLLM)."""
+    arch = request.param
+    if arch not in spawned:
+        spawned[arch] = spawn_pair(arch, tmp_path_factory)
+    later = ARCHITECTURES[ARCHITECTURES.index(arch) + 1:]
+    wanted = {getattr(item, "callspec", None) and item.callspec.params.get("zoo_pair") for item in request.session.items}
+    upcoming = next((a for a in later if a in wanted), None)
+    if upcoming is not None and upcoming not in spawned:
+        spawned[upcoming] = spawn_pair(upcoming, tmp_path_factory)
+    layout, producer, consumer = spawned[arch]
     start_vllm(producer, consumer)
     yield arch, layout, producer, consumer
+    del spawned[arch]
     producer.stop()
     consumer.stop()
 

@@ -107,6 +107,7 @@ def producer_stats(producer: VllmServer, before: dict[str, float], key: str, at_
 def test_orphans_fill_the_buffer_without_stalling_the_producer(fault_pair, reference):
     """14 prefills of 4 MiB of KV each, none decoded, into a 12 MiB buffer: every prefill takes as long as the first
     ones (the oldest entries are evicted), and the newest still loads."""
+    reference.ensure_ready()  # not starting beside the timed prefills
     producer, consumer = fault_pair
     before = kv_stats(producer)
     latencies = []

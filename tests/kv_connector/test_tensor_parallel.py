@@ -18,7 +18,7 @@ import pytest
 from harness.ports import free_port, port_pair
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, settled_stats
+from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 TP = 2
@@ -116,8 +116,8 @@ def test_producer_tp1_to_consumer_tp2(tp2_pair, pd_pair):
         expected = producer.complete(tokens, MAX_TOKENS)  # colocated at the consumer's TP size
         params = prefill(tp1_producer, tokens)
         assert len(params["remote_pipe"]) == 1
-        before = kv_stats(consumer)
+        before, mark = kv_stats(consumer), log_mark(consumer)
         assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == expected
         change = settled_stats(consumer, before, TP)
-        assert change.get("loaded") == TP and not change.get("load_failures"), change
+        assert change.get("loaded") == TP and not change.get("load_failures"), (change, warnings_since(consumer, mark))
         assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # each rank half of it

@@ -206,13 +206,16 @@ def test_sender_killed_mid_transfer_raises_quickly():
 def test_receiver_killed_mid_transfer_raises_quickly(cfg):
     ready = peers.ctx().Event()
     peer = Peer(peers.sink, cfg, 0, 60, ready)
+    big = torch.ones(512 * MiB, dtype=torch.uint8)
     with open_pipe(cfg, 1) as pipe:
         assert ready.wait(120)
-        threading.Timer(3.0, peer.kill).start()  # the ring fills within ~0.1 s; the kill lands mid-send
+        pipe.send_tensor(None)  # linked: what follows times the send alone
+        threading.Timer(1.0, peer.kill).start()  # the ring fills within ~0.1 s; the kill lands mid-send
         start = time.monotonic()
         with pytest.raises((PeerDisconnected, TransferError)):
-            pipe.send_tensor(torch.ones(512 * MiB, dtype=torch.uint8))
-        assert 2.5 < time.monotonic() - start < 8.0
+            pipe.send_tensor(big)
+        # blocked until the kill, then raised well before the pipe's timeout (10 s) would have
+        assert 0.9 < time.monotonic() - start < 1.0 + cfg["timeout"] / 2
 
 
 def test_frozen_peer_times_out_both_ways():
