@@ -48,15 +48,10 @@ PUSH_WAIT = 5.0  # the consumers' push_wait (the default)
 COOLDOWN = 1.0  # seconds the proxy skips an instance that failed (its default, 5, only makes the test wait)
 
 
-@pytest.fixture(scope="module")
-def fleet(request: pytest.FixtureRequest, tiny_model: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmServer], list[VllmServer]]]:
-    """Two producers and two consumers in transfer mode ``request.param``: producer 0 and consumer 0 are the
-    session's pair of that mode (``pd_pair``: P2PHANDSHAKE; ``push_pair``: etcd and a secret, which producer 1 and
-    consumer 1 share), producer 1 and consumer 1 are started here."""
-    mode = request.param
+def spawn_new(mode: str, request: pytest.FixtureRequest, tiny_model: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[VllmServer, VllmServer]:
+    """Producer 1 and consumer 1 of ``mode``, spawned (not waited for)."""
     work = tmp_path_factory.mktemp(f"xpyd-{mode}")
-    producer, consumer = request.getfixturevalue("pd_pair" if mode == PULL else "push_pair")
     metadata: dict[str, str] = {}
     if mode == PUSH:
         metadata = {**etcd_metadata(request.getfixturevalue("etcd")), "auth_secret": PUSH_PAIR_SECRET}
@@ -66,10 +61,40 @@ def fleet(request: pytest.FixtureRequest, tiny_model: Path,
     new_consumer = VllmServer(f"xpyd-{mode}-consumer1", tiny_model, free_port(), 1, work,
                               connector_config("kv_consumer", transfer_mode=mode),
                               mooncake_json(work / "consumer1.json", **metadata), SERVE_ARGS, worker_process=False)
+    return new_producer, new_consumer
+
+
+@pytest.fixture(scope="module")
+def spawned() -> Iterator[dict[str, tuple[VllmServer, VllmServer]]]:
+    """Instances spawned ahead of their tests; whatever is left is stopped with the module."""
+    pairs: dict[str, tuple[VllmServer, VllmServer]] = {}
+    yield pairs
+    for pair in pairs.values():
+        for server in pair:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+          spawned: dict[str, tuple[VllmServer, VllmServer]]) -> Iterator[tuple[list[VllmServer], list[VllmServer]]]:
+    """Two producers and two consumers in transfer mode ``request.param``: producer 0 and consumer 0 are the
+    session's pair of that mode (``pd_pair``: P2PHANDSHAKE; ``push_pair``: etcd and a secret, which producer 1 and
+    consumer 1 share), producer 1 and consumer 1 are started here - push mode's while pull mode's tests run, if
+    both are selected (those tests leave a core idle most of the time)."""
+    mode = request.param
+    producer, consumer = request.getfixturevalue("pd_pair" if mode == PULL else "push_pair")
+    if mode not in spawned:
+        spawned[mode] = spawn_new(mode, request, tiny_model, tmp_path_factory)
+    wanted = {getattr(item, "callspec", None) and item.callspec.params.get("fleet") for item in request.session.items}
+    if mode == PULL and PUSH in wanted and PUSH not in spawned:
+        request.getfixturevalue("push_pair")  # up before its partners start (the consumers link to it)
+        spawned[PUSH] = spawn_new(PUSH, request, tiny_model, tmp_path_factory)
+    new_producer, new_consumer = spawned[mode]
     try:
         start_vllm(new_producer, new_consumer)
         yield [producer, new_producer], [consumer, new_consumer]
     finally:
+        del spawned[mode]
         new_producer.stop()
         new_consumer.stop()
 

@@ -378,6 +378,9 @@ def produce_slowly(cfg: dict[str, Any], pause: float, done: Any) -> dict[str, An
         buf = SimpleBuffer(pipe, pipe, 1 << 30)
         buf.insert(*long_entry())
         done.wait(60)
+        deadline = time.monotonic() + 10  # the consumer may have it all before the serving thread counts it
+        while not (buf.stats["hits"] or buf.stats["requests_lost"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         stats = dict(buf.stats)
         buf.close()
     return stats
