@@ -19,7 +19,7 @@ from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5
-FIRST_CREDIT_WAIT = 1.0  # seconds the first BEGIN on a new link waits for the consumer's first credit (once a link)
+FIRST_CREDIT_WAIT = 5.0  # seconds the first BEGIN on a new link may wait for the consumer's first credit (once a link)
 
 
 @dataclass

@@ -97,13 +97,13 @@ def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     arch = request.param
     if arch not in spawned:
         spawned[arch] = spawn_pair(arch, tmp_path_factory)
+    layout, producer, consumer = spawned[arch]
+    start_vllm(producer, consumer)
     later = ARCHITECTURES[ARCHITECTURES.index(arch) + 1:]
     wanted = {getattr(item, "callspec", None) and item.callspec.params.get("zoo_pair") for item in request.session.items}
     upcoming = next((a for a in later if a in wanted), None)
-    if upcoming is not None and upcoming not in spawned:
+    if upcoming is not None and upcoming not in spawned:  # once this pair is up: not slowing its start
         spawned[upcoming] = spawn_pair(upcoming, tmp_path_factory)
-    layout, producer, consumer = spawned[arch]
-    start_vllm(producer, consumer)
     yield arch, layout, producer, consumer
     del spawned[arch]
     producer.stop()

@@ -85,13 +85,13 @@ def fleet(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: py
     producer, consumer = request.getfixturevalue("pd_pair" if mode == PULL else "push_pair")
     if mode not in spawned:
         spawned[mode] = spawn_new(mode, request, tiny_model, tmp_path_factory)
-    wanted = {getattr(item, "callspec", None) and item.callspec.params.get("fleet") for item in request.session.items}
-    if mode == PULL and PUSH in wanted and PUSH not in spawned:
-        request.getfixturevalue("push_pair")  # up before its partners start (the consumers link to it)
-        spawned[PUSH] = spawn_new(PUSH, request, tiny_model, tmp_path_factory)
     new_producer, new_consumer = spawned[mode]
     try:
         start_vllm(new_producer, new_consumer)
+        wanted = {getattr(item, "callspec", None) and item.callspec.params.get("fleet") for item in request.session.items}
+        if mode == PULL and PUSH in wanted and PUSH not in spawned:  # once this fleet is up: not slowing its start
+            request.getfixturevalue("push_pair")  # up before its partners start (the consumers link to it)
+            spawned[PUSH] = spawn_new(PUSH, request, tiny_model, tmp_path_factory)
         yield [producer, new_producer], [consumer, new_consumer]
     finally:
         del spawned[mode]
