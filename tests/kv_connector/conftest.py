@@ -172,6 +172,11 @@ def settled_stats(server: VllmServer, before: dict[str, float], loads: int, time
         time.sleep(0.05)
 
 
+def selected_params(request: pytest.FixtureRequest, fixture: str) -> set:
+    """The values of the parametrized ``fixture`` that the tests of this run will take (what to start ahead)."""
+    return {item.callspec.params.get(fixture) for item in request.session.items if hasattr(item, "callspec")}
+
+
 def log_mark(server: VllmServer) -> int:
     """Where the instance's log ends now (for ``warnings_since``)."""
     return server.log.stat().st_size

@@ -32,7 +32,7 @@ import pytest
 from harness.ports import free_port
 from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from scripts.build_tiny_model import kv_bytes_per_token
-from tests.kv_connector.conftest import diff, kv_stats, settled_stats
+from tests.kv_connector.conftest import diff, kv_stats, selected_params, settled_stats
 from tests.kv_connector.test_concurrent_dispatch import AWAIT
 
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
@@ -100,7 +100,7 @@ def zoo_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     layout, producer, consumer = spawned[arch]
     start_vllm(producer, consumer)
     later = ARCHITECTURES[ARCHITECTURES.index(arch) + 1:]
-    wanted = {getattr(item, "callspec", None) and item.callspec.params.get("zoo_pair") for item in request.session.items}
+    wanted = selected_params(request, "zoo_pair")
     upcoming = next((a for a in later if a in wanted), None)
     if upcoming is not None and upcoming not in spawned:  # once this pair is up: not slowing its start
         spawned[upcoming] = spawn_pair(upcoming, tmp_path_factory)

@@ -37,6 +37,7 @@ from tests.kv_connector.conftest import (
     etcd_metadata,
     flush,
     kv_stats,
+    selected_params,
     settled_stats,
     wait_busy,
 )
@@ -88,8 +89,8 @@ def fleet(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: py
     new_producer, new_consumer = spawned[mode]
     try:
         start_vllm(new_producer, new_consumer)
-        wanted = {getattr(item, "callspec", None) and item.callspec.params.get("fleet") for item in request.session.items}
-        if mode == PULL and PUSH in wanted and PUSH not in spawned:  # once this fleet is up: not slowing its start
+        # once this fleet is up: not slowing its start
+        if mode == PULL and PUSH in selected_params(request, "fleet") and PUSH not in spawned:
             request.getfixturevalue("push_pair")  # up before its partners start (the consumers link to it)
             spawned[PUSH] = spawn_new(PUSH, request, tiny_model, tmp_path_factory)
         yield [producer, new_producer], [consumer, new_consumer]
