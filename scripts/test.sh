@@ -23,9 +23,7 @@ UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy
        tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
        tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py
        tests/kv_connector/test_staging.py)
-# beside the vLLM tier, fewer workers: its CPU spreads over the vLLM tier's idle stretches instead of crowding the
-# first minutes, when the architecture pairs start one after another (MKV_TEST_WORKERS overrides)
-WORKERS=${MKV_TEST_WORKERS:-$((quick_only ? 4 : 2))}
+WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # quick_tier FIRST_PORT: both runs, each in its own port range (tests/servers.py: MKV_TEST_PORTS); their reports
