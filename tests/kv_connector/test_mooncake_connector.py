@@ -7,7 +7,10 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
@@ -82,17 +85,34 @@ def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
         stop(proc)
 
 
-def test_layout_mismatch_is_refused_clearly(pd_pair, reference, tmp_path: Path):
+@pytest.fixture(scope="module")
+def kv32k_consumer(pd_pair: tuple[VllmServer, VllmServer],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """A consumer serving another model (kv32k: 8 layers, 64 KiB of KV per token in float32) configured to load from
-    the shared pair's producer: it refuses the producer's layout, says why, and recomputes; the producer keeps
-    serving its own consumer."""
-    producer, own_consumer = pd_pair
-    other_model = build_model("kv32k")
+    the shared pair's producer: spawned only (its test waits for it)."""
+    producer, _ = pd_pair
+    work = tmp_path_factory.mktemp("kv32k")
     producer_pipe = json.loads(Path(producer.env["MOONCAKE_CONFIG_PATH"]).read_text())["prefill_url"]
-    config = mooncake_json(tmp_path / "mooncake.json", prefill_url=producer_pipe)
+    config = mooncake_json(work / "mooncake.json", prefill_url=producer_pipe)
     bigger_cache = [*SERVE_ARGS[:-4], "--kv-cache-memory-bytes", str(256 << 20), *SERVE_ARGS[-2:]]  # 64 KiB/token
-    consumer = VllmServer("consumer-kv32k", other_model, free_port(), 1, tmp_path, connector_config("kv_consumer"),
-                          config, bigger_cache, worker_process=False)
+    consumer = VllmServer("consumer-kv32k", build_model("kv32k", quiet=True), free_port(), 1, work,
+                          connector_config("kv_consumer"), config, bigger_cache, worker_process=False)
+    yield consumer
+    consumer.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kv32k_consumer_early(request: pytest.FixtureRequest) -> None:
+    """The kv32k consumer starts while the first tests run on the session's pair (they leave a core idle)."""
+    if any("kv32k_consumer" in item.fixturenames for item in request.session.items if item.module is request.module):
+        request.getfixturevalue("kv32k_consumer")
+
+
+def test_layout_mismatch_is_refused_clearly(pd_pair, reference, kv32k_consumer):
+    """The kv32k consumer loads from the shared pair's producer: it refuses the producer's layout, says why, and
+    recomputes; the producer keeps serving its own consumer."""
+    producer, own_consumer = pd_pair
+    consumer = kv32k_consumer
     start_vllm(consumer)
     try:
         tokens = prompt(300, 300)

@@ -5,13 +5,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from harness.vllm import VllmServer, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import start_pair
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
+
+
+@pytest.fixture(scope="module")
+def small_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A push pair whose consumer has room for one 1000-token entry: spawned only (its test waits for it)."""
+    pair = start_pair(tiny_model, tmp_path_factory.mktemp("small"), "small", {"push_staging_size": 6 << 20},
+                      mode="push", wait=False)
+    yield pair
+    for server in pair:
+        server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_pair_early(request: pytest.FixtureRequest) -> None:
+    """The small pair starts while the first tests run on the session's push pair (they leave a core idle)."""
+    if any("small_pair" in item.fixturenames for item in request.session.items if item.module is request.module):
+        request.getfixturevalue("small_pair")
 
 
 def test_consumer_decodes_from_pushed_kv(push_pair, reference):
@@ -52,20 +73,17 @@ def test_corrupted_pushed_kv_changes_the_output(push_pair, reference):
     assert consumer.log_text().count("corrupted the KV of request") == 2
 
 
-def test_a_full_staging_area_falls_back_to_pull(tiny_model: Path, tmp_path: Path, reference):
+def test_a_full_staging_area_falls_back_to_pull(small_pair, reference):
     """A consumer with room for one 1000-token entry: the second prompt prefilled before any decode goes by pull."""
-    producer, consumer = start_pair(tiny_model, tmp_path, "small", {"push_staging_size": 6 << 20}, mode="push")
-    try:
-        first, second = prompt(1300, 1000), prompt(1301, 1000)  # 4 MiB of KV each in float32
-        producer.complete(first, 1)
-        producer.complete(second, 1)
-        before = consumer.metric(HITS)
-        answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
-        assert consumer.metric(HITS) - before == 2 * 999
-        assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
-        log = consumer.log_text()
-        assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+ \(pulled\): 999 tokens", log)) == 1
-        assert "the consumer has no push room for request" in producer.log_text()
-    finally:
-        producer.stop()
-        consumer.stop()
+    producer, consumer = small_pair
+    start_vllm(producer, consumer)
+    first, second = prompt(1300, 1000), prompt(1301, 1000)  # 4 MiB of KV each in float32
+    producer.complete(first, 1)
+    producer.complete(second, 1)
+    before = consumer.metric(HITS)
+    answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
+    assert consumer.metric(HITS) - before == 2 * 999
+    assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
+    log = consumer.log_text()
+    assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+ \(pulled\): 999 tokens", log)) == 1
+    assert "the consumer has no push room for request" in producer.log_text()
