@@ -385,7 +385,7 @@ def send_late_bytes(cfg: dict[str, Any], kv_rank: int, nbytes: int, pause: float
     """Send None (connected), then a tensor of ``nbytes`` (``late_tensor``) pausing ``pause`` s after its header and
     after its first chunk; then the header of a second one, and freeze (``frozen`` is set): the test kills us."""
     with open_pipe(cfg, kv_rank) as pipe:
-        pipe.send_tensor(None)
+        pipe.send_tensor(None, timeout=60.0)  # linking may take longer than the test's short timeout on a busy box
         pause_after_frames({"TENSOR", "CHUNK"}, pause, times=2)
         pipe.send_tensor(late_tensor(nbytes))
         pause_after_frames({"TENSOR"}, 600.0, times=1, paused=frozen)
