@@ -179,6 +179,13 @@ def selected_params(request: pytest.FixtureRequest, fixture: str) -> set:
     return {item.callspec.params.get(fixture) for item in request.session.items if hasattr(item, "callspec")}
 
 
+def start_early(request: pytest.FixtureRequest, fixture: str) -> None:
+    """Set up ``fixture`` now if a selected test of this module takes it: for an autouse module fixture that starts
+    instances while the module's first tests run (they leave a core idle)."""
+    if any(fixture in item.fixturenames for item in request.session.items if item.module is request.module):
+        request.getfixturevalue(fixture)
+
+
 def log_mark(server: VllmServer) -> int:
     """Where the instance's log ends now (for ``warnings_since``)."""
     return server.log.stat().st_size

@@ -16,7 +16,7 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS, kv_stats, settled_stats
+from tests.kv_connector.conftest import SERVE_ARGS, kv_stats, settled_stats, start_early
 
 PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
 MAX_TOKENS = 16
@@ -103,9 +103,8 @@ def kv32k_consumer(pd_pair: tuple[VllmServer, VllmServer],
 
 @pytest.fixture(scope="module", autouse=True)
 def kv32k_consumer_early(request: pytest.FixtureRequest) -> None:
-    """The kv32k consumer starts while the first tests run on the session's pair (they leave a core idle)."""
-    if any("kv32k_consumer" in item.fixturenames for item in request.session.items if item.module is request.module):
-        request.getfixturevalue("kv32k_consumer")
+    """The kv32k consumer starts while the first tests run on the session's pair."""
+    start_early(request, "kv32k_consumer")
 
 
 def test_layout_mismatch_is_refused_clearly(pd_pair, reference, kv32k_consumer):

@@ -12,7 +12,7 @@ import pytest
 
 from harness.vllm import VllmServer, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import start_pair
+from tests.kv_connector.conftest import start_early, start_pair
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
@@ -30,9 +30,8 @@ def small_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module", autouse=True)
 def small_pair_early(request: pytest.FixtureRequest) -> None:
-    """The small pair starts while the first tests run on the session's push pair (they leave a core idle)."""
-    if any("small_pair" in item.fixturenames for item in request.session.items if item.module is request.module):
-        request.getfixturevalue("small_pair")
+    """The small pair starts while the first tests run on the session's push pair."""
+    start_early(request, "small_pair")
 
 
 def test_consumer_decodes_from_pushed_kv(push_pair, reference):
