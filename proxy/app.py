@@ -26,10 +26,11 @@ from proxy.protocols import (
     answer_params,
     decode_payload,
     json_answer,
+    loads_kv,
     prefill_payload,
 )
 from proxy.relay import SSE_CONTENT_TYPE, StreamRelay
-from proxy.routing import Router
+from proxy.routing import Router, Trip
 from proxy.validate import parse_json_object, validate
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,11 @@ class Proxy:
         # as the server closes it.
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
-        log.info("proxy ready (protocol %s): prefill %s, decode %s; prefix index of %d chunks, balance slack %d, "
-                 "skip the prefill below %d tokens%s", self.config.protocol, list(self.config.prefill),
-                 list(self.config.decode), self.config.prefix_index_entries, self.config.balance_slack,
-                 self.config.skip_prefill_below, "; admin endpoints on" if self.config.admin_token else "")
+        log.info("proxy ready (protocol %s): prefill %s, decode %s; routing %s, prefix index of %d chunks, balance "
+                 "slack %d, skip the prefill below %d tokens%s", self.config.protocol, list(self.config.prefill),
+                 list(self.config.decode), self.config.routing, self.config.prefix_index_entries,
+                 self.config.balance_slack, self.config.skip_prefill_below,
+                 "; admin endpoints on" if self.config.admin_token else "")
 
     async def stop(self) -> None:
         for task in list(self._background):
@@ -171,43 +173,68 @@ class Proxy:
             balancer.release(upstream)
 
     async def prefill(self, path: str, body: bytes, headers: dict[str, str], reserved: Upstream,
-                      hint: Fingerprint | None) -> tuple[Upstream, dict[str, Any] | None]:
+                      trip: Trip) -> tuple[Upstream, dict[str, Any] | None]:
         """Run the prefill copy on the reserved instance (another one if it cannot be reached) to completion; the
         instance that ran it and its answer's kv_transfer_params."""
-        upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers, self.whole_timeout,
-                                             reserved, hint)
-        data = await self.read_body(self.prefill_balancer, upstream, response)
-        log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
-        if response.status >= 400:
-            raise RelayedError(response.status, data, response.headers.get("Content-Type"))
-        answer = json_answer(data)
+        hint = trip.hint
+        ok = False
+        self.router.prefill_sent(trip, reserved)
+        try:
+            upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers,
+                                                 self.whole_timeout, reserved, hint)
+            if upstream is not reserved:
+                self.router.prefill_sent(trip, upstream)
+            data = await self.read_body(self.prefill_balancer, upstream, response)
+            log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+            if response.status >= 400:
+                raise RelayedError(response.status, data, response.headers.get("Content-Type"))
+            answer = json_answer(data)
+            ok = True
+        finally:
+            self.router.prefill_ended(trip, ok)
         self.router.calibrate(hint, answer)
         self.prefilled()
         return upstream, answer_params(answer)
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                             headers: dict[str, str], reserved: Upstream, streaming: bool,
-                             hint: Fingerprint | None = None) -> Response:
+                             headers: dict[str, str], reserved: Upstream, streaming: bool, trip: Trip,
+                             local: bool) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
-        cannot be reached) and relay its answer."""
+        cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load)."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = self.decode_balancer
-        upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, hint)
-        content_type = response.headers.get("Content-Type", "application/json")
-        log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
-        if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
-            relay = StreamRelay(response, lambda: balancer.release(upstream), headers[REQUEST_ID_HEADER],
-                                lambda: self.router.answered(upstream, hint))
-            relayed = Response(relay, status=response.status, content_type=content_type)
-            relayed.headers["Cache-Control"] = "no-cache"
-            relayed.headers["X-Accel-Buffering"] = "no"
-            relayed.timeout = None  # a stream lasts as long as the generation
-            return relayed
-        data = await self.read_body(balancer, upstream, response)
-        if response.status < 400:
-            self.router.answered(upstream, hint)
-        return Response(data, status=response.status, content_type=content_type)
+        hint = trip.hint
+        self.router.decode_sent(trip, reserved, local)
+        relaying = False
+        answer: dict[str, Any] | None = None
+        try:
+            upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, hint)
+            if upstream is not reserved:
+                self.router.decode_sent(trip, upstream, local)
+            content_type = response.headers.get("Content-Type", "application/json")
+            log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
+            if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
+                def release() -> None:
+                    balancer.release(upstream)
+                    self.router.decode_ended(trip, False)
+
+                relay = StreamRelay(response, release, headers[REQUEST_ID_HEADER],
+                                    lambda: self.router.answered(upstream, hint), lambda: self.router.chunk(trip))
+                relaying = True
+                relayed = Response(relay, status=response.status, content_type=content_type)
+                relayed.headers["Cache-Control"] = "no-cache"
+                relayed.headers["X-Accel-Buffering"] = "no"
+                relayed.timeout = None  # a stream lasts as long as the generation
+                return relayed
+            data = await self.read_body(balancer, upstream, response)
+            if response.status < 400:
+                self.router.answered(upstream, hint)
+                answer = json_answer(data)
+            return Response(data, status=response.status, content_type=content_type)
+        finally:
+            if not relaying:
+                self.router.decode_ended(trip, answer is not None, answer)
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         payload = parse_json_object(raw)
@@ -223,13 +250,14 @@ class Proxy:
         chat = path == CHAT_COMPLETIONS
         hint = fingerprint(payload, chat)
         request_id = headers[REQUEST_ID_HEADER]
-        choice = self.router.reserve(self.decode_balancer, hint, request_id)
+        trip = self.router.trip(hint)
+        choice = self.router.reserve(self.decode_balancer, hint, request_id, trip)
         decode = choice.upstream
         try:
             if self.router.skip_prefill(choice, hint, request_id):
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
             else:
-                decode_params = await self.remote_prefill(path, payload, chat, headers, decode, hint)
+                decode_params = await self.remote_prefill(path, payload, chat, headers, decode, trip)
         except (ProxyError, RelayedError) as error:
             reason = self.prefill_unavailable(error)
             if reason is None or not self.config.fallback:
@@ -240,7 +268,8 @@ class Proxy:
         except BaseException:
             self.decode_balancer.release(decode)
             raise
-        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming, hint)
+        local = not loads_kv(decode_params)
+        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming, trip, local)
 
     @staticmethod
     def prefill_unavailable(error: ProxyError | RelayedError) -> str | None:
@@ -271,7 +300,7 @@ class Proxy:
             log.warning("a prefill instance answers again: remote prefills resume")
 
     async def remote_prefill(self, path: str, payload: dict[str, Any], chat: bool, headers: dict[str, str],
-                             decode: Upstream, hint: Fingerprint | None) -> dict[str, Any] | None:
+                             decode: Upstream, trip: Trip) -> dict[str, Any] | None:
         """The prefill copy run on a prefill instance; the decode's kv_transfer_params. Before the decode, unless the
         decode instance takes pushed KV (``--dispatch concurrent``): then the prefill runs in the background and the
         decode goes out at once, waiting for the push."""
@@ -279,7 +308,8 @@ class Proxy:
         prefill_params = await self.protocol.prefill_params(transfer, decode)
         body = json.dumps(prefill_payload(payload, chat, prefill_params)).encode()
         awaited = self.protocol.awaited_push(prefill_params) if self.config.dispatch == "concurrent" else None
-        chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER]).upstream
+        hint = trip.hint
+        chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER], trip).upstream
         if awaited is not None and chosen.cooling_down() and self.config.fallback:
             # every prefill instance failed a moment ago (a cooling-down one is chosen only then): a decode sent
             # beside it would wait push_wait for a push that is unlikely to come
@@ -288,7 +318,7 @@ class Proxy:
                              chosen.name)
         if awaited is not None:
             self._dispatched.labels(mode="concurrent").inc()
-            task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, hint))
+            task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, trip))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return awaited
@@ -298,15 +328,15 @@ class Proxy:
         except BaseException:
             self.prefill_balancer.release(chosen)
             raise
-        prefill, answer = await self.prefill(path, body, headers, chosen, hint)
+        prefill, answer = await self.prefill(path, body, headers, chosen, trip)
         return await self.protocol.decode_params(transfer, prefill, answer)
 
     async def background_prefill(self, path: str, body: bytes, headers: dict[str, str], chosen: Upstream,
-                                 hint: Fingerprint | None) -> None:
+                                 trip: Trip) -> None:
         """A prefill whose decode is already on its way: its failure is logged and counted, never the client's (the
         decode instance stops waiting for the push after its ``push_wait`` and computes the prompt itself)."""
         try:
-            await self.prefill(path, body, headers, chosen, hint)
+            await self.prefill(path, body, headers, chosen, trip)
         except asyncio.CancelledError:
             raise
         except (ProxyError, RelayedError) as error:

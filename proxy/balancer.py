@@ -4,9 +4,10 @@ pick and why) and ``Balancer`` (one per role).
 ``Balancer.pick`` is the one choice: given a request's ``Fingerprint`` it prefers the instance that holds the longest
 prefix of the prompt (``PrefixIndex``) unless that instance is overloaded, i.e. has more than ``slack`` requests
 outstanding beyond the least loaded one; among equals (and without a prefix anywhere) the fewest outstanding
-requests win, round robin on ties. ``reserve``/``acquire``/``release`` count what each instance has under way,
-``mark_failed`` puts a failed instance aside for the cooldown (and forgets what it held), ``add``/``remove`` change
-the instances while the proxy runs.
+requests win, round robin on ties. With ``--routing estimate`` a score (the estimated seconds to the request's
+first token on each instance, ``proxy.routing``) chooses instead, once it can be estimated.
+``reserve``/``acquire``/``release`` count what each instance has under way, ``mark_failed`` puts a failed instance
+aside for the cooldown (and forgets what it held), ``add``/``remove`` change the instances while the proxy runs.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.estimate import Costs, Work
 from proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
 
 log = logging.getLogger(__name__)
 
-PREFIX, BALANCE = "prefix", "balance"  # the rules of a choice, as /metrics names them
+PREFIX, BALANCE, ESTIMATE = "prefix", "balance", "estimate"  # the rules of a choice, as /metrics names them
 
 
 @dataclass(eq=False)
@@ -44,6 +46,8 @@ class Upstream:
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
     cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
+    costs: Costs = field(default_factory=Costs)  # what work cost there, learned from its answers (--routing estimate)
+    work: Work = field(default_factory=Work)  # what it was sent and has not answered yet
 
     @property
     def name(self) -> str:
@@ -89,9 +93,12 @@ class Balancer:
     def from_urls(cls, role: str, urls: Iterable[str], cooldown: float, slack: int = 4) -> Balancer:
         return cls(role, [Upstream(url, role, i) for i, url in enumerate(urls)], cooldown, slack)
 
-    def pick(self, exclude: Iterable[Upstream] = (), hint: Fingerprint | None = None) -> Choice | None:
+    def pick(self, exclude: Iterable[Upstream] = (), hint: Fingerprint | None = None,
+             score: Callable[[list[Upstream]], list[float] | None] | None = None) -> Choice | None:
         """The best instance not in ``exclude``; cooling-down ones only if nothing else is left. None if none. With
-        a ``hint`` the chosen instance is recorded as holding the prompt from now on."""
+        a ``hint`` the chosen instance is recorded as holding the prompt from now on. ``score``: the candidates'
+        estimated seconds to the request's first token (the lowest wins, rule ``estimate``), or None where they
+        cannot be estimated yet (then the prefix rule chooses)."""
         excluded = {id(u) for u in exclude}
         now = time.monotonic()
         candidates = [u for u in self.upstreams if id(u) not in excluded]
@@ -101,9 +108,16 @@ class Balancer:
         least = min(u.outstanding for u in pool)
         held = {id(u): u.prefix.match(hint.chunks) for u in pool} if hint is not None and hint.chunks else {}
         longest = max(held.values(), default=0)
+        scores = score(pool) if score is not None and len(pool) > 1 else None
         eligible = [u for u in pool if u.outstanding <= least + self.slack]
         best = max((held.get(id(u), 0) for u in eligible), default=0)
-        if best > 0:
+        if scores is not None:
+            lowest = min(scores)
+            group = [u for u, s in zip(pool, scores, strict=True) if s <= lowest * (1 + 1e-6) + 1e-9]
+            upstream = self._rotate(group)
+            mine = held.get(id(upstream), 0)
+            chosen = Choice(upstream, ESTIMATE, mine, longest > mine)
+        elif best > 0:
             group = [u for u in eligible if held[id(u)] == best]
             chosen = Choice(self._rotate(group), PREFIX, best, longest > best)
         else:
@@ -130,9 +144,10 @@ class Balancer:
                 return upstream
         raise AssertionError("unreachable: the group is a subset of the upstreams")
 
-    def reserve(self, hint: Fingerprint | None = None) -> Choice:
+    def reserve(self, hint: Fingerprint | None = None,
+                score: Callable[[list[Upstream]], list[float] | None] | None = None) -> Choice:
         """Pick an instance and count it as busy now (the caller releases it)."""
-        choice = self.pick(hint=hint)
+        choice = self.pick(hint=hint, score=score)
         assert choice is not None, "a balancer has at least one instance"
         self.acquire(choice.upstream)
         return choice

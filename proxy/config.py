@@ -19,7 +19,8 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 ADMIN_TOKEN_ENV = "MOONCAKE_PROXY_ADMIN_TOKEN"  # the admin token, if --admin-token is not given
 MIN_ADMIN_TOKEN = 16  # characters
 DEFAULT_BALANCE_SLACK = 4
-DEFAULT_SKIP_PREFILL_BELOW = 256  # tokens; chosen by benchmarks/bench_routing.py (see benchmarks/results/NOTES.md)
+DEFAULT_SKIP_PREFILL_BELOW = 0  # never skip: a fixed threshold lost on slower boxes (benchmarks/results/NOTES.md)
+ROUTING_RULES = ("prefix", "estimate")
 DEFAULT_PREFIX_INDEX_ENTRIES = 200_000  # chunks, all instances together (~150 bytes each)
 
 
@@ -74,6 +75,8 @@ class ProxyConfig:
     balance_slack: int = DEFAULT_BALANCE_SLACK  # outstanding requests an instance may have beyond the least loaded
     # one and still be preferred for the prefix it holds
     skip_prefill_below: int = DEFAULT_SKIP_PREFILL_BELOW  # estimated uncached tokens below which no remote prefill
+    # (--routing estimate: from which a request is never computed on its decode instance)
+    routing: str = "prefix"  # the rule choosing instances and skips (proxy.routing)
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
     dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
@@ -99,6 +102,8 @@ class ProxyConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.routing not in ROUTING_RULES:
+            raise ConfigError(f"routing must be one of {', '.join(ROUTING_RULES)}, got {self.routing!r}")
         if self.dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.bootstrap and self.protocol != "bootstrap":
@@ -155,10 +160,17 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--balance-slack", type=int, default=DEFAULT_BALANCE_SLACK, metavar="N",
                         help="an instance holding a longer prompt prefix is preferred unless it has more than N "
                              f"outstanding requests beyond the least loaded one (default {DEFAULT_BALANCE_SLACK})")
+    parser.add_argument("--routing", choices=ROUTING_RULES, default="prefix",
+                        help="prefix (default): the instance holding the longest prompt prefix, within "
+                             "--balance-slack, and --skip-prefill-below as a fixed threshold; estimate: the instances, "
+                             "and whether the decode instance computes the request whole, chosen by the estimated time "
+                             "to its first token (what each instance has queued, what work cost there, learned from "
+                             "its answers)")
     parser.add_argument("--skip-prefill-below", type=int, default=DEFAULT_SKIP_PREFILL_BELOW, metavar="TOKENS",
-                        help="send a request straight to the decode instance when the part of its prompt that "
-                             "instance does not hold is estimated below TOKENS (default "
-                             f"{DEFAULT_SKIP_PREFILL_BELOW}; 0: always prefill remotely)")
+                        help="--routing prefix: send a request straight to the decode instance when the part of its "
+                             "prompt that instance does not hold is estimated below TOKENS (default "
+                             f"{DEFAULT_SKIP_PREFILL_BELOW}: always prefill remotely). --routing estimate: a bound, "
+                             "from TOKENS uncached tokens up a request is always prefilled remotely (0: no bound)")
     parser.add_argument("--prefix-index-entries", type=int, default=DEFAULT_PREFIX_INDEX_ENTRIES, metavar="N",
                         help="prompt prefix chunks the proxy remembers, all instances together (default "
                              f"{DEFAULT_PREFIX_INDEX_ENTRIES}; 0: no prefix routing)")
@@ -183,7 +195,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            max_connections=args.max_connections, max_clients=args.max_clients,
                            client_timeout=args.client_timeout, protocol=args.protocol,
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
-                           skip_prefill_below=args.skip_prefill_below, prefix_index_entries=args.prefix_index_entries,
+                           skip_prefill_below=args.skip_prefill_below, routing=args.routing,
+                           prefix_index_entries=args.prefix_index_entries,
                            admin_token=args.admin_token if args.admin_token is not None
                            else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch,
                            fallback=not args.no_fallback)

@@ -68,6 +68,13 @@ def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
 
 
 NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped: it loads nothing
+
+
+def loads_kv(params: dict[str, Any] | None) -> bool:
+    """Whether a decode sent with ``params`` loads its prompt's KV (else it computes the prompt itself)."""
+    return bool(params and params.get(DO_REMOTE_PREFILL))
+
+
 AWAITED_PUSH = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}  # a decode sent with its prefill
 # to a push-mode consumer: it waits for whichever producer pushes the prompt (no producer's answer needed)
 

@@ -25,9 +25,10 @@ class StreamRelay:
     """
 
     def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str,
-                 on_end: Callable[[], None] | None = None):
+                 on_end: Callable[[], None] | None = None, on_chunk: Callable[[], None] | None = None):
         self._response = response
         self._on_end = on_end  # called once the whole stream came through
+        self._on_chunk = on_chunk  # called as each chunk comes
         self._release: Callable[[], None] | None = release
         self._request_id = request_id
         self._done = False
@@ -53,6 +54,8 @@ class StreamRelay:
             if self._on_end is not None:
                 self._on_end()
             raise StopAsyncIteration
+        if self._on_chunk is not None:
+            self._on_chunk()
         return chunk
 
     async def aclose(self) -> None:

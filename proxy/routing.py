@@ -1,6 +1,12 @@
 """Routing around ``Balancer.pick``: ``Router`` keeps the prefix indexes bounded and fresh, counts each choice on the
 proxy's /metrics, calibrates token estimates, and decides when the remote prefill is not worth it (``skip_prefill``).
 
+Two rules (``--routing``): ``prefix`` (the longest cached prefix within ``--balance-slack``, and the fixed
+``--skip-prefill-below`` threshold, 0 by default: never skipped) and ``estimate`` (``proxy.estimate``: the instances
+and the skip are chosen by the estimated time to the request's first token, from what each instance has queued and
+what work cost there; ``--skip-prefill-below`` is then a bound: from that many uncached tokens up a request is never
+computed on its decode instance). Each request's ``Trip`` keeps the queues and the learned costs up to date.
+
 Bounds: every instance's index holds at most the chunks its KV cache holds (``vllm:cache_config_info`` on its
 /metrics: ``num_gpu_blocks * block_size`` tokens, ``DEFAULT_CACHE_TOKENS`` if it does not say), and all indexes
 together at most ``--prefix-index-entries`` chunks (each instance gets an equal share). An instance's /metrics are
@@ -14,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -21,11 +29,36 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proxy.balancer import Balancer, Choice, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
 from proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
+from proxy.estimate import Decision, decide, local_option, remote_option
 from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
 
 log = logging.getLogger(__name__)
 
 RETRY = 5.0  # seconds before an instance whose /metrics could not be read is asked again (by the router)
+
+
+@dataclass
+class Trip:
+    """One request's way through the fleet, for the queues and the costs: its prompt, the tokens each instance must
+    compute (or load), and when each step started and ended (``time.monotonic()``)."""
+
+    hint: Fingerprint | None
+    total: float = 0.0  # the prompt's estimated tokens
+    local: bool = False  # computed whole on its decode instance
+    held: dict[str, tuple[Upstream, int]] = field(default_factory=dict)  # by role: the chosen instance, the prompt's
+    # chunks it held when chosen (a choice records the prompt as held from then on)
+    prefill: Upstream | None = None
+    prefill_tokens: float = 0.0  # uncached on the prefill instance
+    prefill_ahead: float = 0.0  # tokens queued there before it
+    prefill_sent: float = 0.0
+    prefill_done: float | None = None
+    decode: Upstream | None = None
+    decode_tokens: float = 0.0  # uncached on the decode instance (computed there, or loaded)
+    decode_ahead: float = 0.0
+    decode_sent: float = 0.0
+    first_token: float | None = None
+    last_chunk: float = 0.0
+    ended: bool = False
 
 
 class Router:
@@ -48,7 +81,16 @@ class Router:
         self.cached_tokens = Counter("mooncake_proxy_cached_prefix_tokens", "Estimated prompt tokens the chosen "
                                      "instance already held (prefix index).", ["role"], registry=registry)
         self.skipped = Counter("mooncake_proxy_prefill_skipped", "Requests sent straight to a decode instance "
-                               "(uncached prompt below --skip-prefill-below tokens).", registry=registry)
+                               "(uncached prompt below --skip-prefill-below tokens, or faster there by the "
+                               "estimate).", registry=registry)
+        self.decisions = Counter("mooncake_proxy_route_decisions", "Why each request was prefilled remotely or "
+                                 "computed whole on its decode instance (local): below_threshold / not_below_threshold "
+                                 "(--skip-prefill-below), never (no skipping), unsized (prompt_embeds), not_learned "
+                                 "(--routing estimate before the costs are known), faster_locally / faster_remotely "
+                                 "(the estimate), above_bound.", ["choice", "reason"], registry=registry)
+        self.estimated = Gauge("mooncake_proxy_estimated_cost_seconds", "What work costs on each instance, as the "
+                               "proxy learned it: prefill_per_token, prefill_base, load_per_token, load_base, step.",
+                               ["role", "instance", "cost"], registry=registry)
         entries = Gauge("mooncake_proxy_prefix_index_entries", "Prefix chunks indexed, all instances of the role.",
                         ["role"], registry=registry)
         for role in (PREFILL, DECODE):
@@ -81,9 +123,16 @@ class Router:
             self.calibration[hint.chat].observe(hint.size, usage.get("prompt_tokens"))
 
     # ---------------------------------------------------------------- choices
-    def reserve(self, balancer: Balancer, hint: Fingerprint | None, request_id: str) -> Choice:
-        """``balancer.reserve(hint)``, counted; the instance's /metrics refreshed in the background if stale."""
-        choice = balancer.reserve(hint)
+    def reserve(self, balancer: Balancer, hint: Fingerprint | None, request_id: str, trip: Trip | None = None) -> Choice:
+        """``balancer.reserve(hint)``, counted (and noted on ``trip``); the instance's /metrics refreshed in the
+        background if stale. With ``--routing estimate`` the estimated time to the first token chooses, once it can
+        be estimated."""
+        score = None
+        if self.config.routing == "estimate" and hint is not None:
+            score = self._prefill_scores(hint) if balancer.role == PREFILL else self._decode_scores(hint)
+        choice = balancer.reserve(hint, score)
+        if trip is not None:
+            trip.held[balancer.role] = (choice.upstream, choice.cached)
         self.routed.labels(role=balancer.role, rule=choice.rule).inc()
         if choice.passed_over:
             self.passed_over.labels(role=balancer.role).inc()
@@ -95,25 +144,205 @@ class Router:
         self.refresh(choice.upstream)
         return choice
 
-    def skip_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> bool:
-        """Whether the decode instance computes the prompt itself: its uncached part (estimated) is below
-        ``--skip-prefill-below`` tokens. Never for a prompt the index cannot size (``prompt_embeds``). Cautious:
-        only chunks the instance has answered count as cached (a prompt routed there a moment ago may still be
-        loading), and a text prompt is sized with the lowest characters per token seen lately (a character per
-        token before any calibration)."""
-        threshold = self.config.skip_prefill_below
-        if not threshold or hint is None:
-            return False
-        held = decode.upstream.prefix.match(hint.chunks, confirmed=True) * hint.chunk_units
+    def uncached(self, upstream: Upstream, hint: Fingerprint, confirmed: bool = False) -> float:
+        """Estimated tokens of the prompt ``upstream`` does not hold (``confirmed``: counting only prefixes it
+        answered; sized cautiously, see ``skip_prefill``)."""
+        held = upstream.prefix.match(hint.chunks, confirmed=confirmed) * hint.chunk_units
         total = self.tokens(hint, cautious=True)
-        uncached = total - min(self.tokens(hint, held, cautious=True), total)
+        return total - min(self.tokens(hint, held, cautious=True), total)
+
+    def _best_prefill(self, hint: Fingerprint) -> tuple[Upstream, float] | None:
+        """The prefill instance where the prompt's prefill would end first, and its uncached tokens there; None
+        while any candidate's costs are unknown."""
+        upstreams = [u for u in self.balancers[PREFILL].upstreams if not u.cooling_down()]
+        if not upstreams or not all(u.costs.prefill.known for u in upstreams):
+            return None
+        best = min(upstreams, key=lambda u: u.costs.prefill.predict(u.work.tokens + self.uncached(u, hint)))
+        return best, self.uncached(best, hint)
+
+    def _prefill_scores(self, hint: Fingerprint) -> Callable[[list[Upstream]], list[float] | None]:
+        def score(pool: list[Upstream]) -> list[float] | None:
+            if not all(u.costs.prefill.known for u in pool):
+                return None
+            return [u.costs.prefill.predict(u.work.tokens + self.uncached(u, hint)) for u in pool]
+        return score
+
+    def _decode_scores(self, hint: Fingerprint) -> Callable[[list[Upstream]], list[float] | None]:
+        """Each decode instance's cost: the better of its two options (remote via the best prefill instance, or
+        whole there), the time it makes its running requests wait included."""
+        def score(pool: list[Upstream]) -> list[float] | None:
+            best = self._best_prefill(hint)
+            if best is None or not all(u.costs.load.known for u in pool):
+                return None
+            prefill, uncached_p = best
+            bound = self.config.skip_prefill_below
+            scores = []
+            for upstream in pool:
+                uncached_d = self.uncached(upstream, hint)
+                via = remote_option(prefill.costs, prefill.work, uncached_p, upstream.costs, uncached_d).cost
+                if not bound or uncached_d < bound:
+                    fit = upstream.costs.prefill if upstream.costs.prefill.known else prefill.costs.prefill
+                    via = min(via, local_option(upstream.costs, upstream.work, uncached_d, fit).cost)
+                scores.append(via)
+            return scores
+        return score
+
+    def skip_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> bool:
+        """Whether the decode instance computes the prompt itself. ``--routing prefix``: its uncached part
+        (estimated) is below ``--skip-prefill-below`` tokens. ``--routing estimate``: ``proxy.estimate.decide``.
+        Never for a prompt the index cannot size (``prompt_embeds``). Cautious: only chunks the instance has
+        answered count as cached (a prompt routed there a moment ago may still be loading), and a text prompt is
+        sized with the lowest characters per token seen lately (a character per token before any calibration)."""
+        threshold = self.config.skip_prefill_below
+        upstream = decode.upstream
+        if hint is None:
+            return self._decided(False, "unsized", request_id, upstream)
+        uncached = self.uncached(upstream, hint, confirmed=True)
+        total = self.tokens(hint, cautious=True)
+        if self.config.routing == "estimate":
+            best = self._best_prefill(hint)
+            if best is None:
+                return self._decided(False, "not_learned", request_id, upstream)
+            prefill, uncached_p = best
+            decision = decide(prefill.costs, prefill.work, uncached_p, upstream.costs, upstream.work, uncached,
+                              threshold)
+            log.info("[%s] %s: ~%d of ~%d prompt tokens uncached on %s%s", request_id, self._explain(decision),
+                     uncached, total, upstream.name, "" if decision.via is None else f" (~{uncached_p:.0f} on "
+                     f"{prefill.name})")
+            return self._decided(not decision.remote, decision.reason, request_id, upstream)
+        if not threshold:
+            return self._decided(False, "never", request_id, upstream)
         skip = uncached < threshold
+        log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s --skip-prefill-below %d",
+                 request_id, "skipped the" if skip else "remote", uncached, total, upstream.name, decode.rule,
+                 "below" if skip else "not below", threshold)
+        return self._decided(skip, "below_threshold" if skip else "not_below_threshold", request_id, upstream)
+
+    @staticmethod
+    def _explain(decision: Decision) -> str:
+        if decision.local is None or decision.via is None:
+            return f"remote prefill ({decision.reason})"
+        return (f"{'remote prefill' if decision.remote else 'skipped the prefill'} ({decision.reason}: remote "
+                f"~{decision.via.cost:.3f} s, local ~{decision.local.first_token:.3f} s + "
+                f"~{decision.local.imposed:.3f} s for the requests decoding there)")
+
+    def _decided(self, skip: bool, reason: str, request_id: str, upstream: Upstream) -> bool:
+        self.decisions.labels(choice="local" if skip else "remote", reason=reason).inc()
         if skip:
             self.skipped.inc()
-        log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s --skip-prefill-below %d",
-                 request_id, "skipped the" if skip else "remote", uncached, total, decode.upstream.name, decode.rule,
-                 "below" if skip else "not below", threshold)
         return skip
+
+    # ---------------------------------------------------------------- queues and costs
+    def trip(self, hint: Fingerprint | None) -> Trip:
+        return Trip(hint, 0.0 if hint is None else self.tokens(hint, cautious=True))
+
+    def _to_compute(self, trip: Trip, upstream: Upstream) -> float:
+        """The prompt's tokens ``upstream`` did not hold when it was chosen (all of them on an instance failed over
+        to)."""
+        if trip.hint is None:
+            return 0.0
+        chosen, chunks = trip.held.get(upstream.role, (None, 0))
+        held = self.tokens(trip.hint, chunks * trip.hint.chunk_units, cautious=True) if chosen is upstream else 0.0
+        return max(trip.total - held, 0.0)
+
+    def prefill_sent(self, trip: Trip, upstream: Upstream) -> None:
+        """The prefill went to ``upstream``: it is queued there until answered."""
+        if trip.prefill is not None:  # it failed over to another instance
+            trip.prefill.work.queued -= 1
+            trip.prefill.work.tokens = max(trip.prefill.work.tokens - trip.prefill_tokens, 0.0)
+        trip.prefill = upstream
+        trip.prefill_tokens = self._to_compute(trip, upstream)
+        trip.prefill_ahead = upstream.work.tokens
+        trip.prefill_sent = time.monotonic()
+        upstream.work.queued += 1
+        upstream.work.tokens += trip.prefill_tokens
+
+    def prefill_ended(self, trip: Trip, ok: bool) -> None:
+        """The prefill answered (``ok``) or failed: off the queue; an answer is a sample of its prefill cost."""
+        upstream = trip.prefill
+        if upstream is None or trip.prefill_done is not None:
+            return
+        now = time.monotonic()
+        trip.prefill_done = now
+        upstream.work.queued -= 1
+        upstream.work.tokens = max(upstream.work.tokens - trip.prefill_tokens, 0.0)
+        if ok and trip.hint is not None:
+            upstream.costs.prefill.observe(trip.prefill_ahead + trip.prefill_tokens, now - trip.prefill_sent)
+            self._publish(upstream)
+        if not ok:
+            trip.prefill_done = float("nan")  # no load sample from this trip
+
+    def decode_sent(self, trip: Trip, upstream: Upstream, local: bool) -> None:
+        """The decode request went to ``upstream`` (``local``: it computes the prompt itself)."""
+        if trip.decode is not None:  # it failed over to another instance
+            self._off_queue(trip)
+        trip.decode, trip.local = upstream, local
+        trip.decode_tokens = self._to_compute(trip, upstream)
+        trip.decode_ahead = upstream.work.tokens
+        trip.decode_sent = time.monotonic()
+        upstream.work.queued += 1
+        if local:
+            upstream.work.tokens += trip.decode_tokens
+
+    def _off_queue(self, trip: Trip) -> None:
+        upstream = trip.decode
+        assert upstream is not None
+        upstream.work.queued -= 1
+        if trip.local:
+            upstream.work.tokens = max(upstream.work.tokens - trip.decode_tokens, 0.0)
+
+    def chunk(self, trip: Trip) -> None:
+        """A streamed chunk of the decode's answer came: the first one ends the prefill (or load) there, the next
+        ones time its decode steps."""
+        if trip.decode is None or trip.ended:
+            return
+        now = time.monotonic()
+        if trip.first_token is None:
+            self._first_token(trip, now)
+        else:
+            trip.decode.costs.observe_step(now - trip.last_chunk)
+        trip.last_chunk = now
+
+    def _first_token(self, trip: Trip, now: float) -> None:
+        upstream = trip.decode
+        assert upstream is not None
+        trip.first_token = now
+        self._off_queue(trip)
+        upstream.work.running += 1
+        if trip.hint is None:
+            return
+        if trip.local:
+            upstream.costs.prefill.observe(trip.decode_ahead + trip.decode_tokens, now - trip.decode_sent)
+        elif trip.prefill_done is not None and trip.prefill_done == trip.prefill_done:  # not NaN: the prefill answered
+            upstream.costs.load.observe(trip.decode_tokens, now - max(trip.decode_sent, trip.prefill_done))
+        self._publish(upstream)
+
+    def decode_ended(self, trip: Trip, ok: bool, answer: dict[str, Any] | None = None) -> None:
+        """The decode's answer ended (``ok``: whole). A whole answer that was not streamed gives its first token's
+        time as its end less its other tokens' steps, if the instance's step is known."""
+        if trip.decode is None or trip.ended:
+            return
+        upstream = trip.decode
+        if trip.first_token is None:
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            produced = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            now = time.monotonic()
+            if ok and isinstance(produced, int) and produced >= 1 and upstream.costs.steps:
+                self._first_token(trip, max(now - (produced - 1) * upstream.costs.step, trip.decode_sent))
+            else:
+                trip.first_token = now
+                self._off_queue(trip)
+                upstream.work.running += 1
+        trip.ended = True
+        upstream.work.running -= 1
+
+    def _publish(self, upstream: Upstream) -> None:
+        name = str(upstream.index)
+        costs = upstream.costs
+        for cost, value in (("prefill_base", costs.prefill.line()[0]), ("prefill_per_token", costs.prefill.line()[1]),
+                            ("load_base", costs.load.line()[0]), ("load_per_token", costs.load.line()[1]),
+                            ("step", costs.step)):
+            self.estimated.labels(role=upstream.role, instance=name, cost=cost).set(value)
 
     def answered(self, upstream: Upstream, hint: Fingerprint | None) -> None:
         """``upstream`` answered a request for ``hint``'s prompt: it holds that prompt's KV now."""

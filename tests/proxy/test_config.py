@@ -52,18 +52,20 @@ def test_routing_and_admin_options(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     base = ["--prefill", "http://a:1", "--decode", "http://c:3"]
     monkeypatch.delenv("MOONCAKE_PROXY_ADMIN_TOKEN", raising=False)
     config = parse_args(base)
-    assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.admin_token) == \
-        (4, 256, 200_000, "")
+    assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.admin_token,
+            config.routing) == (4, 0, 200_000, "", "prefix")
     config = parse_args([*base, "--balance-slack", "0", "--skip-prefill-below", "128", "--prefix-index-entries", "0",
-                         "--admin-token", "a" * 16])
-    assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries) == (0, 128, 0)
+                         "--admin-token", "a" * 16, "--routing", "estimate"])
+    assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.routing) == \
+        (0, 128, 0, "estimate")
     assert config.admin_token == "a" * 16 and "a" * 16 not in repr(config)
     monkeypatch.setenv("MOONCAKE_PROXY_ADMIN_TOKEN", "from-the-environment-0123")
     assert parse_args(base).admin_token == "from-the-environment-0123"
     assert parse_args([*base, "--admin-token", ""]).admin_token == ""  # explicitly none
     for bad, message in ((["--admin-token", "short"], "at least 16"), (["--admin-token", "a b" * 8], "no spaces"),
                          (["--balance-slack", "-1"], "balance_slack must be"),
-                         (["--skip-prefill-below", "-5"], "skip_prefill_below must be")):
+                         (["--skip-prefill-below", "-5"], "skip_prefill_below must be"),
+                         (["--routing", "fastest"], "invalid choice")):
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
         assert message in capsys.readouterr().err

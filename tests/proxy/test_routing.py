@@ -337,3 +337,47 @@ def test_a_prompt_is_sized_with_the_fewest_characters_per_token_seen_lately() ->
         assert await proxy_metric(env, "mooncake_proxy_prefill_skipped_total") == 0
 
     run(test, skip_prefill_below=500)
+
+
+def test_the_estimate_learns_what_work_costs_and_skips_by_load() -> None:
+    """--routing estimate, both instances computing a prompt in 0.1 ms a character, one at a time, and taking 20 ms
+    for anything else (a load, for D). The first three streamed requests are
+    prefilled remotely (reason not_learned) and teach the proxy what a prefill on P and a load into D cost (on its
+    /metrics). Then, D idle, a new prompt is computed on D whole (faster_locally: one prefill instead of a prefill and
+    a load); while six requests are decoding on D, the same kind of prompt is prefilled remotely (faster_remotely: a
+    local prefill would stall them). Nothing is left queued at the end."""
+
+    async def stream(env: Environment, prompt: str) -> None:
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "prompt": prompt, "stream": True})
+        assert status == 200 and body.endswith("data: [DONE]\n\n")
+
+    async def decisions(env: Environment, choice: str, reason: str) -> float:
+        return await proxy_metric(env, "mooncake_proxy_route_decisions_total", choice=choice, reason=reason)
+
+    async def test(env: Environment) -> None:
+        for upstream in (env.prefill[0], env.decode[0]):
+            upstream.compute_per_char, upstream.delay = 1e-4, 0.02
+        env.prefill[0].kv_params = {"do_remote_prefill": True, "do_remote_decode": False}
+        for seed, chars in ((20, 600), (21, 1200), (22, 2400)):
+            await stream(env, text_of(seed, chars))
+        assert await decisions(env, "remote", "not_learned") == 3
+        for role, cost in (("prefill", "prefill_per_token"), ("decode", "load_per_token")):
+            assert await proxy_metric(env, "mooncake_proxy_estimated_cost_seconds", role=role, instance="0",
+                                      cost=cost) > 0
+        await stream(env, text_of(23, 1200))
+        assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
+        assert len(env.prefill[0].completions()) == 3
+        assert await decisions(env, "local", "faster_locally") == 1
+        env.decode[0].hold_last = asyncio.Event()
+        held = [asyncio.ensure_future(stream(env, text_of(30 + i, 1200))) for i in range(6)]
+        decode = env.proxy.proxy.decode_balancer.upstreams[0]
+        await wait_until(lambda: decode.work.running == 6)
+        await complete(env, text_of(40, 1200))
+        assert env.decode[0].received[-1].body["kv_transfer_params"] != NO_LOAD
+        assert env.prefill[0].completions()[-1].body["prompt"] == text_of(40, 1200)
+        assert await decisions(env, "remote", "faster_remotely") >= 1
+        env.decode[0].hold_last.set()
+        await asyncio.gather(*held)
+        await assert_idle(env)
+
+    run(test, routing="estimate")

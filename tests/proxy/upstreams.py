@@ -51,7 +51,7 @@ class Received:
 @dataclass(eq=False)
 class FakeUpstream:
     """A vLLM-like OpenAI server. Knobs: ``status``/``error_body`` (answer with an error), ``delay`` (seconds before
-    answering), ``kv_params`` (added to non-streaming answers), ``chunks`` (SSE data of a streaming answer) and
+    answering), ``compute_per_char`` (a prefill's cost), ``kv_params`` (added to non-streaming answers), ``chunks`` (SSE data of a streaming answer) and
     ``hold_last`` (an event awaited before the last chunk)."""
 
     name: str
@@ -67,6 +67,9 @@ class FakeUpstream:
     metrics_text: str | None = None  # the body of GET /metrics (404 if None)
     metrics_requests: int = 0
     chars_per_token: float | None = None  # non-streaming answers say usage.prompt_tokens (a string prompt's length / it)
+    compute_per_char: float = 0.0  # seconds per character of a prompt it computes, one prompt at a time (as an
+    # engine's prefills are); a decode whose kv_transfer_params load the prompt's KV computes nothing
+    _computing: asyncio.Lock = field(default_factory=asyncio.Lock)
     received: list[Received] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -108,6 +111,11 @@ class FakeUpstream:
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
+            params = body.get("kv_transfer_params")
+            loads = isinstance(params, dict) and params.get("do_remote_prefill")
+            if self.compute_per_char and isinstance(body.get("prompt"), str) and not loads:
+                async with self._computing:
+                    await asyncio.sleep(self.compute_per_char * len(body["prompt"]))
             if self.status >= 400:
                 return web.json_response(self.error_body or {"error": {"message": self.name}}, status=self.status)
             if body.get("stream"):
@@ -253,9 +261,7 @@ class Environment:
 async def environment(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: list[str] | None = None,
                       decode_urls: list[str] | None = None, **options: Any) -> AsyncIterator[Environment]:
     """Start ``n_prefill`` + ``n_decode`` fake upstreams and the proxy; extra URLs (e.g. dead ones) come first.
-    Every prefill is remote (``skip_prefill_below=0``) unless ``options`` say otherwise: the flow under test is the
-    disaggregated one, with prompts far shorter than the proxy's default threshold."""
-    options.setdefault("skip_prefill_below", 0)
+    Every prefill is remote (the proxy's default) unless ``options`` say otherwise."""
     journal: list[tuple[str, str]] = []
     prefill = [FakeUpstream(f"P{i}", journal) for i in range(n_prefill)]
     decode = [FakeUpstream(f"D{i}", journal) for i in range(n_decode)]
@@ -298,11 +304,14 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
 
 
 async def assert_idle(env: Environment) -> None:
-    """No request outstanding in the proxy and no connection checked out of its pool (once the proxy's background
-    reads of the instances' /metrics ended)."""
+    """No request outstanding in the proxy, nothing queued on any instance, no connection checked out of its pool
+    (once the proxy's background reads of the instances' /metrics ended)."""
     await env.proxy.proxy.router.settle()
     await env.proxy.proxy.settle()
     assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
+    for balancer in (env.proxy.proxy.prefill_balancer, env.proxy.proxy.decode_balancer):
+        for upstream in balancer.upstreams:  # the queues the estimate reads: nothing left on them
+            assert (upstream.work.queued, upstream.work.tokens, upstream.work.running) == (0, 0.0, 0), upstream.name
     connector = env.proxy.proxy.session.connector
     assert connector is not None and not getattr(connector, "_acquired", set())
 
