@@ -11,15 +11,17 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
    generated; it and ``Authorization`` are forwarded to both upstreams, and the id is returned in the response.
 2. The decode instance is chosen first (see Routing) and counted as busy from then on: in push mode the producer
    must know where the KV goes before it prefills.
-3. Skip rule (``--skip-prefill-below N``, default 256 tokens, 0 = off): if the part of the prompt the chosen decode
-   instance does not hold is estimated below N tokens, there is no remote prefill: the request goes straight to
-   the decode instance with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}`` (the
-   connectors, this project's and vLLM's, then load nothing). Logged at INFO with the numbers; counted. Only the
-   part the decode instance has *answered* counts as held (a request routed there a moment ago may still be
-   loading its KV), and a text prompt is sized with the lowest characters per token of recent prompts (a
-   character per token before any prefill answer has calibrated it: text of rare tokens can be ~1). The default
-   is what benchmarks/bench_routing.py chose (benchmarks/results/NOTES.md); the prompt computed on the decode
-   instance delays its other requests, so a fleet should measure its own.
+3. Skip rule: whether the chosen decode instance computes the whole request itself (no remote prefill: it goes
+   straight there with ``kv_transfer_params: {"do_remote_prefill": false, "do_remote_decode": false}``, and the
+   connectors, this project's and vLLM's, load nothing). ``--routing prefix`` (the default): when the part of the
+   prompt that instance does not hold is estimated below ``--skip-prefill-below N`` tokens (default 0: never; a
+   fixed threshold chosen on one box lost 2.3-2.7x on a slower one: benchmarks/results/NOTES.md). ``--routing
+   estimate``: when that is estimated to give the request its first token sooner, counting what it makes the
+   requests decoding there wait (``estimate``, below); ``--skip-prefill-below`` then only bounds it (from N
+   uncached tokens up, always remote). Logged at INFO with the numbers; counted per reason. Only the part the
+   decode instance has *answered* counts as held (a request routed there a moment ago may still be loading its
+   KV), and a text prompt is sized with the lowest characters per token of recent prompts (a character per token
+   before any prefill answer has calibrated it: text of rare tokens can be ~1).
 4. Prefill: a copy of the request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat), ``stream``
    false, no ``stream_options`` and the protocol's ``kv_transfer_params`` goes to the prefill instance chosen the
    same way and is awaited. An error status (4xx/5xx) is relayed to the client as is and ends the request.
@@ -50,6 +52,21 @@ push address or engine id) loses its index. ``/metrics`` counts ``mooncake_proxy
 (rule ``prefix`` or ``balance``), ``mooncake_proxy_prefix_passed_over_total{role}``,
 ``mooncake_proxy_cached_prefix_tokens_total{role}`` (estimated), ``mooncake_proxy_prefill_skipped_total`` and
 the index size ``mooncake_proxy_prefix_index_entries{role}``.
+
+``--routing estimate`` (``estimate``, ``routing``): the proxy learns, from the answers it relays, what work costs on
+each instance - a prefill of n tokens (seconds to the prefill instance's answer, or to the first streamed token of
+a request a decode instance computed whole, against the tokens queued there before it plus its own), a load into a
+decode instance (seconds from the later of the decode request and the prefill's answer to its first streamed
+token), and a decode step (the gap between streamed chunks) - as lines fitted online, recent answers weighing
+most. It knows what each instance has queued (what it sent and has not seen the first token of) and how many
+requests are decoding there. A prefill instance is then chosen by the estimated end of the prompt's prefill there
+(queued tokens plus the part of the prompt it does not hold: a cached prefix counts as saved work, not as a
+preference), a decode instance by the better of its two options (remote prefill then a load of what it lacks, or
+the whole request there plus the stall it causes its decoding requests), and the skip by comparing the two.
+Until the remote path's costs are known (3 answers each) requests are prefilled remotely and the prefix rule
+chooses. ``/metrics``: ``mooncake_proxy_route_decisions_total{choice,reason}`` (remote or local; reasons never,
+below_threshold, not_below_threshold, unsized, not_learned, faster_locally, faster_remotely, above_bound),
+``mooncake_proxy_estimated_cost_seconds{role,instance,cost}`` and ``mooncake_proxy_routed_total{rule="estimate"}``.
 
 Admin (``admin``; only with ``--admin-token`` or ``MOONCAKE_PROXY_ADMIN_TOKEN``, else 404): ``/admin/instances`` on the
 proxy's own port, with ``Authorization: Bearer <token>`` (missing -> 401, wrong -> 403): ``GET`` lists the instances

@@ -7,6 +7,7 @@ import json
 import random
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,25 +65,69 @@ def test_corrupted_kv_changes_the_output(pd_pair, reference):
 
 def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
     """The whole stack as a user runs it: proxy_server.py, with its defaults, in front of the producer and the
-    consumer. Prompts of 700 and 260 tokens are prefilled on the producer and loaded; one of 100 tokens is below
-    the default --skip-prefill-below (256): the consumer computes it, loading nothing, and answers the same."""
+    consumer. Prompts of 700, 260 and 100 tokens are prefilled on the producer and loaded (the default never skips).
+    With --routing estimate the first streamed requests are prefilled remotely while the proxy learns what a prefill
+    and a load cost; every answer, streamed or not, equals the reference. With --skip-prefill-below 256 a prompt of
+    100 tokens is computed by the consumer, loading nothing, and answers the same."""
     producer, consumer = pd_pair
-    port = free_port()
-    cmd = [sys.executable, str(REPO / "proxy_server.py"), "--prefill", producer.url, "--decode", consumer.url,
-           "--host", "127.0.0.1", "--port", str(port)]
-    log = tmp_path / "proxy.log"
-    proc = spawn(cmd, log)
-    try:
-        wait_ready(proc, cmd, log, http_ok(f"http://127.0.0.1:{port}/health"), "proxy", 60)
-        proxy = OpenAIClient(f"http://127.0.0.1:{port}", consumer.model)
-        for seed, length in ((400, 700), (401, 260), (402, 100)):
-            tokens = prompt(seed, length)
-            before = consumer.metric(HITS)
-            assert proxy.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
-            assert consumer.metric(HITS) - before == (length - 1 if length >= 256 else 0)
-        assert "skipped the prefill" in log.read_text()
-    finally:
-        stop(proc)
+
+    def through(options: list[str], prompts: list[tuple[int, int, bool]]) -> tuple[str, str]:
+        """Each (seed, length, stream) prompt through a fresh proxy with ``options``; its log and /metrics."""
+        port = free_port()
+        cmd = [sys.executable, str(REPO / "proxy_server.py"), "--prefill", producer.url, "--decode", consumer.url,
+               "--host", "127.0.0.1", "--port", str(port), *options]
+        log = tmp_path / f"proxy-{port}.log"
+        proc = spawn(cmd, log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(proc, cmd, log, http_ok(url + "/health"), "proxy", 60)
+            proxy = OpenAIClient(url, consumer.model)
+            for seed, length, streamed in prompts:
+                tokens = prompt(seed, length)
+                before = consumer.metric(HITS)
+                expected = reference.complete(tokens, MAX_TOKENS)
+                answer = stream(url, consumer.model, tokens) if streamed else proxy.complete(tokens, MAX_TOKENS)
+                assert answer == expected, (seed, length, streamed)
+                loaded = consumer.metric(HITS) - before
+                assert loaded in (0, length - 1), loaded  # whole or nothing: the prompt is new to both instances
+                prompts_loaded.append(loaded > 0)
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+                return log.read_text(), response.read().decode()
+        finally:
+            stop(proc)
+
+    prompts_loaded: list[bool] = []
+    _, metrics = through([], [(400, 700, False), (401, 260, False), (402, 100, False)])
+    assert prompts_loaded == [True, True, True]
+    assert 'mooncake_proxy_route_decisions_total{choice="remote",reason="never"} 3.0' in metrics
+    prompts_loaded.clear()
+    _, metrics = through(["--routing", "estimate"], [(403 + i, 300 + 100 * i, True) for i in range(4)]
+                         + [(407, 500, False)])
+    assert prompts_loaded[:3] == [True, True, True]
+    assert 'mooncake_proxy_route_decisions_total{choice="remote",reason="not_learned"} 3.0' in metrics
+    learned = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("mooncake_proxy_estimated_cost_seconds{")}
+    assert learned['cost="prefill_per_token",instance="0",role="prefill"'] > 0
+    assert learned['cost="load_per_token",instance="0",role="decode"'] + \
+        learned['cost="load_base",instance="0",role="decode"'] > 0
+    prompts_loaded.clear()
+    log, _ = through(["--skip-prefill-below", "256"], [(408, 100, False), (409, 300, False)])
+    assert prompts_loaded == [False, True]
+    assert "skipped the prefill" in log
+
+
+def stream(url: str, model: str, tokens: list[int]) -> str:
+    """A streamed completion through ``url``: the text of its SSE events."""
+    body = json.dumps({"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            data = line.decode().strip().removeprefix("data: ")
+            if line.startswith(b"data: ") and data != "[DONE]":
+                text.extend(choice["text"] for choice in json.loads(data)["choices"])
+    return "".join(text)
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ class Received:
 @dataclass(eq=False)
 class FakeUpstream:
     """A vLLM-like OpenAI server. Knobs: ``status``/``error_body`` (answer with an error), ``delay`` (seconds before
-    answering), ``compute_per_char`` (a prefill's cost), ``kv_params`` (added to non-streaming answers), ``chunks`` (SSE data of a streaming answer) and
-    ``hold_last`` (an event awaited before the last chunk)."""
+    answering), ``compute_per_char`` (a prefill's cost), ``kv_params`` (added to non-streaming answers), ``chunks``
+    (SSE data of a streaming answer) and ``hold_last`` (an event awaited before the last chunk)."""
 
     name: str
     journal: list[tuple[str, str]] = field(default_factory=list)
