@@ -6,8 +6,6 @@ Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 10
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import sys
 import time
 import urllib.request
@@ -27,74 +25,6 @@ SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100"
 BLOCK = 128  # the CPU backend's block size
 ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model in float32: 4 layers x [2, 128, 128]
 STAT_PREFIX = "vllm:mooncake_kv_"
-PRESTART_AHEAD = 3  # a module's instances are spawned when the module before it has this many tests left to run
-
-log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- instances spawned ahead
-# A vLLM instance takes 20-50 s to start, mostly on one core: the instances a module needs are spawned while the
-# module before it runs its last tests (the fixture then only waits for them). ``spawner(fixture)`` registers how a
-# fixture spawns its instances (constructed, not waited for), ``take(fixture)`` hands them to it.
-Spawner = Callable[[pytest.TempPathFactory], tuple[VllmServer, ...]]
-_SPAWNERS: dict[str, Spawner] = {}
-_SPAWNED: dict[str, tuple[VllmServer, ...]] = {}
-_TRIGGERED: set[str] = set()
-_POSITIONS: dict[int, int] = {}
-_SESSION = contextlib.ExitStack()  # what spawned instances need for the whole session (the etcd server)
-
-
-def spawner(fixture: str) -> Callable[[Spawner], Spawner]:
-    def register(spawn: Spawner) -> Spawner:
-        _SPAWNERS[fixture] = spawn
-        return spawn
-    return register
-
-
-def take(fixture: str, factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    """``fixture``'s instances, ready: spawned ahead if they were (else now), then waited for."""
-    _TRIGGERED.add(fixture)
-    servers = _SPAWNED.pop(fixture, None) or _SPAWNERS[fixture](factory)
-    start_vllm(*servers)
-    return servers
-
-
-def _needs(item: pytest.Item) -> set[str]:
-    """The spawnable fixtures ``item`` uses (``pair`` asks for its mode's pair when it runs)."""
-    names = set(item.fixturenames)
-    if "pair" in names and hasattr(item, "callspec"):
-        names.add("pd_pair" if item.callspec.params.get("mode") == "pull" else "push_pair")
-    return names & _SPAWNERS.keys()
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """When a module has ``PRESTART_AHEAD`` tests left, spawn what the next module's tests need and nobody spawned."""
-    items = item.session.items
-    if not _POSITIONS:
-        _POSITIONS.update((id(it), i) for i, it in enumerate(items))
-    index = _POSITIONS.get(id(item))
-    if index is None:
-        return
-    upcoming = next((it for it in items[index + 1:index + 1 + PRESTART_AHEAD] if it.module is not item.module), None)
-    if upcoming is None:
-        return
-    for fixture in sorted(set().union(*(_needs(it) for it in items[index + 1:] if it.module is upcoming.module))):
-        if fixture in _TRIGGERED:
-            continue
-        _TRIGGERED.add(fixture)
-        try:
-            _SPAWNED[fixture] = _SPAWNERS[fixture](item.config._tmp_path_factory)  # type: ignore[attr-defined]
-        except Exception:  # its fixture spawns it when it is set up, and fails there if it must
-            log.exception("spawning %s ahead failed", fixture)
-            _TRIGGERED.discard(fixture)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    for spawned in _SPAWNED.values():  # spawned for tests that did not run (an interrupted session)
-        for server in spawned:
-            server.stop()
-    _SPAWNED.clear()
-    _SESSION.close()
 
 
 @pytest.fixture(scope="session")
@@ -139,15 +69,11 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server.stop()
 
 
-@spawner("pd_pair")
-def spawn_pd_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    return start_pair(build_model("tiny", quiet=True), factory.mktemp("pd"), "pull", worker_process=True, wait=False)
-
-
 @pytest.fixture(scope="session")
-def pd_pair(tmp_path_factory: pytest.TempPathFactory, reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
+def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
     """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode)."""
-    producer, consumer = take("pd_pair", tmp_path_factory)
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull", worker_process=True)
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -156,21 +82,12 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory, reference: VllmServer) -> 
 PUSH_PAIR_SECRET = "push-pair-secret-" + "7" * 32
 
 
-_ETCD: list[str] = []
-
-
-def session_etcd(factory: pytest.TempPathFactory) -> str:
-    """The session's etcd server (started on first use, stopped at the session's end): its "host:port"."""
-    if not _ETCD:
-        _ETCD.append(_SESSION.enter_context(servers.etcd_server(factory.mktemp("etcd"))))
-    return _ETCD[0]
-
-
 @pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> str:
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An etcd server (the distribution's) on 127.0.0.1: its "host:port"."""
     try:
-        return session_etcd(tmp_path_factory)
+        with servers.etcd_server(tmp_path_factory.mktemp("etcd")) as address:
+            yield address
     except servers.ServerUnavailable as e:
         pytest.fail(str(e))
 
@@ -180,19 +97,14 @@ def etcd_metadata(address: str) -> dict[str, str]:
     return {"metadata_server": f"etcd://{address}", "metadata_backend": "etcd"}
 
 
-@spawner("push_pair")
-def spawn_push_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    return start_pair(build_model("tiny", quiet=True), factory.mktemp("push"), "push", mode="push", worker_process=True,
-                      auth_secret=PUSH_PAIR_SECRET, wait=False, **etcd_metadata(session_etcd(factory)))
-
-
 @pytest.fixture(scope="session")
-def push_pair(etcd: str, tmp_path_factory: pytest.TempPathFactory,
+def push_pair(tiny_model: Path, etcd: str, tmp_path_factory: pytest.TempPathFactory,
               reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
     """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), a shared secret
     (``PUSH_PAIR_SECRET``: its params are signed) and its Transfer Engine metadata in etcd (``pd_pair`` and the
     other pairs use P2PHANDSHAKE)."""
-    producer, consumer = take("push_pair", tmp_path_factory)
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push", worker_process=True,
+                                    auth_secret=PUSH_PAIR_SECRET, **etcd_metadata(etcd))
     yield producer, consumer
     producer.stop()
     consumer.stop()

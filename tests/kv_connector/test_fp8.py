@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.vllm import VllmServer, build_model
+from harness.vllm import VllmServer
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import BLOCK, SERVE_ARGS, blocks, kv_stats, settled_stats, spawner, start_pair, take
+from tests.kv_connector.conftest import BLOCK, SERVE_ARGS, blocks, kv_stats, settled_stats, start_pair
 
 
 def fp8_capable() -> bool:
@@ -36,15 +36,10 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(10, 5000) for _ in range(length)]
 
 
-@spawner("fp8_pair")
-def spawn_fp8_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    return start_pair(build_model("tiny", quiet=True), factory.mktemp("fp8"), "fp8", wait=False,
-                      serve_args=[*SERVE_ARGS, "--kv-cache-dtype", "fp8"])
-
-
 @pytest.fixture(scope="module")
-def fp8_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    producer, consumer = take("fp8_pair", tmp_path_factory)
+def fp8_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("fp8"), "fp8",
+                                    serve_args=[*SERVE_ARGS, "--kv-cache-dtype", "fp8"])
     yield producer, consumer
     producer.stop()
     consumer.stop()

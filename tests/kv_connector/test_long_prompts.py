@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from harness.ports import free_port
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json
-from tests.kv_connector.conftest import kv_stats, settled_stats, spawner, take
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from tests.kv_connector.conftest import kv_stats, settled_stats
 
 LENGTHS = [8192, 16384, 32768]
 BLOCK = 128
@@ -28,10 +28,10 @@ ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "40960", "--
         str(160 << 20), "--max-num-batched-tokens", "2048"]
 
 
-@spawner("long_pair")
-def spawn_long_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    model = build_model("long", quiet=True)
-    work = factory.mktemp("long")
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    model = build_model("long")
+    work = tmp_path_factory.mktemp("long")
     config = mooncake_json(work / "mooncake.json", timeout=30)
     producer = VllmServer("long-producer", model, free_port(), 0, work,
                           connector_config("kv_producer", transfer_mode="push"), config, ARGS,
@@ -39,12 +39,7 @@ def spawn_long_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
     consumer = VllmServer("long-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", transfer_mode="push", load_timeout=60), config, ARGS,
                           worker_process=False)
-    return producer, consumer
-
-
-@pytest.fixture(scope="module")
-def long_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    producer, consumer = take("long_pair", tmp_path_factory)
+    start_vllm(producer, consumer)
     yield producer, consumer
     producer.stop()
     consumer.stop()

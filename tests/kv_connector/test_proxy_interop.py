@@ -19,39 +19,32 @@ import pytest
 
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
-from harness.vllm import REPO, OpenAIClient, VllmServer, build_model
-from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, spawner, take
+from harness.vllm import REPO, OpenAIClient, VllmServer, start_vllm
+from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 SEND = re.compile(r"BENCH builtin send start=[\d.]+ end=[\d.]+ bytes=(\d+) descs=\d+ ret=(-?\d+)")
 
 
-@spawner("builtin_pair")
-def spawn_builtin_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    work = factory.mktemp("builtin")
+@pytest.fixture(scope="module")
+def builtin_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, int]]:
+    """vLLM's own MooncakeConnector: a producer (core 0) and a consumer (core 1); yields them and the producer's
+    bootstrap port."""
+    work = tmp_path_factory.mktemp("builtin")
     bootstrap = free_port()
     shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
     peers = str(REPO / "benchmarks" / "peers")
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),
            "PYTHONPATH": os.pathsep.join(p for p in (peers, os.environ.get("PYTHONPATH")) if p)}
-    model = build_model("tiny", quiet=True)
-    producer = VllmServer("builtin-producer", model, free_port(), 0, work,
+    producer = VllmServer("builtin-producer", tiny_model, free_port(), 0, work,
                           {**shim, "kv_role": "kv_producer", "engine_id": "interop-prefill"}, None, SERVE_ARGS, env,
                           worker_process=False)
-    consumer = VllmServer("builtin-consumer", model, free_port(), 1, work,
+    consumer = VllmServer("builtin-consumer", tiny_model, free_port(), 1, work,
                           {**shim, "kv_role": "kv_consumer", "engine_id": "interop-decode"}, None, SERVE_ARGS, env,
                           worker_process=False)
-    return producer, consumer
-
-
-@pytest.fixture(scope="module")
-def builtin_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, int]]:
-    """vLLM's own MooncakeConnector: a producer (core 0) and a consumer (core 1); yields them and the producer's
-    bootstrap port."""
-    producer, consumer = take("builtin_pair", tmp_path_factory)
-    bootstrap = int(producer.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
     try:
+        start_vllm(producer, consumer)
         yield producer, consumer, bootstrap
     finally:
         producer.stop()

@@ -11,46 +11,31 @@ and 1 -> 2 against a colocated instance of the consumer's TP size, each rank rea
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from harness.ports import free_port, port_pair
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json
+from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import (
-    ROW_BYTES,
-    SERVE_ARGS,
-    blocks,
-    kv_stats,
-    log_mark,
-    settled_stats,
-    spawner,
-    take,
-    warnings_since,
-)
+from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 TP = 2
 
 
-@spawner("tp2_pair")
-def spawn_tp2_pair(factory: pytest.TempPathFactory) -> tuple[VllmServer, ...]:
-    work = factory.mktemp("tp2")
+@pytest.fixture(scope="module")
+def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    work = tmp_path_factory.mktemp("tp2")
     config = mooncake_json(work / "mooncake.json", prefill_url=f"127.0.0.1:{port_pair()}",
                            decode_url=f"127.0.0.1:{port_pair()}")
     args, env = [*SERVE_ARGS, "--tensor-parallel-size", str(TP)], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    model = build_model("tiny", quiet=True)
-    producer = VllmServer("tp2-producer", model, free_port(), 0, work, connector_config("kv_producer"), config,
+    producer = VllmServer("tp2-producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
                           args, env)
-    consumer = VllmServer("tp2-consumer", model, free_port(), 1, work,
+    consumer = VllmServer("tp2-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True), config, args, env)
-    return producer, consumer
-
-
-@pytest.fixture(scope="module")
-def tp2_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    producer, consumer = take("tp2_pair", tmp_path_factory)
     try:
+        start_vllm(producer, consumer)
         yield producer, consumer
     finally:
         producer.stop()
