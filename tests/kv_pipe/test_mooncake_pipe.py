@@ -163,8 +163,10 @@ def test_none_is_not_confused_with_any_tensor(cfg):
     assert all(same(a, b) for a, b in zip(items, back, strict=True))
 
 
-def test_stress_500_rounds_changing_sides(cfg):
-    seed, rounds = 7, 500
+def test_stress_300_rounds_changing_sides(cfg):
+    """Both ends send ~4 MB tensors and Nones, the sending side changing every 1-5 rounds (103 changes, 15 Nones in
+    this schedule): every tensor arrives, in order, on the right side."""
+    seed, rounds = 7, 300
     peer = Peer(peers.stress, cfg, 0, seed, rounds)
     mine = peers.stress(cfg, 1, seed, rounds)
     theirs = peer.result(timeout=300)
