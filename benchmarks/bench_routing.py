@@ -217,6 +217,7 @@ class Fleet:
         self.servers: list[VllmServer] = []
         self.front: subprocess.Popen | None = None
         self.front_url = ""
+        self.proxy_log_level = "WARNING"
         if kind in ("colocated", "colocated4"):
             for i in range(4 if kind == "colocated4" else 2):
                 self.servers.append(VllmServer(f"colocated-{i}", model, free_port(), i % 2, work, None, None,
@@ -262,7 +263,8 @@ class Fleet:
                    *[a for s in self.consumers for a in ("--decode", s.url)], "--prefill-policy", "cache_aware",
                    "--decode-policy", "cache_aware", "--log-level", "warning"]
         else:
-            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--log-level", "WARNING",
+            # with --keep-logs our proxy says why it routed each request where (INFO), else only what went wrong
+            cmd = [sys.executable, str(ROOT / "proxy_server.py"), "--log-level", self.proxy_log_level,
                    *[a for s in self.producers for a in ("--prefill", s.url)],
                    *[a for s in self.consumers for a in ("--decode", s.url)]]
             # every rule and threshold named, so that a change of the proxy's defaults changes no front
@@ -599,6 +601,7 @@ def main() -> None:
         for kind in args.fleets:
             print(f"fleet {kind}: starting", flush=True)
             fleet = Fleet(kind, model, work, serve_args, args.one_process_engine, args.unpinned)
+            fleet.proxy_log_level = "INFO" if args.keep_logs else "WARNING"
             try:
                 for server in fleet.servers:  # the first requests of a fresh instance are slower
                     server.complete([5 + server.port % 7] * 64, 4)
