@@ -36,9 +36,10 @@ REMOTE, LOCAL = "remote", "local"
 
 @dataclass
 class LinearFit:
-    """``seconds = base + per_token * tokens``, an exponentially weighted least-squares fit. The slope and the
-    intercept are kept non-negative; while the samples' token counts barely differ, only the level is fitted (the
-    line through the origin)."""
+    """``seconds = base + per_token * tokens``, an exponentially weighted least-squares fit, kept non-negative: a
+    slope that comes out negative (the time does not grow with the tokens, e.g. a wait for a decode slot dominates)
+    gives a flat line at the mean, an intercept that comes out negative the line through the origin; while the
+    samples' token counts barely differ, the line through the origin (a prefill's cost grows with its tokens)."""
 
     samples: int = 0
     _w: float = 0.0
@@ -70,11 +71,12 @@ class LinearFit:
         var = self._xx / self._w - mx * mx
         if var > (0.05 * mx) ** 2 and var > 1.0:
             slope = (self._xy / self._w - mx * my) / var
-            if slope > 0:
-                base = my - slope * mx
-                if base >= 0:
-                    return base, slope
-                return 0.0, self._xy / self._xx  # through the origin
+            if slope <= 0:
+                return my, 0.0
+            base = my - slope * mx
+            if base >= 0:
+                return base, slope
+            return 0.0, self._xy / self._xx  # through the origin
         if self._xx > 0:
             return 0.0, self._xy / self._xx
         return my, 0.0
