@@ -105,12 +105,15 @@ def produce(cfg: dict[str, Any], entry_set: str, thresh: float, done: Any, order
     return left
 
 
-def blocked_insert(cfg: dict[str, Any], thresh: float, timeout: float) -> dict[str, Any]:
-    """Insert two stress entries into a buffer that holds one; report how the second insert ended."""
+def blocked_insert(cfg: dict[str, Any], thresh: float, timeout: float, blocking: Any = None) -> dict[str, Any]:
+    """Insert two stress entries into a buffer that holds one; report how the second insert ended. ``blocking`` (an
+    event) is set as the second insert begins."""
     entries = stress_entries()
     with open_pipe(cfg, 0) as pipe:
         buf = SimpleBuffer(pipe, pipe, thresh, timeout=timeout)
         buf.insert(*entries[0])
+        if blocking is not None:
+            blocking.set()
         start = time.monotonic()
         try:
             buf.insert(*entries[1])

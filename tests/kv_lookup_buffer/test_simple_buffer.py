@@ -190,10 +190,12 @@ def test_concurrent_consumers_get_their_own_entries(cfg):
 
 
 def test_consumer_close_unblocks_a_blocked_insert(cfg):
-    producer = Peer(programs.blocked_insert, cfg, programs.STRESS_ENTRY_BYTES, 60.0)
+    blocking = ctx.Event()
+    producer = Peer(programs.blocked_insert, cfg, programs.STRESS_ENTRY_BYTES, 60.0, blocking)
     pipe, buf = consumer(cfg)
     with pipe:
-        time.sleep(3.0)  # the producer's second insert is waiting for room
+        assert blocking.wait(120), "the producer never inserted its first entry"
+        time.sleep(1.0)  # its second insert is waiting for room (a loaded machine may start a peer slowly)
         buf.close()
         result = producer.result()
     assert result["outcome"].startswith("BufferClosed: the consumer closed the buffer")
