@@ -110,6 +110,16 @@ class Work:
     tokens: float = 0.0
     running: int = 0
 
+    def add(self, tokens: float) -> None:
+        """A request sent, ``tokens`` of it to prefill there."""
+        self.queued += 1
+        self.tokens += tokens
+
+    def remove(self, tokens: float) -> None:
+        """A request added with ``tokens`` is off the queue (its first token came, it failed or moved)."""
+        self.queued -= 1
+        self.tokens = max(self.tokens - tokens, 0.0)
+
 
 @dataclass(frozen=True)
 class Option:

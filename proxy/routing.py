@@ -196,27 +196,27 @@ class Router:
         threshold = self.config.skip_prefill_below
         upstream = decode.upstream
         if hint is None:
-            return self._decided(False, "unsized", request_id, upstream)
+            return self._decided(False, "unsized")
         uncached = self.uncached(upstream, hint, confirmed=True)
         total = self.tokens(hint, cautious=True)
         if self.config.routing == "estimate":
             best = self._best_prefill(hint)
             if best is None:
-                return self._decided(False, "not_learned", request_id, upstream)
+                return self._decided(False, "not_learned")
             prefill, uncached_p = best
             decision = decide(prefill.costs, prefill.work, uncached_p, upstream.costs, upstream.work, uncached,
                               threshold)
             log.info("[%s] %s: ~%d of ~%d prompt tokens uncached on %s%s", request_id, self._explain(decision),
                      uncached, total, upstream.name, "" if decision.via is None else f" (~{uncached_p:.0f} on "
                      f"{prefill.name})")
-            return self._decided(not decision.remote, decision.reason, request_id, upstream)
+            return self._decided(not decision.remote, decision.reason)
         if not threshold:
-            return self._decided(False, "never", request_id, upstream)
+            return self._decided(False, "never")
         skip = uncached < threshold
         log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s --skip-prefill-below %d",
                  request_id, "skipped the" if skip else "remote", uncached, total, upstream.name, decode.rule,
                  "below" if skip else "not below", threshold)
-        return self._decided(skip, "below_threshold" if skip else "not_below_threshold", request_id, upstream)
+        return self._decided(skip, "below_threshold" if skip else "not_below_threshold")
 
     @staticmethod
     def _explain(decision: Decision) -> str:
@@ -226,7 +226,7 @@ class Router:
                 f"~{decision.via.cost:.3f} s, local ~{decision.local.first_token:.3f} s + "
                 f"~{decision.local.imposed:.3f} s for the requests decoding there)")
 
-    def _decided(self, skip: bool, reason: str, request_id: str, upstream: Upstream) -> bool:
+    def _decided(self, skip: bool, reason: str) -> bool:
         self.decisions.labels(choice="local" if skip else "remote", reason=reason).inc()
         if skip:
             self.skipped.inc()
@@ -248,14 +248,12 @@ class Router:
     def prefill_sent(self, trip: Trip, upstream: Upstream) -> None:
         """The prefill went to ``upstream``: it is queued there until answered."""
         if trip.prefill is not None:  # it failed over to another instance
-            trip.prefill.work.queued -= 1
-            trip.prefill.work.tokens = max(trip.prefill.work.tokens - trip.prefill_tokens, 0.0)
+            trip.prefill.work.remove(trip.prefill_tokens)
         trip.prefill = upstream
         trip.prefill_tokens = self._to_compute(trip, upstream)
         trip.prefill_ahead = upstream.work.tokens
         trip.prefill_sent = time.monotonic()
-        upstream.work.queued += 1
-        upstream.work.tokens += trip.prefill_tokens
+        upstream.work.add(trip.prefill_tokens)
 
     def prefill_ended(self, trip: Trip, ok: bool) -> None:
         """The prefill answered (``ok``) or failed: off the queue; an answer is a sample of its prefill cost."""
@@ -264,8 +262,7 @@ class Router:
             return
         now = time.monotonic()
         trip.prefill_done = now
-        upstream.work.queued -= 1
-        upstream.work.tokens = max(upstream.work.tokens - trip.prefill_tokens, 0.0)
+        upstream.work.remove(trip.prefill_tokens)
         if ok and trip.hint is not None:
             upstream.costs.prefill.observe(trip.prefill_ahead + trip.prefill_tokens, now - trip.prefill_sent)
             self._publish(upstream)
@@ -280,16 +277,11 @@ class Router:
         trip.decode_tokens = self._to_compute(trip, upstream)
         trip.decode_ahead = upstream.work.tokens
         trip.decode_sent = time.monotonic()
-        upstream.work.queued += 1
-        if local:
-            upstream.work.tokens += trip.decode_tokens
+        upstream.work.add(trip.decode_tokens if local else 0.0)  # a load is no prefill work there
 
     def _off_queue(self, trip: Trip) -> None:
-        upstream = trip.decode
-        assert upstream is not None
-        upstream.work.queued -= 1
-        if trip.local:
-            upstream.work.tokens = max(upstream.work.tokens - trip.decode_tokens, 0.0)
+        assert trip.decode is not None
+        trip.decode.work.remove(trip.decode_tokens if trip.local else 0.0)
 
     def chunk(self, trip: Trip) -> None:
         """A streamed chunk of the decode's answer came: the first one ends the prefill (or load) there, the next

@@ -366,7 +366,7 @@ def test_the_estimate_learns_what_work_costs_and_skips_by_load() -> None:
 
         assert await learned("prefill", "prefill_per_token") > 0  # a prefill's time grows with its prompt here
         assert 0.015 < await learned("decode", "load_base") < 0.5  # a load's does not (20 ms, plus HTTP)
-        assert await learned("decode", "load_per_token") == 0
+        assert await learned("decode", "load_per_token") * 1200 < 0.01  # flat, but for noise
         await stream(env, text_of(23, 1200))
         assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
         assert len(env.prefill[0].completions()) == 3
