@@ -52,14 +52,16 @@ def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, 
             worker.wait_for_save(meta)
 
 
-def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp: int, timeout: float = 60.0
-              ) -> tuple[set[str], set[str], set[int]]:
+def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp: int, timeout: float = 60.0,
+              pushed: bool = False) -> tuple[set[str], set[str], set[int]]:
     """Start ``loads`` (``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank) in one step,
-    then collect until they all ended: (done, failed, blocks to recompute)."""
+    then collect until they all ended: (done, failed, blocks to recompute). ``pushed``: the producers pushed these
+    prompts here, as their params would say (the consumer waits for the news of each push, which its receiving
+    thread may not have read yet)."""
     from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
     from kv_connector.source import LoadSource
 
-    source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp)
+    source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp, pushed=pushed)
     worker.start_step(MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads]))
     done: set[str] = set()
     failed: set[str] = set()

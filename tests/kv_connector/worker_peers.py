@@ -177,7 +177,8 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
             raise TimeoutError("the producers never got ready")
         with strict_sync(device):
             start = time.monotonic()
-            done, failed, bad = run_loads(worker, loads, producers, tp)
+            # push mode: every producer here pushed every prompt (``produce`` waits for their commits), and says so
+            done, failed, bad = run_loads(worker, loads, producers, tp, pushed=mode == "push")
             seconds = time.monotonic() - start
             later = None
             if then:
