@@ -52,6 +52,7 @@ class Trip:
     prefill_ahead: float = 0.0  # tokens queued there before it
     prefill_sent: float = 0.0
     prefill_done: float | None = None
+    prefill_ok: bool = False  # the prefill answered (a load after it is a sample of the load's cost)
     decode: Upstream | None = None
     decode_tokens: float = 0.0  # uncached on the decode instance (computed there, or loaded)
     decode_ahead: float = 0.0
@@ -263,11 +264,10 @@ class Router:
         now = time.monotonic()
         trip.prefill_done = now
         upstream.work.remove(trip.prefill_tokens)
+        trip.prefill_ok = ok
         if ok and trip.hint is not None:
             upstream.costs.prefill.observe(trip.prefill_ahead + trip.prefill_tokens, now - trip.prefill_sent)
             self._publish(upstream)
-        if not ok:
-            trip.prefill_done = float("nan")  # no load sample from this trip
 
     def decode_sent(self, trip: Trip, upstream: Upstream, local: bool) -> None:
         """The decode request went to ``upstream`` (``local``: it computes the prompt itself)."""
@@ -305,7 +305,7 @@ class Router:
             return
         if trip.local:
             upstream.costs.prefill.observe(trip.decode_ahead + trip.decode_tokens, now - trip.decode_sent)
-        elif trip.prefill_done is not None and trip.prefill_done == trip.prefill_done:  # not NaN: the prefill answered
+        elif trip.prefill_ok and trip.prefill_done is not None:
             upstream.costs.load.observe(trip.decode_tokens, now - max(trip.decode_sent, trip.prefill_done))
         self._publish(upstream)
 
@@ -321,19 +321,19 @@ class Router:
             now = time.monotonic()
             if ok and isinstance(produced, int) and produced >= 1 and upstream.costs.steps:
                 self._first_token(trip, max(now - (produced - 1) * upstream.costs.step, trip.decode_sent))
-            else:
-                trip.first_token = now
+            else:  # no first token known: off the queue, never counted as running
+                trip.ended = True
                 self._off_queue(trip)
-                upstream.work.running += 1
+                return
         trip.ended = True
         upstream.work.running -= 1
 
     def _publish(self, upstream: Upstream) -> None:
         name = str(upstream.index)
         costs = upstream.costs
-        for cost, value in (("prefill_base", costs.prefill.line()[0]), ("prefill_per_token", costs.prefill.line()[1]),
-                            ("load_base", costs.load.line()[0]), ("load_per_token", costs.load.line()[1]),
-                            ("step", costs.step)):
+        (prefill_base, prefill_per_token), (load_base, load_per_token) = costs.prefill.line(), costs.load.line()
+        for cost, value in (("prefill_base", prefill_base), ("prefill_per_token", prefill_per_token),
+                            ("load_base", load_base), ("load_per_token", load_per_token), ("step", costs.step)):
             self.estimated.labels(role=upstream.role, instance=name, cost=cost).set(value)
 
     def answered(self, upstream: Upstream, hint: Fingerprint | None) -> None:
