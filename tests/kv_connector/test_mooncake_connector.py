@@ -107,7 +107,9 @@ def test_through_the_proxy(pd_pair, reference, tmp_path: Path):
     assert 'mooncake_proxy_route_decisions_total{choice="remote",reason="not_learned"} 3.0' in metrics
     learned = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("mooncake_proxy_estimated_cost_seconds{")}
-    assert learned['cost="prefill_per_token",instance="0",role="prefill"'] > 0
+    # a fit of a few noisy times may come out flat (per token 0, all in the base): what it predicts must be positive
+    assert learned['cost="prefill_per_token",instance="0",role="prefill"'] + \
+        learned['cost="prefill_base",instance="0",role="prefill"'] > 0
     assert learned['cost="load_per_token",instance="0",role="decode"'] + \
         learned['cost="load_base",instance="0",role="decode"'] > 0
     prompts_loaded.clear()

@@ -102,16 +102,19 @@ def test_producer_tp2_to_consumer_tp1(tp2_pair, pd_pair, reference):
 
 
 def test_producer_tp1_to_consumer_tp2(tp2_pair, pd_pair):
-    """Each rank of the TP 2 consumer reads its KV head from the TP 1 producer's one entry (taken in two shares)."""
+    """Each rank of the TP 2 consumer reads its KV head from the TP 1 producer's one entry (taken in two shares).
+
+    The first request links both consumer ranks to the producer; its load may fail and be recomputed, so only its text
+    is checked. After it, two prompts must load on both ranks. On the test VMs, touching fresh memory sometimes takes
+    ~10 s machine-wide (a 64 MiB prefault in any process, measured while this test ran): a load that meets such a
+    stall times out and is recomputed (its text is still checked), and the next prompt is tried, up to five."""
     tp1_producer, _ = pd_pair
     producer, consumer = tp2_pair
-    # The first request links both consumer ranks to the producer. In the full suite that first contact once took
-    # 11 s (the producer's first handshake to the ranks hung until its 10 s timeout; 2.7 s when run alone): its load
-    # may fail and be recomputed, so only its text is checked here.
     tokens = prompt(8239, 300)
     assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=prefill(tp1_producer, tokens)) == \
         producer.complete(tokens, MAX_TOKENS)
-    for seed, length in ((8240, 500), (8241, 900)):
+    loaded, stalled = 0, []
+    for seed, length in zip(range(8240, 8245), (500, 900, 700, 600, 800), strict=True):
         tokens = prompt(seed, length)
         expected = producer.complete(tokens, MAX_TOKENS)  # colocated at the consumer's TP size
         params = prefill(tp1_producer, tokens)
@@ -119,5 +122,15 @@ def test_producer_tp1_to_consumer_tp2(tp2_pair, pd_pair):
         before, mark = kv_stats(consumer), log_mark(consumer)
         assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == expected
         change = settled_stats(consumer, before, TP)
-        assert change.get("loaded") == TP and not change.get("load_failures"), (change, warnings_since(consumer, mark))
-        assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # each rank half of it
+        if change.get("loaded") == TP and not change.get("load_failures"):
+            assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # each rank half of it
+            loaded += 1
+            if loaded == 2:
+                break
+            continue
+        said = warnings_since(consumer, mark)
+        # only a timeout may excuse a failed load here: any other failure (a layout refused, a wrong share) is a bug
+        assert change.get("loaded", 0) + change.get("load_failures", 0) == TP and any(
+            t in said for t in ("within", "timed out", "nothing for", "(TimeoutError)")), (change, said)
+        stalled.append(said)
+    assert loaded == 2, stalled
