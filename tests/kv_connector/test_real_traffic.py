@@ -58,7 +58,7 @@ def check_moved(mode: str, tokens: list[int], change: dict[str, float]) -> int:
 
 
 def abandon_after_first_token(server, tokens: list[int]) -> str:
-    """Stream a 200-token completion, hang up once the first token arrives; that token's text."""
+    """Stream a 200-token completion, hang up once the first event arrives; its text (one token or more)."""
     body = json.dumps({"model": server.model, "prompt": tokens, "max_tokens": 200, "temperature": 0.0,
                        "stream": True}).encode()
     req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
@@ -193,7 +193,8 @@ def test_requests_abandoned_half_way(pair, mode, reference):
     producer.complete(abandoned[2], 1)
     generated = consumer.metric("vllm:generation_tokens_total")
     first = abandon_after_first_token(consumer, abandoned[2])  # certainly during the decode
-    assert first == reference.complete(abandoned[2], 1)
+    # A busy API server merges the tokens it has not yet streamed into one event, so the first may hold several.
+    assert first and reference.complete(abandoned[2], 200).startswith(first), first
     wait_idle(consumer)  # else an abandoned request's claim may land in the stats of the next one
     assert consumer.metric("vllm:generation_tokens_total") - generated < 200, "the consumer decoded for nobody"
     for tokens in (prompt(990 if mode == "pull" else 995, 400), abandoned[0][:500]):
