@@ -349,7 +349,7 @@ def test_nothing_pushed_within_push_wait_fails_the_load(awaiting):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="no producer began pushing"):
         t.load(awaited(), time.monotonic() + 5)
-    assert 0.29 < time.monotonic() - start < 1.0 and pull.loaded == []
+    assert 0.29 < time.monotonic() - start < 3.0 and pull.loaded == []  # push_wait, not the 5 s deadline
     assert t.stats.take().data["await_push_timeouts"] == 1
     with pytest.raises(TimeoutError):  # the load's own deadline comes first
         t.load(awaited("s"), time.monotonic() + 0.1)
