@@ -3,6 +3,8 @@ which blocks, what a producer saves and pushes in which step, and the params it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kv_connector import params as kv_params
@@ -74,7 +76,7 @@ def test_under_the_fail_policy_only_a_load_the_params_ask_for_is_claimed():
     """vLLM's kv_load_failure_policy "fail" ends a request whose load fails with an error: a request without params
     (which would load from mooncake.json's producer, holding its prompt or not) is computed here instead; one whose
     params name its producer, or await its push, loads as under "recompute"."""
-    sched = ConsumerScheduler(config(mode="push", secret=SECRET), BLOCK, fail_loads=True)
+    sched = ConsumerScheduler(dataclasses.replace(config(mode="push", secret=SECRET), fail_loads=True), BLOCK)
     assert claim(sched, request("plain", 40), 0, [1, 2, 3]) == (0, False)
     named = kv_params.producer_params(["10.9.9.9:7000"], "p", "named", SECRET.encode())
     assert claim(sched, request("named", 40, named), 0, [4, 5, 6]) == (39, True)
