@@ -45,7 +45,8 @@ def serve_args(dtype: str, kv_bytes: int) -> list[str]:
 def start(work: Path, dtype: str, concurrency: int, max_in_flight: int) -> tuple[VllmServer, VllmServer]:
     config = mooncake_json(work / "mooncake.json", timeout=30)
     kv_max = max_in_flight * 3072 * 32 * 1024
-    connector = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+    connector = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
+                 "kv_load_failure_policy": "recompute"}
     producer = VllmServer("producer", MODEL, free_port(), 0, work,
                           {**connector, "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"buffer_size": kv_max + (1 << 30), "entry_ttl": 600}},

@@ -114,7 +114,8 @@ class Stacks:
         mooncake = self.work / "mooncake.json"
         mooncake.write_text(json.dumps({"prefill_url": f"{HOST}:{free_port()}", "decode_url": f"{HOST}:{free_port()}",
                                         "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
-        ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+        ours = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
+                "kv_load_failure_policy": "recompute"}
         push = {"kv_connector_extra_config": {"transfer_mode": "push"}}
         shim = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "builtin_mooncake_shim",
                 "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}

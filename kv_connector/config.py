@@ -44,6 +44,7 @@ class ConnectorConfig:
     mooncake: MooncakeTransferEngineConfig
     tp_size: int
     engine_id: str
+    fail_loads: bool = False  # vLLM's kv_load_failure_policy is "fail": a failed load ends its request with an error
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
@@ -54,7 +55,8 @@ class ConnectorConfig:
                               "or \"kv_consumer\" (decode instance)")
         options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
         return cls(transfer.kv_role, options, load_mooncake_config(options),
-                   vllm_config.parallel_config.tensor_parallel_size, transfer.engine_id or "")
+                   vllm_config.parallel_config.tensor_parallel_size, transfer.engine_id or "",
+                   transfer.kv_load_failure_policy == "fail")
 
     @property
     def is_producer(self) -> bool:

@@ -83,12 +83,11 @@ class MooncakeConnector(KVConnectorBase_V1):
             logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
                         "(recompute_tokens%s)", recompute, "" if config.options.recompute_tokens else
                         ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
-        transfer = vllm_config.kv_transfer_config
-        if transfer.kv_load_failure_policy != "recompute":
-            # A consumer claims the prompt before it knows whether the producer holds it; a miss must recompute.
-            logger.info("MooncakeConnector: setting kv_load_failure_policy=recompute (was %r) so that a failed KV "
-                        "load falls back to recomputing the prompt", transfer.kv_load_failure_policy)
-            transfer.kv_load_failure_policy = "recompute"
+        fail = config.fail_loads
+        logger.info("MooncakeConnector: kv_load_failure_policy=%s: %s", "fail" if fail else "recompute",
+                    "a KV load that fails ends its request with an error (set kv_load_failure_policy to recompute in "
+                    "--kv-transfer-config to recompute the prompt instead); requests whose params name no producer "
+                    "are computed here" if fail else "a KV load that fails is recomputed here")
         return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute)
 
     # ------------------------------------------------------------------ scheduler side (EngineCore process)

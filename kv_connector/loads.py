@@ -39,9 +39,12 @@ class Finished:
 
 class Loads:
     def __init__(self, load: Callable[[LoadRequest, float], LoadResult], concurrency: int, timeout: float,
-                 stats: StatsRecorder, thread_init: Callable[[], None] | None = None) -> None:
-        """``thread_init``: run by each loader thread first (e.g. make the KV cache's GPU its current device)."""
+                 stats: StatsRecorder, thread_init: Callable[[], None] | None = None, fail: bool = False) -> None:
+        """``thread_init``: run by each loader thread first (e.g. make the KV cache's GPU its current device).
+        ``fail``: vLLM ends a request whose load failed with an error (kv_load_failure_policy "fail"; the logs say
+        so), else recomputes its prompt."""
         self._load = load
+        self._then = "its request fails (kv_load_failure_policy fail)" if fail else "recomputing"
         self.timeout = timeout
         self.stats = stats
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="mooncake-kv-load",
@@ -65,21 +68,21 @@ class Loads:
                 raise TimeoutError(f"it waited longer than load_timeout={self.timeout:g} s to start")
             result = self._load(req, deadline)
         except KVMiss:
-            logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens; asked in %.1f ms): "
-                        "recomputing", req.req_id, len(req.token_ids), (time.perf_counter() - start) * 1e3)
+            logger.info("MooncakeConnector: the producer holds no KV for request %s (%d tokens; asked in %.1f ms): %s",
+                        req.req_id, len(req.token_ids), (time.perf_counter() - start) * 1e3, self._then)
             self.stats.count("load_misses")
             return None
         except LayoutMismatch as e:
-            logger.error("MooncakeConnector: %s; recomputing request %s", e, req.req_id)
+            logger.error("MooncakeConnector: %s; request %s: %s", e, req.req_id, self._then)
             self.stats.count("load_failures")
             return None
         except (PipeError, BufferClosed, TimeoutError, ValueError) as e:
-            logger.warning("MooncakeConnector: loading the KV of request %s failed (%s): recomputing", req.req_id, e)
+            logger.warning("MooncakeConnector: loading the KV of request %s failed (%s): %s", req.req_id, e, self._then)
             self.stats.count("load_failures")
             return None
         except Exception:
-            logger.exception("MooncakeConnector: loading the KV of request %s failed unexpectedly: recomputing",
-                             req.req_id)
+            logger.exception("MooncakeConnector: loading the KV of request %s failed unexpectedly: %s", req.req_id,
+                             self._then)
             self.stats.count("load_failures")
             return None
         finally:
@@ -115,7 +118,8 @@ class Loads:
             del self._running[req_id]
             error = future.exception()  # only something like SystemExit gets out of _run: never into vLLM
             if error is not None:
-                logger.error("MooncakeConnector: loading the KV of request %s ended with %r: recomputing", req_id, error)
+                logger.error("MooncakeConnector: loading the KV of request %s ended with %r: %s", req_id, error,
+                             self._then)
                 self.stats.count("load_failures")
             result = None if error is not None else future.result()
             out.done.add(req_id)

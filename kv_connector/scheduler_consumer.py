@@ -30,7 +30,10 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 class ConsumerScheduler:
-    """``recompute``: how many of a prompt's last tokens this instance computes itself (at least the last one)."""
+    """``recompute``: how many of a prompt's last tokens this instance computes itself (at least the last one).
+    Under vLLM's ``kv_load_failure_policy`` ``fail`` (``config.fail_loads``: a failed load ends its request with an
+    error) only a request whose params name its producer (or await its push) loads; one without params, which would
+    load from mooncake.json's producer whether or not that holds its prompt, is computed here instead."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1) -> None:
         self.config = config
@@ -52,7 +55,8 @@ class ConsumerScheduler:
                          request.request_id, e)
             self.claimed.add(request.request_id)
             return 0, False
-        if source is None:  # its params ask for no load: computed here
+        if source is None or (self.config.fail_loads and not source.from_params and not source.await_push):
+            # its params ask for no load, or a guess under the fail policy: computed here
             self.claimed.add(request.request_id)
             return 0, False
         self.claims[request.request_id] = (source, num_computed_tokens)

@@ -139,7 +139,7 @@ class ConnectorWorker:
             return
         assert self.staging is not None
         self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
-                           self.staging.bind_thread)
+                           self.staging.bind_thread, fail=self.config.fail_loads)
         self.links.warm_up(peer, self.options.load_timeout)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:

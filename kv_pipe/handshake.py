@@ -151,14 +151,6 @@ def authenticate(sock: socket.socket, source: str, me: Listening) -> tuple[dict[
     if kind != Kind.HELLO:
         raise ProtocolError(f"expected HELLO, got {kind.name}")
     hello = wire.decode_json(payload, HELLO)
-    rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if me.any_peer_rank else hello["local_rank"] == me.local_rank
-    if hello["kv_rank"] != 1 - me.kv_rank or not rank_ok:
-        # what this pipe expects goes to our log only: the connecting side has proved nothing yet
-        ranks = f"below {MAX_PEER_RANKS}" if me.any_peer_rank else str(me.local_rank)
-        logger.warning("a side-channel connection from %s says kv_rank %s local_rank %s; this pipe takes kv_rank "
-                       "%d local_rank %s", source, hello["kv_rank"], hello["local_rank"], 1 - me.kv_rank, ranks)
-        raise ProtocolError(f"kv_rank {hello['kv_rank']} local_rank {hello['local_rank']} is not taken here: check "
-                            "kv_role and the URLs in mooncake.json (this pipe's log says what it takes)")
     try:
         check_channel(hello["channel"])
         host, port = parse_host_port(hello["address"], "address")
@@ -169,13 +161,11 @@ def authenticate(sock: socket.socket, source: str, me: Listening) -> tuple[dict[
         raise ProtocolError(f"the HELLO is meant for the pipe at {hello['to']}, not this one (a relayed handshake?)")
     auth.check_nonce(hello["nonce"], "HELLO")
     address = join_host_port(host, port)
-    if me.peers is not None and address not in me.peers:
-        # the configured peers go to our log only: the connecting side has proved nothing yet
-        logger.warning("a side-channel connection from %s names %s, not a configured peer (%s)", source, address,
-                       " or ".join(sorted(me.peers)))
-        raise ProtocolError(f"{address} is not a configured peer of this pipe")
     if not same_host(host, source):
         raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
+    # Whether this pipe takes the peer's rank and address is told only once the peer proved that it knows the
+    # secret: until then every well-formed HELLO gets a CHALLENGE, so a stranger learns nothing of what is configured.
+    unwelcome = _unwelcome(hello, address, source, me)
     secret, ours = me.config.secret, auth.nonce()
     sock.settimeout(max(deadline - time.monotonic(), 0.01))
     sock.sendall(wire.encode_json(Kind.CHALLENGE, {"nonce": ours,
@@ -186,9 +176,29 @@ def authenticate(sock: socket.socket, source: str, me: Listening) -> tuple[dict[
         raise ProtocolError(f"expected AUTH, got {kind.name}")
     proved = wire.decode_json(answer, AUTH)
     auth.verify(secret, "link", proved["proof"], payload, ours, proved["session"], who=f"the peer at {address}")
+    if unwelcome is not None:
+        raise unwelcome
     if len(proved["session"]) > 300:
         raise ProtocolError("AUTH: the session name is too long")
     return hello, address, proved["session"]
+
+
+def _unwelcome(hello: dict[str, Any], address: str, source: str, me: Listening) -> ProtocolError | None:
+    """Why this pipe does not take the peer of ``hello`` (its rank, or an address that is not a configured peer),
+    logged with what the pipe takes; None if it does."""
+    rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if me.any_peer_rank else hello["local_rank"] == me.local_rank
+    if hello["kv_rank"] != 1 - me.kv_rank or not rank_ok:
+        ranks = f"below {MAX_PEER_RANKS}" if me.any_peer_rank else str(me.local_rank)
+        logger.warning("a side-channel connection from %s says kv_rank %s local_rank %s; this pipe takes kv_rank "
+                       "%d local_rank %s", source, hello["kv_rank"], hello["local_rank"], 1 - me.kv_rank, ranks)
+        return ProtocolError(f"kv_rank {hello['kv_rank']} local_rank {hello['local_rank']} is not taken here: check "
+                             f"kv_role and the URLs in mooncake.json (this pipe takes kv_rank {1 - me.kv_rank} "
+                             f"local_rank {ranks})")
+    if me.peers is not None and address not in me.peers:
+        logger.warning("a side-channel connection from %s names %s, not a configured peer (%s)", source, address,
+                       " or ".join(sorted(me.peers)))
+        return ProtocolError(f"{address} is not a configured peer of this pipe (it takes {' or '.join(sorted(me.peers))})")
+    return None
 
 
 def welcome(sock: socket.socket, timeout: float, *, session: str, ring_addr: int, ring_size: int, max_chunk: int,

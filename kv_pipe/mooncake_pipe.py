@@ -39,7 +39,6 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -111,7 +110,6 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
         self._ring: torch.Tensor | None = None  # where the peer writes chunks: taken when it first connects
         self._stage: torch.Tensor | None = None
         self._peer_was_up = False  # a refused connection then means "down", not "still starting"
-        self._quarantine: deque[tuple[float, torch.Tensor]] = deque()  # results of failed direct receives
         self._receiving = False  # a tensor's bytes are being received (set under the receive lock)
         self.last_used = time.monotonic()
         # received through the ring / written into results directly, and in how many direct writes

@@ -22,6 +22,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, Protocol, Self, TypeVar
 
@@ -91,7 +92,8 @@ class Node(Generic[L]):
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], L] = {}
         self._on_link: Callable[[L], None] | None = None
-        self._receiving = 0  # bytes of the tensors being received by the links now (see reserve)
+        self._receiving = 0  # bytes of the tensors being received by the links now, and of those held (see reserve)
+        self._held: deque[tuple[float, int, torch.Tensor]] = deque()  # failed receives' results: (until, bytes, it)
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
         # (A device pipe receives into pinned host memory too, then copies that onto the device.)
@@ -269,17 +271,33 @@ class Node(Generic[L]):
     # ------------------------------------------------------------------ receive budget
     def reserve(self, nbytes: int, peer: str) -> None:
         """Count ``nbytes`` of a tensor about to be received against ``receive_budget`` (what all the links of this
-        endpoint may be receiving at once: a result's pages are mapped as its bytes arrive, so peers announcing
-        large tensors together could otherwise commit far more than any one may send); ``ProtocolError`` if it
-        does not fit. ``release`` it when the receive ended, either way."""
+        endpoint may be receiving or holding at once: a result's pages are mapped as its bytes arrive, so peers
+        announcing large tensors together could otherwise commit far more than any one may send); ``ProtocolError``
+        if it does not fit. ``release`` it when the receive ended, either way."""
         with self._lock:
+            self._expire_locked()
             if self._receiving + nbytes > self.config.receive_budget:
-                raise ProtocolError(f"{peer} announces a {nbytes}-byte tensor while this endpoint is receiving "
-                                    f"{self._receiving} bytes (receive_budget {self.config.receive_budget})")
+                raise ProtocolError(f"{peer} announces a {nbytes}-byte tensor while this endpoint is receiving or "
+                                    f"holding {self._receiving} bytes (receive_budget {self.config.receive_budget})")
             self._receiving += nbytes
 
     def release(self, nbytes: int) -> None:
         with self._lock:
+            self._receiving -= nbytes
+
+    def hold(self, result: torch.Tensor, seconds: float) -> None:
+        """Keep the memory of a failed receive alive for ``seconds`` (writes its sender started may land in it until
+        then), counted against ``receive_budget`` until it is let go: a peer that fails receives on purpose cannot
+        make this endpoint hold more than the budget."""
+        nbytes = result.numel() * result.element_size()
+        with self._lock:
+            self._held.append((time.monotonic() + seconds, nbytes, result))
+            self._receiving += nbytes
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        while self._held and self._held[0][0] <= now:
+            _, nbytes, _ = self._held.popleft()
             self._receiving -= nbytes
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +45,6 @@ class Receiver:
     _inbound: Inbound | None
     _read_from: Inbound | None
     _ring: torch.Tensor | None
-    _quarantine: deque[tuple[float, torch.Tensor]]
     _receiving: bool
     _check_open: Callable[[], None]
 
@@ -93,9 +91,6 @@ class Receiver:
         rest = max(timeout, self.config.timeout)  # each wait once a tensor has begun to arrive
         deadline = time.monotonic() + timeout
         with self._recv_lock:
-            now = time.monotonic()
-            while self._quarantine and self._quarantine[0][0] < now:
-                self._quarantine.popleft()
             inbound = self._read_from = self._wait_inbound(deadline, timeout)
             try:
                 kind, item = inbound.next_frame(max(deadline - time.monotonic(), 0), rest)
@@ -191,9 +186,9 @@ class Receiver:
             return result
         except BaseException:
             if direct:
-                # Writes the sender started may still land until its own timeout: keep the memory alive till then
-                # (a caller's ``out`` buffer is the caller's: see the docstring of recv_tensor).
-                self._quarantine.append((time.monotonic() + self.config.timeout + 5.0, result))
+                # Writes the sender started may still land until its own timeout: keep the memory alive till then,
+                # counted in the receive budget (a caller's ``out`` buffer is the caller's: see recv_tensor).
+                self.endpoint.hold(result, self.config.timeout + 5.0)
                 self.endpoint.results.forget(result)  # never handed to another receive, even once this pipe closed
             raise
         finally:

@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 START_TIMEOUT = 600.0
-CONNECTOR = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector"}
+CONNECTOR = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
+             "kv_load_failure_policy": "recompute"}  # a failed KV load is recomputed (vLLM's default: an error)
 SERVE = ["--host", HOST, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(128 << 20)]
 

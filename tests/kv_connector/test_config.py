@@ -20,9 +20,10 @@ def _no_secret_from_the_environment(monkeypatch):
     monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
 
 
-def vllm_config(role: str, extra: object = None, tp: int = 1) -> SimpleNamespace:
+def vllm_config(role: str, extra: object = None, tp: int = 1, policy: str = "recompute") -> SimpleNamespace:
     """The parts of vLLM's config the connector's configuration reads."""
-    transfer = SimpleNamespace(kv_role=role, kv_connector_extra_config=extra, engine_id="e-1")
+    transfer = SimpleNamespace(kv_role=role, kv_connector_extra_config=extra, engine_id="e-1",
+                               kv_load_failure_policy=policy)
     return SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
 
@@ -52,7 +53,8 @@ def test_parsed_from_vllms_config_and_mooncake_json(tmp_path, monkeypatch):
     path.write_text('{"prefill_url": "127.0.0.1:15000", "decode_url": "127.0.0.1:15100"}')
     monkeypatch.setenv(CONFIG_ENV, str(path))
     cfg = ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"transfer_mode": "push"}, tp=2))
-    assert cfg.push_mode and cfg.engine_id == "e-1" and cfg.tp_size == 2
+    assert cfg.push_mode and cfg.engine_id == "e-1" and cfg.tp_size == 2 and not cfg.fail_loads
+    assert ConnectorConfig.from_vllm(vllm_config("kv_consumer", policy="fail")).fail_loads  # vLLM's own default
     assert cfg.pipes == ["127.0.0.1:15100", "127.0.0.1:15101"]
     with pytest.raises(ConfigError, match="unknown key"):
         ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"transfer_modes": "push"}))

@@ -9,7 +9,7 @@ import urllib.request
 
 from harness.vllm import VllmServer
 from kv_connector.stats import COUNTERS, GAUGES
-from tests.kv_connector.conftest import ROW_BYTES, blocks
+from tests.kv_connector.conftest import ROW_BYTES, blocks, flush
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 PREFIX = "vllm:mooncake_kv_"
@@ -62,6 +62,8 @@ def test_one_transfer_moves_the_metrics_by_what_moved(pair, mode, reference):
     producer, consumer = pair
     tokens = prompt(1100 if mode == "pull" else 1110, 700)
     kv_bytes = blocks(len(tokens) - 1) * ROW_BYTES  # the consumer claims all but the last token
+    for server in pair:  # what an earlier test moved reaches /metrics with the next engine step: before the window
+        flush(server)
     before_p, _ = scrape(producer)
     before_c, _ = scrape(consumer)
     # as the proxy sends them: the producer's answer (push mode: it says it pushes the prompt) goes on the decode

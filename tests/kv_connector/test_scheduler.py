@@ -3,6 +3,8 @@ which blocks, what a producer saves and pushes in which step, and the params it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kv_connector import params as kv_params
@@ -68,6 +70,19 @@ def test_a_load_reads_from_the_producer_the_verified_params_name():
     (load,) = sched.build_meta(step()).loads
     assert load.source.pipes == ["10.9.9.9:7000"] and load.source.from_params
     assert load.source.peer(0) is None  # another TP size: no rank-to-rank push link to take it from
+
+
+def test_under_the_fail_policy_only_a_load_the_params_ask_for_is_claimed():
+    """vLLM's kv_load_failure_policy "fail" ends a request whose load fails with an error: a request without params
+    (which would load from mooncake.json's producer, holding its prompt or not) is computed here instead; one whose
+    params name its producer, or await its push, loads as under "recompute"."""
+    sched = ConsumerScheduler(dataclasses.replace(config(mode="push", secret=SECRET), fail_loads=True), BLOCK)
+    assert claim(sched, request("plain", 40), 0, [1, 2, 3]) == (0, False)
+    named = kv_params.producer_params(["10.9.9.9:7000"], "p", "named", SECRET.encode())
+    assert claim(sched, request("named", 40, named), 0, [4, 5, 6]) == (39, True)
+    awaited = {"do_remote_prefill": True, source.AWAIT_PUSH: True}
+    assert claim(sched, request("awaited", 40, awaited), 0, [7, 8, 9]) == (39, True)
+    assert [load.req_id for load in sched.build_meta(step()).loads] == ["named", "awaited"]
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.pipes import make_config, open_pipe
-from kv_pipe import ProtocolError, handshake, wire
+from kv_pipe import ProtocolError, auth, handshake, wire
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, open_endpoint, same
@@ -37,7 +37,6 @@ def test_channel_names_and_host_names():
     ({"address": "127.0.0.2:4000"}, b"connects from 127.0.0.1"),
     ({"address": "no port"}, b"HELLO"),
     ({"channel": "../etc"}, b"channel must be"),
-    ({"local_rank": 3}, b"local_rank 3"),
 ])
 def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
     with open_endpoint(cfg, 1, free_address()) as endpoint:
@@ -52,42 +51,63 @@ def test_an_endpoint_for_any_peer_rank_admits_another_tp_rank(cfg):
     """The connector's endpoints link TP ranks of instances with different TP sizes: any rank below 1024 is
     admitted (the kv_rank must still be the other side's); a plain endpoint admits only its own rank."""
     with open_endpoint(cfg, 1, free_address(), any_peer_rank=True) as endpoint:
-        for rank, admitted in ((3, True), (5000, False)):
+        for fields, admitted in (({"local_rank": 3}, True), ({"local_rank": 5000}, False),
+                                 ({"kv_rank": 1, "local_rank": 3}, False)):
             with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
-                sock.sendall(hello_frame(endpoint, local_rank=rank))
-                kind, payload = wire.recv_frame(sock)
-            assert (kind != Kind.ERROR) == admitted, (rank, kind, payload)
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
-            sock.sendall(hello_frame(endpoint, kv_rank=1, local_rank=3))
+                kind, payload = peers.raw_handshake(sock, _hello(endpoint, **fields))
+            assert (kind == Kind.WELCOME) == admitted and (admitted or b"is not taken here" in payload), (fields, payload)
+
+
+def _hello(endpoint, **fields) -> dict:
+    """HELLO fields to ``endpoint`` from 127.0.0.1:1 as a producer, with ``fields`` changed (raw_handshake adds a
+    nonce)."""
+    return {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "to": endpoint.address, "channel": "kv", **fields}
+
+
+def _answers(endpoint, fields: dict, secret: bytes) -> tuple[list, bytes]:
+    """The frame kinds ``endpoint`` answers a hand-made handshake with, and its last payload."""
+    import json
+
+    kinds = []
+    with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
+        frame = wire.encode_json(Kind.HELLO, {**_hello(endpoint, **fields), "nonce": auth.nonce()})
+        sock.sendall(frame)
+        kind, payload = wire.recv_frame(sock)
+        kinds.append(kind)
+        if kind == Kind.CHALLENGE:
+            proof = auth.proof(secret, "link", frame[wire.HEADER.size:], json.loads(payload)["nonce"], "fake:1")
+            sock.sendall(wire.encode_json(Kind.AUTH, {"session": "fake:1", "proof": proof}))
             kind, payload = wire.recv_frame(sock)
-        assert kind == Kind.ERROR and b"kv_rank 1" in payload
+            kinds.append(kind)
+    return kinds, payload
 
 
-def test_a_stranger_is_not_told_who_the_configured_peers_are(cfg):
-    """Before a peer proved that it knows the secret, an ERROR says what was wrong with its own HELLO, never what
-    this endpoint is configured with."""
+@pytest.mark.parametrize("wrong", [{"address": "127.0.0.1:1"}, {"kv_rank": 1}, {"local_rank": 3}])
+def test_a_stranger_cannot_tell_which_ranks_and_peers_this_pipe_takes(caplog, wrong):
+    """Finding 8 and issue #37: a HELLO of a rank or address this pipe does not take was refused at once, any other
+    with a CHALLENGE: which ranks and peers a pipe serves could be read from the answers. Now every well-formed HELLO
+    gets a CHALLENGE, and a stranger without the secret gets the same ERROR whatever it claimed; only a peer that
+    proves the secret is told what was wrong (its own log says it too)."""
     allowed = free_address()
+    cfg = make_config(auth_secret=SECRET)
     with open_endpoint(cfg, 1, free_address(), peers={allowed}) as endpoint:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
-            sock.sendall(hello_frame(endpoint))
-            kind, payload = wire.recv_frame(sock)
-    assert kind == Kind.ERROR and b"127.0.0.1:1 is not a configured peer" in payload, payload
-    assert allowed.encode() not in payload and allowed.split(":")[1].encode() not in payload
-
-
-@pytest.mark.parametrize("fields", [{"kv_rank": 1}, {"local_rank": 3}])
-def test_a_stranger_is_not_told_which_ranks_this_pipe_takes(cfg, caplog, fields):
-    """Finding 8: a HELLO of the wrong role or rank was told "expected kv_rank 0 local_rank 0" before proving
-    anything; only this pipe's log says what it takes."""
-    with open_endpoint(cfg, 1, free_address()) as endpoint:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as sock:
-            sock.sendall(hello_frame(endpoint, **fields))
-            kind, payload = wire.recv_frame(sock)
-    claimed = {"kv_rank": 0, "local_rank": 0, **fields}
-    # only what the stranger said itself comes back
-    assert payload.startswith(f"kv_rank {claimed['kv_rank']} local_rank {claimed['local_rank']} is not taken here".encode())
-    assert kind == Kind.ERROR and b"expected" not in payload and b"takes" not in payload.split(b"(")[0], payload
-    assert "this pipe takes kv_rank 0 local_rank 0" in caplog.text
+        right = {"address": allowed}
+        for secret in (b"", b"not-the-secret-at-all"):
+            told = []
+            for fields in ({}, wrong):
+                hello = {**right, **fields}
+                kinds, payload = _answers(endpoint, hello, secret)
+                # the ERROR may echo the address the stranger claimed itself, nothing else of it
+                told.append((kinds, payload.replace(hello["address"].encode(), b"<its address>")))
+            assert told[0] == told[1], told
+            kinds, payload = told[0]
+            assert kinds == [Kind.CHALLENGE, Kind.ERROR] and b"does not prove that it knows" in payload, told
+            assert b"configured" not in payload and b"rank" not in payload, payload
+        kinds, payload = _answers(endpoint, {**right, **wrong}, SECRET.encode())
+        assert kinds == [Kind.CHALLENGE, Kind.ERROR], (kinds, payload)
+        assert b"is not taken here" in payload or b"is not a configured peer" in payload, payload
+        assert endpoint.links() == []
+    assert "this pipe takes kv_rank 0" in caplog.text or "not a configured peer" in caplog.text
 
 
 def _pump(a: socket.socket, b: socket.socket) -> None:

@@ -589,3 +589,37 @@ def test_tensors_announced_together_stay_within_the_receive_budget():
             with pytest.raises(ProtocolError, match=r"announces a 68157440-byte tensor .*receive_budget 67108864"):
                 pipe.recv_tensor(timeout=10)
         _assert_still_serves(cfg, pipe)
+
+
+def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
+    """Issue #37: a peer announced 256 MiB tensors and sent CHUNK frames only, five times, each receive failing: a
+    failed zero-copy receive's result is kept ``timeout`` + 5 s (writes the sender started may still land in it),
+    and those were held outside ``receive_budget`` (RSS 326 -> 1,594 MiB against a 300 MiB budget). They count now
+    until let go: a tensor announced while they fill the budget is refused before any of its memory is touched, the
+    memory stays within the budget plus a chunk, and once they are let go the real peer is served."""
+    import gc
+
+    size, chunk = 40 * MiB, 4 * MiB
+    cfg = make_config(receive_budget=100 * MiB, result_pool_size=0, timeout=2.0)
+    with open_pipe(cfg, 1) as pipe:
+        with raw_connect(pipe) as sock:
+            _handshake(sock, pipe)  # the link and its ring are made (and kept) before the memory is measured
+        gc.collect()
+        base, grown, outcomes = _rss(), 0, []
+        for _ in range(5):
+            with raw_connect(pipe) as sock:
+                ring = _handshake(sock, pipe)["ring_size"]
+                frames = wire.encode_tensor(torch.uint8, (size,), size)
+                for k in range(size // chunk - 1):
+                    frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
+                sock.sendall(frames)
+                sock.shutdown(socket.SHUT_WR)
+                with pytest.raises((PeerDisconnected, ProtocolError)) as failed:
+                    pipe.recv_tensor(timeout=10)
+                outcomes.append("refused" if "receive_budget" in str(failed.value) else "held")
+            grown = max(grown, _rss() - base)
+        # two 40 MiB results fit in 100 MiB and are held; every later one is refused while they are
+        assert outcomes == ["held", "held", "refused", "refused", "refused"], outcomes
+        assert grown < 100 * MiB + chunk, f"{grown / MiB:.0f} MiB more than before"
+        time.sleep(cfg["timeout"] + 5.5)  # the held results are let go: the budget is free again
+        _assert_still_serves(cfg, pipe)

@@ -234,7 +234,7 @@ def test_a_failed_direct_receive_takes_its_slot_out_of_the_pool():
         receiver.join(timeout=30)
         assert len(errors) == 1 and isinstance(errors[0], PeerDisconnected), errors
         assert pipe.endpoint.results.slots() == [] and pipe.endpoint.results.stats["made"] == 1
-        assert [r.data_ptr() for _, r in pipe._quarantine] == [offered[0][0]]  # kept alive until no write can land
+        assert [r.data_ptr() for _, _, r in pipe.endpoint._held] == [offered[0][0]]  # kept alive until no write can land
         # the region is unregistered all the same: a late write is refused by the engine
         assert pipe.endpoint.engine.register_region(*offered[0])
         pipe.endpoint.engine.unregister_region(offered[0][0])

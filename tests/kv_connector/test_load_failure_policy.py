@@ -1,0 +1,64 @@
+"""vLLM's ``kv_load_failure_policy``, honoured (issue #37), on real vLLM: under ``fail`` a request whose KV load fails
+ends with an error the client sees (HTTP 500, no text) and nothing is computed from KV that did not arrive; a request
+without params names no producer, so it is computed here (no load of it can fail). Under ``recompute`` (every other
+module's consumer: harness ``connector_config``) the same failure is recomputed with the right text
+(tests/kv_connector/test_faults.py)."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.ports import free_port
+from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
+from tests.kv_connector.conftest import SERVE_ARGS, diff, kv_stats, log_mark, settled_stats, warnings_since
+from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.test_tensor_parallel import prefill
+
+
+@pytest.fixture(scope="module")
+def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A consumer under ``fail``; its mooncake.json names a producer nobody runs (loads come from params here)."""
+    work = tmp_path_factory.mktemp("fail-policy")
+    config = mooncake_json(work / "mooncake.json")
+    consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", failure_policy="fail"), config, SERVE_ARGS)
+    try:
+        start_vllm(consumer)
+        yield consumer
+    finally:
+        consumer.stop()
+
+
+def test_a_failed_load_ends_its_request_with_an_error_under_fail(fail_consumer, pd_pair, reference):
+    producer, _ = pd_pair
+    said = fail_consumer.log_text()
+    assert "kv_load_failure_policy=fail: a KV load that fails ends its request with an error" in said
+    # params of prompt a, sent with prompt b: the producer they name holds no KV of b, so its load fails
+    a, b = prompt(9100, 300), prompt(9101, 300)
+    params = prefill(producer, a)
+    before, mark = kv_stats(fail_consumer), log_mark(fail_consumer)
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        fail_consumer.complete(b, MAX_TOKENS, kv_transfer_params=params)
+    assert failed.value.code == 500, failed.value.read()
+    change = settled_stats(fail_consumer, before, 1)
+    assert change.get("load_misses", 0) + change.get("load_failures", 0) == 1 and not change.get("loaded"), change
+    assert b"its request fails (kv_load_failure_policy fail)" in fail_consumer.log.read_bytes()[mark:], \
+        warnings_since(fail_consumer, mark)
+    # the same instance goes on serving: a request without params is computed here, with no load attempted
+    before = kv_stats(fail_consumer)
+    assert fail_consumer.complete(b, MAX_TOKENS) == reference.complete(b, MAX_TOKENS)
+    time.sleep(1.0)  # a load's outcome reaches /metrics with a later engine step: none may come
+    change = {k: v for k, v in diff(kv_stats(fail_consumer), before).items() if v}
+    assert not {"loaded", "load_misses", "load_failures"} & change.keys(), change
+    # and a load its params name, which the producer holds, is loaded and answers right
+    c = prompt(9102, 400)
+    params = prefill(producer, c)
+    before = kv_stats(fail_consumer)
+    assert fail_consumer.complete(c, MAX_TOKENS, kv_transfer_params=params) == reference.complete(c, MAX_TOKENS)
+    change = settled_stats(fail_consumer, before, 1)
+    assert change.get("loaded") == 1 and change.get("fetched_bytes", 0) > 0, change
