@@ -17,7 +17,9 @@ token in bfloat16, 64 KiB in float32; ``--dtype``, by default the CPU's native o
   ``ours prefix`` (``--routing prefix``, prefix-aware routing, no prefill skipped: the proxy's defaults),
   ``ours skip<N>`` (``--routing prefix --skip-prefill-below N``, one front per N of ``--thresholds``),
   ``ours estimate`` (``--routing estimate``: instances and skips chosen by the estimated time to the first token,
-  prefix index on, ``--skip-prefill-below`` at its default 0, which there means no bound) and
+  prefix index on, ``--skip-prefill-below`` at its default 0, which there means no bound),
+  ``ours estimate on-prefill`` (the same with ``--decode-on-prefill``: a request may also be served whole on a
+  prefill instance) and
   ``router ca`` (vllm-router ``--vllm-pd-disaggregation`` with ``cache_aware`` prefill and decode policies).
 - **1P1D**: one producer (core 0) and one consumer (core 1): as many instances on the same cores as the colocated
   pair. The 2P2D fleet's fronts, named ``1p1d <front>``; with one instance per role there is nothing to choose, so
@@ -51,7 +53,9 @@ Columns:
   instance, for example a prefill the proxy skipped);
 - skipped: prefills the proxy skipped (its ``mooncake_proxy_prefill_skipped_total``); below the table, per run of our
   proxy, its ``mooncake_proxy_route_decisions_total`` by ``choice/reason`` (why each request was prefilled remotely or
-  computed whole on its decode instance).
+  computed whole on its decode instance);
+- CPU busy: each instance's CPU time during the run (its API server and engine core processes, user + system) per
+  second of the run, in cores: which instance's core saturates at a rate (each instance is pinned to one core).
 
 Targets, per rate, on the shared workload, for the chosen front of either disaggregated fleet: the best of the
 ``ours skip<N>`` and ``ours estimate`` fronts (the best goodput, then the lowest follow-up TTFT): moved/uncached <= 1.1;
@@ -105,6 +109,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -145,6 +151,7 @@ class Run:
     skipped: float | None = None
     decisions: dict[str, float] = field(default_factory=dict)  # our proxy's route decisions, "choice/reason" -> count
     routed: dict[str, float] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)  # instance -> CPU seconds its processes used per second
     error: str = ""
     requests: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
@@ -183,6 +190,24 @@ def scrape_labeled(url: str, metric: str, labels: tuple[str, ...]) -> dict[str, 
         key = "/".join(found.get(label, "") for label in labels)
         out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of the process ``pid`` and its live descendants (a vLLM instance's API server and
+    engine core), in seconds."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def reset_prefix_cache(server: VllmServer, timeout: float = 60.0) -> None:
@@ -276,6 +301,8 @@ class Fleet:
                 cmd += ["--routing", "prefix", "--skip-prefill-below", front.removeprefix("ours skip")]
             elif front == "ours estimate":  # --skip-prefill-below 0: no bound on what it may skip
                 cmd += ["--routing", "estimate", "--skip-prefill-below", "0"]
+            elif front == "ours estimate on-prefill":
+                cmd += ["--routing", "estimate", "--skip-prefill-below", "0", "--decode-on-prefill"]
         if front.startswith("router") or front == "colocated ca":
             cmd += ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
         cmd += ["--host", HOST, "--port", str(port)]
@@ -300,7 +327,8 @@ def fronts_of(kind: str, thresholds: list[int]) -> list[str]:
         return ["colocated rr", "colocated ca"]
     if kind == "colocated4":
         return ["colocated4 rr"]
-    fronts = ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds], "ours estimate", "router ca"]
+    fronts = ["ours balance", "ours prefix", *[f"ours skip{n}" for n in thresholds], "ours estimate",
+              "ours estimate on-prefill", "router ca"]
     if kind == "1p1d":  # ours prefix too: with one instance per role, the no-skipping baseline
         return [f"1p1d {f}" for f in fronts]
     return fronts
@@ -317,7 +345,7 @@ def fleet_prefix(front: str) -> str:
 
 def skips_prefills(front: str) -> bool:
     """Whether the front is one of our proxy's skip rules (the fronts a target check chooses among)."""
-    return base_front(front).startswith("ours skip") or base_front(front) == "ours estimate"
+    return base_front(front).startswith(("ours skip", "ours estimate"))
 
 
 # ----------------------------------------------------------------------------- one run
@@ -359,9 +387,12 @@ def run_one(fleet: Fleet, front: str, workload: str, rate: float, round_: int, a
     fleet.start_front(front)
     name = f"{front.replace(' ', '_')}-{workload}-{rate:g}rps-round{round_}"  # every run's output kept apart
     before = [scrape(s.url) for s in fleet.consumers]
+    cpu_before, began = [cpu_seconds(s.proc.pid) for s in fleet.servers], time.monotonic()
     # without vllm bench serve's initial test request, which would warm one history before the timed run
     result = run_bench_serve(fleet.front_url, model, dataset_args(workload, args), args.prompts, rate, args.seed,
                              work / f"{name}.json", ["--ready-check-timeout-sec", "0"])
+    wall = time.monotonic() - began
+    run.busy = {s.name: (cpu_seconds(s.proc.pid) - b) / wall for s, b in zip(fleet.servers, cpu_before, strict=True)}
     run.error = result.error
     if not result.data:
         return run
@@ -400,8 +431,8 @@ def run_one(fleet: Fleet, front: str, workload: str, rate: float, round_: int, a
 def table(runs: list[Run], slos: dict[str, tuple[float, float]], slo_notes: dict[str, str] | None = None) -> str:
     out = ["| workload | front | rate req/s | round | n | failed | TTFT p50 ms | TTFT p99 ms | follow-up TTFT p50 ms "
            "| ITL p99 ms | TPOT p50 ms | goodput req/s | KV moved/req MiB | uncached KV/req MiB | moved/uncached "
-           "| skipped |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| skipped | CPU busy |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
         mib = 1 << 20
         out.append(f"| {r.workload} | {r.front} | {r.rate:g} | {r.round} | {r.completed} | {r.failed} "
@@ -409,7 +440,7 @@ def table(runs: list[Run], slos: dict[str, tuple[float, float]], slo_notes: dict
                    f"| {fmt(r.tpot_p50)} | {fmt(r.goodput, 3)} "
                    f"| {fmt(None if r.moved_per_req is None else r.moved_per_req / mib, 2)} "
                    f"| {fmt(None if r.uncached_per_req is None else r.uncached_per_req / mib, 2)} "
-                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} |")
+                   f"| {fmt(r.moved_ratio, 2)} | {fmt(r.skipped, 0)} | {busy_text(r.busy)} |")
     out.append("")
     for workload, slo in slos.items():
         note = (slo_notes or {}).get(workload)
@@ -422,6 +453,11 @@ def table(runs: list[Run], slos: dict[str, tuple[float, float]], slo_notes: dict
     if errors:
         out += ["", "Errors:", "", *errors]
     return "\n".join(out) + "\n"
+
+
+def busy_text(busy: dict[str, float]) -> str:
+    """``producer0 0.42, consumer0 0.97``: each instance's CPU use during the run, in cores."""
+    return ", ".join(f"{name} {value:.2f}" for name, value in busy.items()) or "-"
 
 
 def run_name(run: Run) -> str:

@@ -18,6 +18,7 @@ from proxy.balancer import Balancer, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
 from proxy.discovery import Discovery
 from proxy.errors import ProxyError, RelayedError
+from proxy.estimate import LOCAL, ON_PREFILL
 from proxy.prefix_index import Fingerprint, fingerprint
 from proxy.protocols import (
     NO_LOAD,
@@ -38,6 +39,16 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+def output_tokens(payload: dict[str, Any]) -> int | None:
+    """The tokens a request asks for at most (``max_tokens``, or a chat request's ``max_completion_tokens``), if it
+    says (validated by then)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class Proxy:
@@ -198,12 +209,13 @@ class Proxy:
 
     async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
                              headers: dict[str, str], reserved: Upstream, streaming: bool, trip: Trip,
-                             local: bool) -> Response:
+                             local: bool, balancer: Balancer | None = None) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
-        cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load)."""
+        cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load).
+        ``balancer``: the role ``reserved`` belongs to (the prefill instances', for a request served whole on one)."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         timeout = self.stream_timeout if streaming else self.whole_timeout
-        balancer = self.decode_balancer
+        balancer = balancer or self.decode_balancer
         hint = trip.hint
         self.router.decode_sent(trip, reserved, local)
         relaying = False
@@ -254,7 +266,27 @@ class Proxy:
         choice = self.router.reserve(self.decode_balancer, hint, request_id, trip)
         decode = choice.upstream
         try:
-            if self.router.skip_prefill(choice, hint, request_id):
+            where, prefill = self.router.route(choice, hint, request_id, output_tokens(payload))
+        except BaseException:
+            self.decode_balancer.release(decode)
+            raise
+        if where == ON_PREFILL and prefill is not None:
+            self.decode_balancer.release(decode)
+            self.router.take(self.prefill_balancer, prefill, hint, trip)
+            try:
+                # NO_LOAD says do_remote_decode false too: the prefill instance keeps nothing for a consumer
+                return await self.forward_decode(path, raw, payload, dict(NO_LOAD), headers, prefill, streaming, trip,
+                                                 True, self.prefill_balancer)
+            except ProxyError as error:
+                reason = self.prefill_unavailable(error)
+                if reason is None or not self.config.fallback:
+                    raise
+                self.fell_back(reason, error, request_id)
+            trip = self.router.trip(hint)  # the failed one is off every queue
+            decode = self.router.reserve(self.decode_balancer, hint, request_id, trip).upstream
+            return await self.forward_decode(path, raw, payload, dict(NO_LOAD), headers, decode, streaming, trip, True)
+        try:
+            if where == LOCAL:
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
             else:
                 decode_params = await self.remote_prefill(path, payload, chat, headers, decode, trip)

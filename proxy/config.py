@@ -77,6 +77,7 @@ class ProxyConfig:
     skip_prefill_below: int = DEFAULT_SKIP_PREFILL_BELOW  # estimated uncached tokens below which no remote prefill
     # (--routing estimate: from which a request is never computed on its decode instance)
     routing: str = "prefix"  # the rule choosing instances and skips (proxy.routing)
+    decode_on_prefill: bool = False  # --routing estimate: a request may also be served whole on a prefill instance
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
     dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
@@ -104,6 +105,8 @@ class ProxyConfig:
             raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.routing not in ROUTING_RULES:
             raise ConfigError(f"routing must be one of {', '.join(ROUTING_RULES)}, got {self.routing!r}")
+        if self.decode_on_prefill and self.routing != "estimate":
+            raise ConfigError("--decode-on-prefill needs --routing estimate (it is a choice the estimate makes)")
         if self.dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.bootstrap and self.protocol != "bootstrap":
@@ -171,6 +174,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                              "prompt that instance does not hold is estimated below TOKENS (default "
                              f"{DEFAULT_SKIP_PREFILL_BELOW}: always prefill remotely). --routing estimate: a bound, "
                              "from TOKENS uncached tokens up a request is always prefilled remotely (0: no bound)")
+    parser.add_argument("--decode-on-prefill", action="store_true",
+                        help="--routing estimate: a request may also be served whole (prefill and decode) on a prefill "
+                             "instance, when the estimate says it ends sooner there: the decode instances' learned "
+                             "decode steps grow as their cores saturate (off by default)")
     parser.add_argument("--prefix-index-entries", type=int, default=DEFAULT_PREFIX_INDEX_ENTRIES, metavar="N",
                         help="prompt prefix chunks the proxy remembers, all instances together (default "
                              f"{DEFAULT_PREFIX_INDEX_ENTRIES}; 0: no prefix routing)")
@@ -196,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            client_timeout=args.client_timeout, protocol=args.protocol,
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, routing=args.routing,
+                           decode_on_prefill=args.decode_on_prefill,
                            prefix_index_entries=args.prefix_index_entries,
                            admin_token=args.admin_token if args.admin_token is not None
                            else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch,

@@ -18,7 +18,17 @@ instance P lacks:
 - **local**: ``prefill_D(q_D + u_d)``, plus what it makes the others wait: each request decoding on D stalls while
   D prefills (``running_D * per_token_D * u_d``).
 
-The cheaper one wins. Until the remote path's costs are learned (``MIN_SAMPLES`` prefill answers of P, as many
+The cheaper one wins. With ``on_prefill`` (``--decode-on-prefill``) a third option competes:
+
+- **on_prefill**: the whole request on P, ``prefill_P(q_P + u_p)`` plus what its prefill makes P's running requests
+  wait, plus its decode there: ``out * step_P`` against ``out * step_D`` for the two options that decode on D (``out``
+  the request's output tokens, ``step`` each instance's learned time between streamed chunks, P borrowing D's until
+  it has decoded ``MIN_SAMPLES`` chunks itself). A decode instance whose core is saturated decodes slowly: its step
+  grows and requests decode on the prefill instance instead, until P's steps grow as well. Without a known ``out``
+  or any learned step the option is not offered.
+
+A remote prefill's time includes what it makes P's running requests wait (P decodes only under ``on_prefill``).
+Until the remote path's costs are learned (``MIN_SAMPLES`` prefill answers of P, as many
 loads into D), the request is prefilled remotely: skipping is never guessed. A decode instance that has not yet
 computed ``MIN_SAMPLES`` requests whole borrows P's prefill line (instances of one fleet usually run the same model
 on the same hardware) until its own is learned.
@@ -31,7 +41,7 @@ from dataclasses import dataclass, field
 
 MIN_SAMPLES = 3  # answers before a fit is trusted
 DECAY = 0.1  # weight of each new sample in the fits (older ones fade: costs follow load and machine)
-REMOTE, LOCAL = "remote", "local"
+REMOTE, LOCAL, ON_PREFILL = "remote", "local", "on_prefill"
 
 
 @dataclass
@@ -123,50 +133,89 @@ class Work:
 
 @dataclass(frozen=True)
 class Option:
-    """One way to serve a request: the instances, the tokens each must compute or load, the time to its first token
-    and the time it makes the others wait, in seconds."""
+    """One way to serve a request: the time to its first token, the time it makes the others wait, and (the whole
+    request on a prefill instance) how much longer its decode takes there than on the decode instance, in seconds."""
 
     kind: str
     first_token: float
     imposed: float = 0.0
+    decode: float = 0.0  # its decode's time here less on the decode instance (only where they differ)
 
     @property
     def cost(self) -> float:
-        return self.first_token + self.imposed
+        return self.first_token + self.imposed + self.decode
 
 
 @dataclass(frozen=True)
 class Decision:
-    """``remote`` (prefill on a prefill instance) or not, and why (a /metrics label): ``faster_remotely``,
-    ``faster_locally``, ``not_learned`` (the remote path's costs are not known yet: remote), ``above_bound`` (more
-    uncached tokens on D than the bound allows to compute there); the options compared, if any."""
+    """Where the request goes: ``remote`` (prefill on a prefill instance, decode on the decode instance), ``local``
+    (whole on the decode instance) or ``on_prefill`` (whole on the prefill instance); why (a /metrics label):
+    ``faster_remotely``, ``faster_locally``, ``faster_on_prefill``, ``not_learned`` (the remote path's costs are not
+    known yet: remote), ``above_bound`` (more uncached tokens on D than the bound allows to compute there); the
+    options compared, if any."""
 
-    remote: bool
+    where: str
     reason: str
     local: Option | None = None
     via: Option | None = None
+    on_prefill: Option | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.where == REMOTE
+
+
+def whole_option(kind: str, costs: Costs, work: Work, uncached: float, borrowed: LinearFit | None = None) -> Option:
+    """The whole request on one instance: its prefill behind what is queued there, and the wait it imposes on the
+    requests decoding there (``borrowed``: the prefill line to use while the instance's own is not learned)."""
+    fit = borrowed or costs.prefill
+    per_token = fit.line()[1]
+    return Option(kind, fit.predict(work.tokens + uncached), work.running * per_token * uncached)
 
 
 def remote_option(prefill: Costs, prefill_work: Work, uncached_p: float, decode: Costs, uncached_d: float) -> Option:
-    return Option(REMOTE, prefill.prefill.predict(prefill_work.tokens + uncached_p) + decode.load.predict(uncached_d))
+    return Option(REMOTE, prefill.prefill.predict(prefill_work.tokens + uncached_p) + decode.load.predict(uncached_d),
+                  prefill_work.running * prefill.prefill.line()[1] * uncached_p)
 
 
 def local_option(decode: Costs, decode_work: Work, uncached_d: float, borrowed: LinearFit | None = None) -> Option:
-    fit = borrowed or decode.prefill
-    per_token = fit.line()[1]
-    return Option(LOCAL, fit.predict(decode_work.tokens + uncached_d), decode_work.running * per_token * uncached_d)
+    return whole_option(LOCAL, decode, decode_work, uncached_d, borrowed)
+
+
+def decode_steps(prefill: Costs, decode: Costs, output_tokens: float | None) -> tuple[float, float] | None:
+    """The decode's time on P and on D (``out * step``), or None when it cannot be told (no output length, or no
+    step learned on D); P borrows D's step until it has its own."""
+    if not output_tokens or output_tokens <= 0 or decode.steps < MIN_SAMPLES:
+        return None
+    step_p = prefill.step if prefill.steps >= MIN_SAMPLES else decode.step
+    return output_tokens * step_p, output_tokens * decode.step
 
 
 def decide(prefill: Costs, prefill_work: Work, uncached_p: float, decode: Costs, decode_work: Work,
-           uncached_d: float, bound: float = 0.0) -> Decision:
-    """Remote prefill on P then decode on D, or the whole request on D (see the module docstring). ``bound``: from
-    this many uncached tokens on D up, the request is never computed there (0: no bound)."""
-    if bound and uncached_d >= bound:
-        return Decision(True, "above_bound")
+           uncached_d: float, bound: float = 0.0, on_prefill: bool = False,
+           output_tokens: float | None = None) -> Decision:
+    """Remote prefill on P then decode on D, or the whole request on D, or (``on_prefill``) the whole request on P
+    (see the module docstring). ``bound``: from this many uncached tokens on D up, the request is never computed
+    there (0: no bound)."""
+    if bound and uncached_d >= bound and not on_prefill:
+        return Decision(REMOTE, "above_bound")
     if not (prefill.prefill.known and decode.load.known):
-        return Decision(True, "not_learned")
+        return Decision(REMOTE, "not_learned")
     via = remote_option(prefill, prefill_work, uncached_p, decode, uncached_d)
-    local = local_option(decode, decode_work, uncached_d, None if decode.prefill.known else prefill.prefill)
-    if local.cost < via.cost:
-        return Decision(False, "faster_locally", local, via)
-    return Decision(True, "faster_remotely", local, via)
+    local = None
+    if not bound or uncached_d < bound:
+        local = local_option(decode, decode_work, uncached_d, None if decode.prefill.known else prefill.prefill)
+    steps = decode_steps(prefill, decode, output_tokens) if on_prefill else None
+    whole_p = None
+    if steps is not None:
+        on_p, on_d = steps
+        whole = whole_option(ON_PREFILL, prefill, prefill_work, uncached_p)
+        # the decode's time counts only here, where the options decode on different instances
+        whole_p = Option(ON_PREFILL, whole.first_token, whole.imposed, on_p - on_d)
+    best = min((o for o in (via, local, whole_p) if o is not None), key=lambda o: o.cost)
+    if best is whole_p:
+        return Decision(ON_PREFILL, "faster_on_prefill", local, via, whole_p)
+    if best is local:
+        return Decision(LOCAL, "faster_locally", local, via, whole_p)
+    return Decision(REMOTE, "faster_remotely" if local is not None or whole_p is not None else "above_bound", local,
+                    via, whole_p)

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proxy.balancer import Balancer, Choice, Upstream
 from proxy.config import DECODE, PREFILL, ProxyConfig
 from proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
-from proxy.estimate import Decision, decide, local_option, remote_option
+from proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
 from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,15 @@ class Router:
                                    ["role"], registry=registry)
         self.cached_tokens = Counter("mooncake_proxy_cached_prefix_tokens", "Estimated prompt tokens the chosen "
                                      "instance already held (prefix index).", ["role"], registry=registry)
-        self.skipped = Counter("mooncake_proxy_prefill_skipped", "Requests sent straight to a decode instance "
-                               "(uncached prompt below --skip-prefill-below tokens, or faster there by the "
-                               "estimate).", registry=registry)
+        self.skipped = Counter("mooncake_proxy_prefill_skipped", "Requests without a remote prefill: sent whole to "
+                               "a decode instance (uncached prompt below --skip-prefill-below tokens, or faster there "
+                               "by the estimate) or, --decode-on-prefill, to a prefill instance.", registry=registry)
         self.decisions = Counter("mooncake_proxy_route_decisions", "Why each request was prefilled remotely or "
-                                 "computed whole on its decode instance (local): below_threshold / not_below_threshold "
-                                 "(--skip-prefill-below), never (no skipping), unsized (prompt_embeds), not_learned "
-                                 "(--routing estimate before the costs are known), faster_locally / faster_remotely "
-                                 "(the estimate), above_bound.", ["choice", "reason"], registry=registry)
+                                 "computed whole on its decode instance (local) or on a prefill instance (on_prefill): "
+                                 "below_threshold / not_below_threshold (--skip-prefill-below), never (no skipping), "
+                                 "unsized (prompt_embeds), not_learned (--routing estimate before the costs are known), "
+                                 "faster_locally / faster_remotely / faster_on_prefill (the estimate), above_bound.",
+                                 ["choice", "reason"], registry=registry)
         self.estimated = Gauge("mooncake_proxy_estimated_cost_seconds", "What work costs on each instance, as the "
                                "proxy learned it: prefill_per_token, prefill_base, load_per_token, load_base, step.",
                                ["role", "instance", "cost"], registry=registry)
@@ -189,49 +190,73 @@ class Router:
         return score
 
     def skip_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> bool:
-        """Whether the decode instance computes the prompt itself. ``--routing prefix``: its uncached part
-        (estimated) is below ``--skip-prefill-below`` tokens. ``--routing estimate``: ``proxy.estimate.decide``.
-        Never for a prompt the index cannot size (``prompt_embeds``). Cautious: only chunks the instance has
-        answered count as cached (a prompt routed there a moment ago may still be loading), and a text prompt is
-        sized with the lowest characters per token seen lately (a character per token before any calibration)."""
+        """Whether the decode instance computes the prompt itself (``route`` without the prefill instance option)."""
+        return self.route(decode, hint, request_id)[0] == LOCAL
+
+    def route(self, decode: Choice, hint: Fingerprint | None, request_id: str,
+              output_tokens: float | None = None) -> tuple[str, Upstream | None]:
+        """Where the request goes: ``remote`` (prefill remotely, decode on ``decode``), ``local`` (the decode instance
+        computes the prompt itself) or, with ``--decode-on-prefill``, ``on_prefill`` (the whole request on the
+        prefill instance returned). ``--routing prefix``: local when its uncached part (estimated) is below
+        ``--skip-prefill-below`` tokens. ``--routing estimate``: ``proxy.estimate.decide`` (``output_tokens``: the
+        request's, if it says). Always remote for a prompt the index cannot size (``prompt_embeds``). Cautious: only
+        chunks the instance has answered count as cached (a prompt routed there a moment ago may still be loading),
+        and a text prompt is sized with the lowest characters per token seen lately (a character per token before
+        any calibration)."""
         threshold = self.config.skip_prefill_below
         upstream = decode.upstream
         if hint is None:
-            return self._decided(False, "unsized")
+            return self._decided(REMOTE, "unsized"), None
         uncached = self.uncached(upstream, hint, confirmed=True)
         total = self.tokens(hint, cautious=True)
         if self.config.routing == "estimate":
             best = self._best_prefill(hint)
             if best is None:
-                return self._decided(False, "not_learned")
+                return self._decided(REMOTE, "not_learned"), None
             prefill, uncached_p = best
             decision = decide(prefill.costs, prefill.work, uncached_p, upstream.costs, upstream.work, uncached,
-                              threshold)
+                              threshold, self.config.decode_on_prefill, output_tokens)
             log.info("[%s] %s: ~%d of ~%d prompt tokens uncached on %s%s", request_id, self._explain(decision),
                      uncached, total, upstream.name, "" if decision.via is None else f" (~{uncached_p:.0f} on "
                      f"{prefill.name})")
-            return self._decided(not decision.remote, decision.reason)
+            return self._decided(decision.where, decision.reason), prefill if decision.where == ON_PREFILL else None
         if not threshold:
-            return self._decided(False, "never")
+            return self._decided(REMOTE, "never"), None
         skip = uncached < threshold
         log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s --skip-prefill-below %d",
                  request_id, "skipped the" if skip else "remote", uncached, total, upstream.name, decode.rule,
                  "below" if skip else "not below", threshold)
-        return self._decided(skip, "below_threshold" if skip else "not_below_threshold")
+        return self._decided(LOCAL if skip else REMOTE, "below_threshold" if skip else "not_below_threshold"), None
 
     @staticmethod
     def _explain(decision: Decision) -> str:
-        if decision.local is None or decision.via is None:
+        if decision.via is None:
             return f"remote prefill ({decision.reason})"
-        return (f"{'remote prefill' if decision.remote else 'skipped the prefill'} ({decision.reason}: remote "
-                f"~{decision.via.cost:.3f} s, local ~{decision.local.first_token:.3f} s + "
-                f"~{decision.local.imposed:.3f} s for the requests decoding there)")
+        said = {REMOTE: "remote prefill", LOCAL: "skipped the prefill", ON_PREFILL: "whole on the prefill instance"}
+        options = [f"remote ~{decision.via.cost:.3f} s"]
+        if decision.local is not None:
+            options.append(f"local ~{decision.local.first_token:.3f} s + ~{decision.local.imposed:.3f} s for the "
+                           "requests decoding there")
+        if decision.on_prefill is not None:
+            whole = decision.on_prefill
+            options.append(f"on the prefill instance ~{whole.first_token:.3f} s + ~{whole.imposed:.3f} s for the "
+                           f"requests decoding there, its decode ~{whole.decode:+.3f} s against the decode instance's")
+        return f"{said[decision.where]} ({decision.reason}: {', '.join(options)})"
 
-    def _decided(self, skip: bool, reason: str) -> bool:
-        self.decisions.labels(choice="local" if skip else "remote", reason=reason).inc()
-        if skip:
+    def _decided(self, where: str, reason: str) -> str:
+        self.decisions.labels(choice=where, reason=reason).inc()
+        if where != REMOTE:
             self.skipped.inc()
-        return skip
+        return where
+
+    def take(self, balancer: Balancer, upstream: Upstream, hint: Fingerprint | None, trip: Trip) -> None:
+        """Count ``upstream`` busy with the request (chosen by ``route``), as ``reserve`` does with its choice."""
+        balancer.acquire(upstream)
+        trip.held[balancer.role] = (upstream, upstream.prefix.match(hint.chunks) if hint is not None else 0)
+        if hint is not None:
+            upstream.prefix.add(hint.chunks)
+        self.routed.labels(role=balancer.role, rule="estimate").inc()
+        self.refresh(upstream)
 
     # ---------------------------------------------------------------- queues and costs
     def trip(self, hint: Fingerprint | None) -> Trip:

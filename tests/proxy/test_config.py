@@ -58,14 +58,16 @@ def test_routing_and_admin_options(monkeypatch: pytest.MonkeyPatch, capsys: pyte
                          "--admin-token", "a" * 16, "--routing", "estimate"])
     assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.routing) == \
         (0, 128, 0, "estimate")
-    assert config.admin_token == "a" * 16 and "a" * 16 not in repr(config)
+    assert config.admin_token == "a" * 16 and "a" * 16 not in repr(config) and not config.decode_on_prefill
+    assert parse_args([*base, "--routing", "estimate", "--decode-on-prefill"]).decode_on_prefill
     monkeypatch.setenv("MOONCAKE_PROXY_ADMIN_TOKEN", "from-the-environment-0123")
     assert parse_args(base).admin_token == "from-the-environment-0123"
     assert parse_args([*base, "--admin-token", ""]).admin_token == ""  # explicitly none
     for bad, message in ((["--admin-token", "short"], "at least 16"), (["--admin-token", "a b" * 8], "no spaces"),
                          (["--balance-slack", "-1"], "balance_slack must be"),
                          (["--skip-prefill-below", "-5"], "skip_prefill_below must be"),
-                         (["--routing", "fastest"], "invalid choice")):
+                         (["--routing", "fastest"], "invalid choice"),
+                         (["--decode-on-prefill"], "--decode-on-prefill needs --routing estimate")):
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
         assert message in capsys.readouterr().err

@@ -33,7 +33,8 @@ def costs(prefill: tuple[float, float] | None = (0.02, 0.001), load: tuple[float
         c.prefill = learned(*prefill)
     if load is not None:
         c.load = learned(*load)
-    c.observe_step(step)
+    for _ in range(MIN_SAMPLES):
+        c.observe_step(step)
     return c
 
 
@@ -180,3 +181,41 @@ def pick(balancer: Balancer, score: Callable[[list[Upstream]], list[float] | Non
     upstream = choice.upstream
     upstream.prefix.clear()  # pick recorded the prompt there: undone, each case starts from what it set
     return upstream
+
+
+def test_a_saturated_decode_instance_sends_whole_requests_to_an_idle_prefill_instance() -> None:
+    """--decode-on-prefill: D's learned decode step is 90 ms (its core saturated), P's 30 ms: 64 tokens decode ~3.8 s
+    sooner on P, far more than the load saved. Off, or with no output length, or before D's step is learned, the
+    option is not offered."""
+    p, d = costs(step=0.03), costs(step=0.09)
+    busy_d = Work(running=6)
+    decision = decide(p, Work(), 1216, d, busy_d, 1216, on_prefill=True, output_tokens=64)
+    assert decision.where == "on_prefill" and decision.reason == "faster_on_prefill", decision
+    assert decision.on_prefill is not None and decision.via is not None
+    assert decision.on_prefill.cost < decision.via.cost
+    for off in ({"on_prefill": False, "output_tokens": 64}, {"on_prefill": True, "output_tokens": None}):
+        decision = decide(p, Work(), 1216, d, busy_d, 1216, **off)
+        assert decision.where != "on_prefill" and decision.on_prefill is None, off
+    unlearned = costs(step=0.09)
+    unlearned.steps = MIN_SAMPLES - 1
+    assert decide(p, Work(), 1216, unlearned, busy_d, 1216, on_prefill=True, output_tokens=64).on_prefill is None
+
+
+def test_a_prefill_instance_busy_decoding_is_not_given_more() -> None:
+    """P is decoding 8 requests (its step 120 ms, a prefill there stalls them), D decodes at 40 ms: the request is
+    prefilled remotely or computed on D, not sent whole to P; a P that has not decoded yet borrows D's step."""
+    p, d = costs(step=0.12), costs(step=0.04)
+    decision = decide(p, Work(running=8), 1216, d, Work(running=2), 1216, on_prefill=True, output_tokens=64)
+    assert decision.where in ("remote", "local") and decision.on_prefill is not None, decision
+    fresh = costs()
+    fresh.steps, fresh.step = 0, 0.0
+    borrowed = decide(fresh, Work(), 1216, d, Work(running=2), 1216, on_prefill=True, output_tokens=64)
+    assert borrowed.on_prefill is not None and borrowed.on_prefill.decode == 0.0  # the same step: no decode term
+
+
+def test_the_bound_does_not_bound_the_prefill_instance() -> None:
+    """--skip-prefill-below is a bound on computing on D: above it, the choice is remote or whole on P."""
+    p, d = costs(step=0.03), costs(step=0.09)
+    decision = decide(p, Work(), 1216, d, Work(running=6), 1216, bound=256, on_prefill=True, output_tokens=64)
+    assert decision.where == "on_prefill" and decision.local is None
+    assert decide(p, Work(), 1216, d, Work(), 1216, bound=256).reason == "above_bound"

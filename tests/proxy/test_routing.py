@@ -384,3 +384,53 @@ def test_the_estimate_learns_what_work_costs_and_skips_by_load() -> None:
         await assert_idle(env)
 
     run(test, routing="estimate")
+
+
+def test_with_decode_on_prefill_a_saturated_decode_instance_hands_whole_requests_to_the_prefill_instance() -> None:
+    """--routing estimate --decode-on-prefill. The proxy has learned that a prefill on P and a load into D are cheap
+    and that D decodes at 90 ms a step (its core saturated) while P decoded at 30 ms: the next request is served
+    whole on P - the client's own request (max_tokens, stream) with params that keep nothing for a consumer - and
+    its answer is relayed; D gets nothing. When P fails to connect, the request falls back to D whole. Both end
+    with nothing queued. Without --decode-on-prefill the same state never sends a request to P whole."""
+    from proxy.estimate import MIN_SAMPLES, LinearFit
+
+    def teach(env: Environment) -> None:
+        p, d = env.proxy.proxy.prefill_balancer.upstreams[0], env.proxy.proxy.decode_balancer.upstreams[0]
+        for upstream, step in ((p, 0.03), (d, 0.09)):
+            upstream.costs.prefill, upstream.costs.load = LinearFit(), LinearFit()
+            for n in (100, 400, 800, 1600):
+                upstream.costs.prefill.observe(n, 0.02 + 0.001 * n)
+                upstream.costs.load.observe(n, 0.01 + 0.0001 * n)
+            upstream.costs.steps, upstream.costs.step = MIN_SAMPLES, step
+        d.work.running = 6  # as if six requests were decoding there (a local prefill would stall them)
+
+    async def served_whole_on_p(env: Environment) -> None:
+        teach(env)
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "prompt": text_of(50, 1200),
+                                                             "stream": True})
+        assert status == 200 and body.endswith("data: [DONE]\n\n") and '"served_by": "P0"' in body
+        sent = env.prefill[0].completions()[-1].body
+        assert sent["kv_transfer_params"] == NO_LOAD and sent["max_tokens"] == COMPLETION["max_tokens"]
+        assert sent["stream"] is True and env.decode[0].completions() == []
+        assert await proxy_metric(env, "mooncake_proxy_route_decisions_total", choice="on_prefill",
+                                  reason="faster_on_prefill") == 1
+        env.proxy.proxy.decode_balancer.upstreams[0].work.running = 0
+        await assert_idle(env)
+        # P refuses connections now: the request is computed whole on D instead
+        teach(env)
+        await env.prefill[0].stop()
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "prompt": text_of(51, 1200)})
+        assert status == 200 and body["served_by"] == "D0", body
+        assert env.decode[0].completions()[-1].body["kv_transfer_params"] == NO_LOAD
+        env.proxy.proxy.decode_balancer.upstreams[0].work.running = 0
+        await assert_idle(env)
+
+    run(served_whole_on_p, routing="estimate", decode_on_prefill=True)
+
+    async def never_whole_on_p(env: Environment) -> None:
+        teach(env)
+        status, _, _ = await env.post("/v1/completions", {**COMPLETION, "prompt": text_of(50, 1200), "stream": True})
+        assert status == 200 and len(env.decode[0].completions()) == 1
+        assert all(c.body["max_tokens"] == 1 for c in env.prefill[0].completions())
+
+    run(never_whole_on_p, routing="estimate")
