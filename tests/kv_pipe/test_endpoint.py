@@ -55,9 +55,10 @@ def test_channels_are_separate_fifos(cfg):
 def test_an_idle_link_is_closed_and_made_again_on_next_use(cfg):
     server = free_address()
     producer = Peer(peers.endpoint_server, cfg, server, 1)
-    # link_idle well above a round trip under the suite's load: a reply that took over 1 s let the reaper close the
-    # second link while its caller waited for the reply (a link is busy only once a tensor began to arrive)
-    with open_endpoint(cfg, 1, free_address(), link_idle=3.0) as endpoint:
+    # link_idle well above a round trip under the suite's load: replies that took over 1 s, then over 3 s (the VM's
+    # stalls, benchmarks/results/NOTES.md) let the reaper close the second link while its caller waited for the
+    # reply (a link is busy only once a tensor began to arrive)
+    with open_endpoint(cfg, 1, free_address(), link_idle=6.0) as endpoint:
         first = endpoint.link(server)
         first.send_tensor(torch.tensor([1.0]))
         assert float(first.recv_tensor()[0]) == 2.0
