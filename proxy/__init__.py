@@ -64,8 +64,14 @@ requests are decoding there. A prefill instance is then chosen by the estimated 
 preference), a decode instance by the better of its two options (remote prefill then a load of what it lacks, or
 the whole request there plus the stall it causes its decoding requests), and the skip by comparing the two.
 Until the remote path's costs are known (3 answers each) requests are prefilled remotely and the prefix rule
-chooses. ``/metrics``: ``mooncake_proxy_route_decisions_total{choice,reason}`` (remote or local; reasons never,
-below_threshold, not_below_threshold, unsized, not_learned, faster_locally, faster_remotely, above_bound),
+chooses. With ``--decode-on-prefill`` a third option competes: the whole request on the chosen prefill instance
+(its first token there plus the stall it causes, and its decode there: its ``max_tokens`` times that instance's
+learned step, against the same on the decode instance), sent with params that keep nothing for a consumer; a
+saturated decode instance decodes slowly, so requests go to the prefill instance until its own steps grow; if no
+prefill instance can take it, it goes whole to a decode instance. ``/metrics``:
+``mooncake_proxy_route_decisions_total{choice,reason}`` (remote, local or on_prefill; reasons never,
+below_threshold, not_below_threshold, unsized, not_learned, faster_locally, faster_remotely, faster_on_prefill,
+above_bound),
 ``mooncake_proxy_estimated_cost_seconds{role,instance,cost}`` and ``mooncake_proxy_routed_total{rule="estimate"}``.
 
 Admin (``admin``; only with ``--admin-token`` or ``MOONCAKE_PROXY_ADMIN_TOKEN``, else 404): ``/admin/instances`` on the
