@@ -25,29 +25,53 @@ log = logging.getLogger(__name__)
 
 BACKLOG = 2048  # the listening socket's queue of connections not yet accepted
 RESERVED_FILES = 64  # for the process itself: the listener, logs, the event loop, imports, /metrics reads
+MIN_FILES = 128  # below this open-file limit the proxy refuses to start
+MAX_FILES = 1 << 20  # the most it raises its soft limit to
 MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
-BODY_GRACE = 2.0
+BODY_GRACE = 5.0
 
 
 def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
     """``config`` with ``max_clients`` and ``max_connections`` lowered to what the open-file limit holds (its soft
-    limit raised to the hard one first): RESERVED_FILES for the process, a quarter of the rest at most for the
-    upstream pool, and of what is left an eighth kept free for client connections being closed (``ClientGate``).
-    Clients beyond the limit cost accept errors and starve everyone; said once at start-up."""
+    limit raised towards the hard one first, up to MAX_FILES): RESERVED_FILES for the process, a quarter of the rest
+    at most for the upstream pool, and of what is left an eighth kept free for client connections being closed
+    (``ClientGate``). Clients beyond the limit cost accept errors and starve everyone. Raises ``ConfigError`` below
+    MIN_FILES."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    usable = max(soft - RESERVED_FILES, 32)
+    target = MAX_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        for attempt in (target, min(target, 10240)):  # macOS refuses more than its own maximum
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
+            except (ValueError, OSError):
+                continue
+            soft = attempt
+            break
+    if soft == resource.RLIM_INFINITY or soft > MAX_FILES:
+        soft = MAX_FILES
+    if soft < MIN_FILES:
+        raise ConfigError(f"the open-file limit is {soft} (and cannot be raised): the proxy needs at least "
+                          f"{MIN_FILES}; raise it (ulimit -n)")
+    usable = soft - RESERVED_FILES
     pool = min(config.max_connections, max(usable // 4, 8))
-    clients = min(config.max_clients, max((usable - pool) * 8 // 9, 8))
-    if (clients, pool) != (config.max_clients, config.max_connections):
-        log.warning("the open-file limit is %d: at most %d client connections (--max-clients %d) and %d upstream "
-                    "connections (--max-connections %d); raise the limit (ulimit -n) for more", soft, clients,
-                    config.max_clients, pool, config.max_connections)
+    clients = min(config.max_clients, (usable - pool) * 8 // 9)
+    if clients < config.max_clients or pool < config.max_connections:
+        (log.warning if clients < config.max_clients else log.info)(
+            "the open-file limit is %d: at most %d client connections (--max-clients %d) and %d upstream connections "
+            "(--max-connections %d); raise the limit (ulimit -n) for more", soft, clients, config.max_clients, pool,
+            config.max_connections)
     return dataclasses.replace(config, max_clients=clients, max_connections=pool)
+
+
+class _Request:
+    """A request the app is handling on a connection: its body as it comes (``receiving`` until its last part), and
+    since when an answer's write waits for the client to read (``blocked``)."""
+
+    __slots__ = ("body", "receiving", "since", "blocked")
+
+    def __init__(self) -> None:
+        self.since, self.body, self.receiving = time.monotonic(), 0, True
+        self.blocked: float | None = None
 
 
 class _Client(socket.socket):
@@ -55,17 +79,20 @@ class _Client(socket.socket):
 
     gate: ClientGate | None = None
     address: tuple[str, int] = ("", 0)  # the client's, as the app's requests name it
-    in_flight = 0  # requests of it the app is handling (a streamed answer counts until its end)
     last_active = 0.0
     evicted = False  # shut down to make room; closed once its transport sees the end
     accepted = 0.0
     sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
-    body_since: float | None = None  # when the body of its request under way began; None: no body being sent
-    body_bytes = 0
+    requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests or ())
 
     def evictable(self) -> bool:
-        """No request under way, or one whose body is still coming: its place may go to another client."""
-        return self.in_flight == 0 or self.body_since is not None
+        """No request under way, or only requests whose bodies are still coming (pipelined or HTTP/2 streams
+        alike): its place may go to another client."""
+        return all(r.receiving for r in self.requests or ())
 
     def rate(self, now: float) -> float:
         """Bytes per second it sent since accepted (at least a second counted): the lowest goes first when full."""
@@ -110,9 +137,11 @@ class ClientGate:
     given up (an eighth more) do not hold new ones back. A connection with no request under way is closed after
     ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles its headers, or
     sits idle, gives its place up), and a body that averages under MIN_BODY_RATE after BODY_GRACE seconds is cut
-    (its total time is also bounded, see BODY_TIMEOUT). On Linux the listener defers accepting a connection until
-    its client sends something (TCP_DEFER_ACCEPT, up to ``client_timeout``): a silent connection holds no file here,
-    and Hypercorn would keep one it was told to close for its keep-alive timeout. The app sees requests only once
+    (its total time is also bounded, see BODY_TIMEOUT), and one whose client reads nothing of its answer for
+    ``client_timeout`` is closed. On Linux the listener defers accepting a connection until its client sends
+    something (TCP_DEFER_ACCEPT, for about ``client_timeout``; after that the kernel hands it over, and it is an idle
+    connection like any other): Hypercorn keeps a connection it was told to close that never sent anything until its
+    keep-alive timeout. The app sees requests only once
     their head is complete, so it marks what a connection is doing and counts its body (``wrap``)."""
 
     def __init__(self, config: ProxyConfig) -> None:
@@ -136,6 +165,7 @@ class ClientGate:
         self.open = 0  # connections accepted and not closed yet (evicted ones included): file descriptors held
         self.closing = 0  # of them, evicted and not closed yet
         self.crowded = 0  # times the limit was reached
+        self.cut = 0  # connections closed for a body too slow or an answer not read
 
     def room(self) -> bool:
         """Whether a new connection may be accepted now. At the limit the evictable connection that sent the fewest
@@ -166,7 +196,7 @@ class ClientGate:
     def admit(self, client: _Client, address: Any) -> bool:
         if self.open - self.closing >= self.limit or self.open >= self.limit + self.headroom:
             return False
-        client.gate, client.address = self, address[:2]
+        client.gate, client.address, client.requests = self, address[:2], set()
         client.last_active = client.accepted = time.monotonic()
         self.clients[client.address] = client
         self.open += 1
@@ -189,32 +219,39 @@ class ClientGate:
                 return
             headers = scope.get("headers") or []
             client.sent += len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers) + 16
-            names = {k.lower() for k, v in headers if k.lower() != b"content-length" or v.strip() not in (b"", b"0")}
-            if names & {b"content-length", b"transfer-encoding"}:
-                client.body_since, client.body_bytes = time.monotonic(), 0
+            request = _Request()  # every request's body is tracked (HTTP/2 needs no length header)
 
             async def counted() -> Any:
                 message = await receive()
-                if message.get("type") == "http.request" and client.body_since is not None:
+                if message.get("type") == "http.request" and request.receiving:
                     size = len(message.get("body") or b"")
                     client.sent += size
-                    client.body_bytes += size
-                    if not message.get("more_body"):
-                        client.body_since = None
+                    request.body += size
+                    request.receiving = bool(message.get("more_body"))
+                elif message.get("type") == "http.disconnect":
+                    request.receiving = False
                 return message
 
-            client.in_flight += 1
+            async def timed(message: Any) -> None:
+                request.blocked = time.monotonic()
+                try:
+                    await send(message)
+                finally:
+                    request.blocked = None
+
+            assert client.requests is not None
+            client.requests.add(request)
             try:
-                await app(scope, counted, send)
+                await app(scope, counted, timed)
             finally:
-                client.in_flight -= 1
-                client.body_since = None
+                client.requests.discard(request)
                 client.last_active = time.monotonic()
         return gated
 
     async def sweep(self) -> None:
         """Close, every fraction of ``client_timeout`` (a second at most), the connections idle (or still sending a
-        head) for longer, and those whose body comes slower than MIN_BODY_RATE after BODY_GRACE."""
+        head) for longer, those with a request body coming slower than MIN_BODY_RATE after BODY_GRACE, and those
+        whose client has not read an answer's write for ``client_timeout``."""
         while True:
             await asyncio.sleep(min(1.0, self.idle / 4))
             now = time.monotonic()
@@ -222,11 +259,24 @@ class ClientGate:
             for client in list(self.clients.values()):
                 if client.in_flight == 0 and client.last_active < cutoff:
                     client.end()
-                elif client.body_since is not None and now - client.body_since > BODY_GRACE and \
-                        client.body_bytes < MIN_BODY_RATE * (now - client.body_since):
-                    log.info("closed a client connection from %s: its request body came at %.0f bytes/s (at least "
-                             "%d)", client.address[0], client.body_bytes / (now - client.body_since), MIN_BODY_RATE)
+                    continue
+                why = self._too_slow(client, now, cutoff)
+                if why:
+                    self.cut += 1
+                    if self.cut in (1, 10, 100) or self.cut % 1000 == 0:
+                        log.warning("closed a client connection from %s: %s (%d such so far)", client.address[0], why,
+                                    self.cut)
                     self.evict(client)
+
+    @staticmethod
+    def _too_slow(client: _Client, now: float, cutoff: float) -> str:
+        for request in list(client.requests or ()):
+            took = now - request.since
+            if request.receiving and took > BODY_GRACE and request.body < MIN_BODY_RATE * took:
+                return f"its request body came at {request.body / took:.0f} bytes/s (at least {MIN_BODY_RATE})"
+            if request.blocked is not None and request.blocked < cutoff:
+                return f"it read nothing of its answer for {now - request.blocked:.0f} s (--client-timeout)"
+        return ""
 
     async def serve(self, app: Quart, shutdown_trigger: Callable[..., Awaitable[Any]] | None = None) -> None:
         """Serve ``app`` with Hypercorn on this gate's socket until ``shutdown_trigger`` (default: SIGINT/SIGTERM)."""
