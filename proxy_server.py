@@ -15,14 +15,14 @@ import logging
 
 from proxy.app import create_app
 from proxy.config import parse_args
-from proxy.gate import ClientGate
+from proxy.gate import ClientGate, fit_to_file_limit
 
 log = logging.getLogger("proxy_server")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, bind the configured host and port, and serve until SIGINT/SIGTERM."""
-    config = parse_args(argv)
+    config = fit_to_file_limit(parse_args(argv))
     gate = ClientGate(config)
     log.info("listening on http://%s:%d", config.host, gate.port)
     asyncio.run(gate.serve(create_app(config)))

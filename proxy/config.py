@@ -147,10 +147,12 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                         help="seconds to connect to an upstream before the next instance is tried (default 10)")
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed instance is skipped")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for each upstream /health probe")
-    parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    parser.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size (default "
+                        "1024, lowered to a quarter of what the open-file limit leaves)")
     parser.add_argument("--max-clients", type=int, default=1024,
-                        help="client connections at once (default 1024; keep it below the process's open-file "
-                             "limit): a new one takes the place of the oldest with no request under way")
+                        help="client connections at once (default 1024, lowered to what the process's open-file "
+                             "limit holds): when full, a new one takes the place of the slowest sender with no request "
+                             "under way or a body still coming")
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a client may take to send a request's head, and its body; an idle client "
                              "connection is closed after as long (default 30)")

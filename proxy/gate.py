@@ -1,11 +1,14 @@
 """The proxy's listening socket and who may hold a connection to it: ``ClientGate`` (with its socket classes
-``_Listener`` and ``_Client``), which also serves the app with Hypercorn."""
+``_Listener`` and ``_Client``), which also serves the app with Hypercorn, and ``fit_to_file_limit``, which sizes the
+client cap and the upstream pool to the process's open-file limit."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +24,54 @@ from proxy.config import ConfigError, ProxyConfig
 log = logging.getLogger(__name__)
 
 BACKLOG = 2048  # the listening socket's queue of connections not yet accepted
+RESERVED_FILES = 64  # for the process itself: the listener, logs, the event loop, imports, /metrics reads
+MIN_FILES = 128  # below this open-file limit the proxy refuses to start
+MAX_FILES = 1 << 20  # the most it raises its soft limit to
+MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
+BODY_GRACE = 5.0
+
+
+def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
+    """``config`` with ``max_clients`` and ``max_connections`` lowered to what the open-file limit holds (its soft
+    limit raised towards the hard one first, up to MAX_FILES): RESERVED_FILES for the process, a quarter of the rest
+    at most for the upstream pool, and of what is left an eighth kept free for client connections being closed
+    (``ClientGate``). Clients beyond the limit cost accept errors and starve everyone. Raises ``ConfigError`` below
+    MIN_FILES."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = MAX_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        for attempt in (target, min(target, 10240)):  # macOS refuses more than its own maximum
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
+            except (ValueError, OSError):
+                continue
+            soft = attempt
+            break
+    if soft == resource.RLIM_INFINITY or soft > MAX_FILES:
+        soft = MAX_FILES
+    if soft < MIN_FILES:
+        raise ConfigError(f"the open-file limit is {soft} (and cannot be raised): the proxy needs at least "
+                          f"{MIN_FILES}; raise it (ulimit -n)")
+    usable = soft - RESERVED_FILES
+    pool = min(config.max_connections, max(usable // 4, 8))
+    clients = min(config.max_clients, (usable - pool) * 8 // 9)
+    if clients < config.max_clients or pool < config.max_connections:
+        (log.warning if clients < config.max_clients else log.info)(
+            "the open-file limit is %d: at most %d client connections (--max-clients %d) and %d upstream connections "
+            "(--max-connections %d); raise the limit (ulimit -n) for more", soft, clients, config.max_clients, pool,
+            config.max_connections)
+    return dataclasses.replace(config, max_clients=clients, max_connections=pool)
+
+
+class _Request:
+    """A request the app is handling on a connection: its body as it comes (``receiving`` until its last part), and
+    since when an answer's write waits for the client to read (``blocked``)."""
+
+    __slots__ = ("body", "receiving", "since", "blocked")
+
+    def __init__(self) -> None:
+        self.since, self.body, self.receiving = time.monotonic(), 0, True
+        self.blocked: float | None = None
 
 
 class _Client(socket.socket):
@@ -28,9 +79,24 @@ class _Client(socket.socket):
 
     gate: ClientGate | None = None
     address: tuple[str, int] = ("", 0)  # the client's, as the app's requests name it
-    in_flight = 0  # requests of it the app is handling (a streamed answer counts until its end)
     last_active = 0.0
     evicted = False  # shut down to make room; closed once its transport sees the end
+    accepted = 0.0
+    sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
+    requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests or ())
+
+    def evictable(self) -> bool:
+        """No request under way, or only requests whose bodies are still coming (pipelined or HTTP/2 streams
+        alike): its place may go to another client."""
+        return all(r.receiving for r in self.requests or ())
+
+    def rate(self, now: float) -> float:
+        """Bytes per second it sent since accepted (at least a second counted): the lowest goes first when full."""
+        return self.sent / max(now - self.accepted, 1.0)
 
     def end(self) -> None:
         """Shut the connection down: its transport sees the end and closes it."""
@@ -65,14 +131,22 @@ class _Listener(socket.socket):
 
 class ClientGate:
     """Who may hold a connection to the proxy: at most ``max_clients`` at once, so slow clients cannot exhaust the
-    proxy's file descriptors (a new one takes the place of the oldest with no request under way, or is closed if
-    every one has a request under way), and a connection with no request under way is closed after
-    ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles
-    its headers, or sits idle, gives its place up; the body has as long, see BODY_TIMEOUT). The app sees requests
-    only once their head is complete, so it marks what a connection is doing (``wrap``)."""
+    proxy's file descriptors. When full, a new connection takes the place of the one that sent the fewest bytes per
+    second since it was accepted among those with no request under way or a request whose body is still coming (a
+    real client sends its request at once), or is closed if every one has a request under way. The places being
+    given up (an eighth more) do not hold new ones back. A connection with no request under way is closed after
+    ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles its headers, or
+    sits idle, gives its place up), and a body that averages under MIN_BODY_RATE after BODY_GRACE seconds is cut
+    (its total time is also bounded, see BODY_TIMEOUT), and one whose client reads nothing of its answer for
+    ``client_timeout`` is closed. On Linux the listener defers accepting a connection until its client sends
+    something (TCP_DEFER_ACCEPT, for about ``client_timeout``; after that the kernel hands it over, and it is an idle
+    connection like any other): Hypercorn keeps a connection it was told to close that never sent anything until its
+    keep-alive timeout. The app sees requests only once
+    their head is complete, so it marks what a connection is doing and counts its body (``wrap``)."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.limit, self.idle = config.max_clients, config.client_timeout
+        self.headroom = max(self.limit // 8, 1)  # connections being closed on top of the limit
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self.listener = _Listener(family, socket.SOCK_STREAM)
         self.listener.gate = self
@@ -82,6 +156,8 @@ class ClientGate:
         except OSError as error:
             self.listener.close()
             raise ConfigError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux: a connection that sends nothing is never accepted (no file)
+            self.listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, max(int(self.idle), 1))
         self.listener.listen(BACKLOG)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -89,34 +165,39 @@ class ClientGate:
         self.open = 0  # connections accepted and not closed yet (evicted ones included): file descriptors held
         self.closing = 0  # of them, evicted and not closed yet
         self.crowded = 0  # times the limit was reached
+        self.cut = 0  # connections closed for a body too slow or an answer not read
 
     def room(self) -> bool:
-        """Whether a new connection may be accepted now. At the limit the oldest connection with no request under way
-        (idle, or still sending its head: a real client sends its request at once) is shut down to make room, and
-        the new one waits in the listen queue until it is closed; if every one has a request under way the new one
-        is accepted and closed at once (``admit``)."""
-        if self.open < self.limit:
-            return True
-        if self.closing:
+        """Whether a new connection may be accepted now. At the limit the evictable connection that sent the fewest
+        bytes per second is shut down to make room (see the class docstring); the new one is accepted at once while
+        the places being given up fit in the headroom, else it waits in the listen queue. If every one has a request
+        under way the new one is accepted and closed at once (``admit``)."""
+        if self.open >= self.limit + self.headroom:
             return False
-        idle = [c for c in self.clients.values() if c.in_flight == 0]
+        if self.open - self.closing < self.limit:
+            return True
+        now = time.monotonic()
+        victims = [c for c in self.clients.values() if c.evictable()]
         self.crowded += 1
         if self.crowded in (1, 10, 100) or self.crowded % 1000 == 0:
             log.warning("%d client connections open (--max-clients): %s (%d times so far)", self.limit,
-                        "closing the oldest idle one" if idle else "refusing a new one", self.crowded)
-        if not idle:
+                        "closing the slowest sender" if victims else "refusing a new one", self.crowded)
+        if not victims:
             return True
-        oldest = min(idle, key=lambda c: c.last_active)
-        oldest.evicted = True
+        self.evict(min(victims, key=lambda c: (c.rate(now), c.accepted)))
+        return self.open < self.limit + self.headroom
+
+    def evict(self, client: _Client) -> None:
+        client.evicted = True
         self.closing += 1
-        del self.clients[oldest.address]
-        oldest.end()
-        return False
+        del self.clients[client.address]
+        client.end()
 
     def admit(self, client: _Client, address: Any) -> bool:
-        if self.open >= self.limit:
+        if self.open - self.closing >= self.limit or self.open >= self.limit + self.headroom:
             return False
-        client.gate, client.address, client.last_active = self, address[:2], time.monotonic()
+        client.gate, client.address, client.requests = self, address[:2], set()
+        client.last_active = client.accepted = time.monotonic()
         self.clients[client.address] = client
         self.open += 1
         return True
@@ -129,28 +210,73 @@ class ClientGate:
             del self.clients[client.address]
 
     def wrap(self, app: Any) -> Callable[..., Awaitable[None]]:
-        """The ASGI app, marking each request on its connection while the app handles it."""
+        """The ASGI app, marking each request on its connection while the app handles it, and counting what its
+        client sends: the head (as parsed), the body as it comes (a request without one has none to wait for)."""
         async def gated(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
             client = self.clients.get(tuple(scope.get("client") or ())[:2]) if scope["type"] == "http" else None
             if client is None:
                 await app(scope, receive, send)
                 return
-            client.in_flight += 1
+            headers = scope.get("headers") or []
+            client.sent += len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers) + 16
+            request = _Request()  # every request's body is tracked (HTTP/2 needs no length header)
+
+            async def counted() -> Any:
+                message = await receive()
+                if message.get("type") == "http.request" and request.receiving:
+                    size = len(message.get("body") or b"")
+                    client.sent += size
+                    request.body += size
+                    request.receiving = bool(message.get("more_body"))
+                elif message.get("type") == "http.disconnect":
+                    request.receiving = False
+                return message
+
+            async def timed(message: Any) -> None:
+                request.blocked = time.monotonic()
+                try:
+                    await send(message)
+                finally:
+                    request.blocked = None
+
+            assert client.requests is not None
+            client.requests.add(request)
             try:
-                await app(scope, receive, send)
+                await app(scope, counted, timed)
             finally:
-                client.in_flight -= 1
+                client.requests.discard(request)
                 client.last_active = time.monotonic()
         return gated
 
     async def sweep(self) -> None:
-        """Close, every fraction of ``client_timeout``, the connections idle (or still sending a head) for longer."""
+        """Close, every fraction of ``client_timeout`` (a second at most), the connections idle (or still sending a
+        head) for longer, those with a request body coming slower than MIN_BODY_RATE after BODY_GRACE, and those
+        whose client has not read an answer's write for ``client_timeout``."""
         while True:
             await asyncio.sleep(min(1.0, self.idle / 4))
-            cutoff = time.monotonic() - self.idle
+            now = time.monotonic()
+            cutoff = now - self.idle
             for client in list(self.clients.values()):
                 if client.in_flight == 0 and client.last_active < cutoff:
                     client.end()
+                    continue
+                why = self._too_slow(client, now, cutoff)
+                if why:
+                    self.cut += 1
+                    if self.cut in (1, 10, 100) or self.cut % 1000 == 0:
+                        log.warning("closed a client connection from %s: %s (%d such so far)", client.address[0], why,
+                                    self.cut)
+                    self.evict(client)
+
+    @staticmethod
+    def _too_slow(client: _Client, now: float, cutoff: float) -> str:
+        for request in list(client.requests or ()):
+            took = now - request.since
+            if request.receiving and took > BODY_GRACE and request.body < MIN_BODY_RATE * took:
+                return f"its request body came at {request.body / took:.0f} bytes/s (at least {MIN_BODY_RATE})"
+            if request.blocked is not None and request.blocked < cutoff:
+                return f"it read nothing of its answer for {now - request.blocked:.0f} s (--client-timeout)"
+        return ""
 
     async def serve(self, app: Quart, shutdown_trigger: Callable[..., Awaitable[Any]] | None = None) -> None:
         """Serve ``app`` with Hypercorn on this gate's socket until ``shutdown_trigger`` (default: SIGINT/SIGTERM)."""

@@ -4,57 +4,107 @@ it waits for its answer; real HTTP, ``proxy_server.main()`` in a subprocess wher
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import resource
 import socket
+import threading
 import time
 
+import aiohttp
 import pytest
 
 from proxy.config import ProxyConfig
 from proxy.gate import ClientGate
-from tests.proxy.upstreams import COMPLETION, Environment, run, start_main
+from tests.proxy.upstreams import COMPLETION, Environment, run, start_main, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+SLOW_BODY = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+
+
+class Attack:
+    """300 slow clients: 100 silent connections, 100 heads that never end, 100 complete heads whose bodies come a
+    byte every half second; a connection the proxy closes is opened again (as an attacker would)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.socks: list[tuple[bytes | None, socket.socket]] = []
+        self.reopened = 0
+        self.stopped = threading.Event()
+        for opening in [None] * 100 + [SLOW_HEAD] * 100 + [SLOW_BODY] * 100:
+            self.socks.append((opening, self.connect(opening)))
+        self.thread = threading.Thread(target=self.dribble, daemon=True)
+        self.thread.start()
+
+    def connect(self, opening: bytes | None) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        if opening:
+            sock.sendall(opening)
+        return sock
+
+    def dribble(self) -> None:
+        while not self.stopped.wait(0.5):
+            for i, (opening, sock) in enumerate(self.socks):
+                try:
+                    if opening == SLOW_BODY:
+                        sock.send(b" ")
+                    elif _closed(sock):
+                        raise ConnectionResetError
+                except OSError:
+                    sock.close()
+                    with contextlib.suppress(OSError):
+                        self.socks[i] = (opening, self.connect(opening))
+                        self.reopened += 1
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+        for _, sock in self.socks:
+            sock.close()
+
+
 def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> None:
-    """Finding 6: with no cap on client connections and slow bodies allowed --timeout (300 s), 300 slow clients
-    under a 256-file limit made normal requests time out and logged 110,450 accept errors in 10 s. Now at most
-    --max-clients connections are open, a new one takes the place of the oldest with no request under way, and a
-    request head must arrive within --client-timeout."""
+    """Issue #37: under a 256-file limit, with the default options, 300 slow clients (silent connections, heads that
+    never end, bodies dribbled a byte at a time, each opened again when closed) hold connections; normal requests
+    are answered at once. Before: the proxy held 256 files and a normal request timed out after 8 s (a body in
+    progress counted as a request under way, so the gate never closed those). Now the cap comes from the file limit
+    and a new connection takes the place of the slowest sender (a body under MIN_BODY_RATE is also cut: below)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the test's own 300 connections need more than its open-file limit ({hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1024), hard))
 
     async def test(env: Environment) -> None:
-        process, url = await start_main(env, "--max-clients", "100", "--client-timeout", "3",
-                                        stderr=asyncio.subprocess.PIPE,
+        process, url = await start_main(env, stderr=asyncio.subprocess.PIPE,
                                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
-        port = int(url.rsplit(":", 1)[1])
-        slow: list[socket.socket] = []
+        attack = await asyncio.to_thread(Attack, int(url.rsplit(":", 1)[1]))
         try:
-            for _ in range(300):  # a head that never ends
-                sock = socket.create_connection(("127.0.0.1", port))
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
-                slow.append(sock)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(3.0)  # past BODY_GRACE: the dribbled bodies are being cut and opened again
             fds = len(os.listdir(f"/proc/{process.pid}/fd"))
-            assert fds < 200, f"the proxy holds {fds} files"
-            start = time.monotonic()
+            assert fds < 256, f"the proxy holds {fds} files"
+            took = []
             for _ in range(5):
-                async with env.client.post(url + "/v1/completions", json=COMPLETION) as response:
+                start = time.monotonic()
+                async with env.client.post(url + "/v1/completions", json=COMPLETION,
+                                           timeout=aiohttp.ClientTimeout(total=10)) as response:
                     assert response.status == 200
-            # answered, not timed out (before the gate they never were); the first waits while the ~200 slow
-            # connections queued ahead of it are accepted and closed in turn: 2.5 s here idle, 5.5 s under the
-            # suite's load (issue #37 asks for under a second)
-            assert time.monotonic() - start < 12.0
-            await asyncio.sleep(4.0)  # --client-timeout: every slow head is closed by now
-            assert all(_closed(sock) for sock in slow)
+                took.append(time.monotonic() - start)
+                await asyncio.sleep(0.5)
+            print(f"normal requests under 300 slow clients: {', '.join(f'{t:.3f}' for t in took)} s; "
+                  f"{attack.reopened} slow connections closed and opened again")
+            assert max(took) < 5.0, took  # answered, not starved (benchmarks/bench_slow_clients.py times it)
+            assert attack.reopened > 0
         finally:
-            for sock in slow:
-                sock.close()
+            await asyncio.to_thread(attack.stop)
             if process.returncode is None:
                 process.terminate()
         _, err = await process.communicate()
         assert err.count(b"Too many open files") == 0 and err.count(b"accept") < 10, err[-2000:]
+        assert b"the open-file limit is 256" in err, err[-2000:]
 
     run(test)
 
@@ -87,7 +137,12 @@ def test_client_connections_send_without_delay() -> None:
     accepted sockets did not say so, so Nagle's algorithm held each answer until the client's delayed ACK."""
     gate = ClientGate(ProxyConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",), port=0))
     try:
-        with socket.create_connection(("127.0.0.1", gate.port)):
+        with socket.create_connection(("127.0.0.1", gate.port)) as client:
+            if hasattr(socket, "TCP_DEFER_ACCEPT"):  # a client that sends nothing is not accepted: it holds no file
+                time.sleep(0.3)
+                with pytest.raises(BlockingIOError):
+                    gate.listener.accept()
+            client.sendall(b"G")
             deadline = time.monotonic() + 5.0
             while True:
                 try:
@@ -100,3 +155,83 @@ def test_client_connections_send_without_delay() -> None:
                 assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         gate.listener.close()
+
+
+def _dribble_until_closed(port: int, opening: bytes, within: float) -> float | None:
+    """Send ``opening``, then a byte every 0.5 s until the proxy closes the connection: seconds it took (None: not
+    within ``within``)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(opening)
+        while time.monotonic() - start < within:
+            time.sleep(0.5)
+            try:
+                sock.send(b" ")
+                if _closed(sock):
+                    return time.monotonic() - start
+                sock.setblocking(True)
+            except OSError:
+                return time.monotonic() - start
+    return None
+
+
+def test_a_body_dribbled_behind_a_pipelined_request_is_cut() -> None:
+    """Review of #37 item 3: a complete GET pipelined before a POST whose body comes a byte every half second. The
+    GET's end must not clear the POST's tracking: the connection is cut for its body's pace (under 1 KiB/s after
+    5 s), and the proxy goes on serving."""
+    async def test(env: Environment) -> None:
+        port = int(env.url.rsplit(":", 1)[1])
+        opening = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        took = await asyncio.to_thread(_dribble_until_closed, port, opening, 20.0)
+        assert took is not None and took < 12.0, took
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+
+    run(test, client_timeout=30.0)
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_cut() -> None:
+    """A client that sends a streamed request and never reads: once the proxy's writes wait on it for
+    --client-timeout, its connection is closed (it held its place, and an upstream connection, for ever before)."""
+    async def test(env: Environment) -> None:
+        env.decode[0].chunks = ["x" * 65536] * 400  # far more than the socket buffers hold
+        port = int(env.url.rsplit(":", 1)[1])
+        body = json.dumps({**COMPLETION, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            gate = env.proxy.gate
+            await wait_until(lambda: gate.cut >= 1, timeout=15.0)
+        assert (await env.post("/v1/completions", COMPLETION))[0] == 200
+
+    run(test, client_timeout=2.0)
+
+
+def test_the_caps_follow_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit_to_file_limit: the soft limit raised towards the hard one (at most MAX_FILES, 10240 where more is
+    refused), the client cap and the upstream pool fitted under it, a clear error below MIN_FILES."""
+    from proxy import gate as gate_module
+    from proxy.config import ConfigError
+
+    config = ProxyConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",))
+    limits = {"soft": 256, "hard": 256, "max": 1 << 30}
+
+    def setrlimit(_: int, value: tuple[int, int]) -> None:
+        if value[0] > limits["max"]:
+            raise ValueError("not allowed")
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(gate_module.resource, "getrlimit", lambda _: (limits["soft"], limits["hard"]))
+    monkeypatch.setattr(gate_module.resource, "setrlimit", setrlimit)
+    fitted = gate_module.fit_to_file_limit(config)
+    assert (fitted.max_clients, fitted.max_connections) == (128, 48)  # 256 - 64 = 192: 48 upstream, 8/9 of 144
+    limits.update(soft=1024, hard=4096)
+    fitted = gate_module.fit_to_file_limit(config)
+    assert limits["soft"] == 4096 and (fitted.max_clients, fitted.max_connections) == (1024, 1008)
+    limits.update(soft=1024, hard=gate_module.resource.RLIM_INFINITY, max=10240)  # macOS: infinite, 10240 allowed
+    gate_module.fit_to_file_limit(config)
+    assert limits["soft"] == 10240
+    limits.update(soft=100, hard=100)
+    with pytest.raises(ConfigError, match="open-file limit is 100"):
+        gate_module.fit_to_file_limit(config)

@@ -204,6 +204,7 @@ def unused_port() -> int:
 class RunningProxy:
     url: str
     proxy: Proxy
+    gate: ClientGate
 
 
 @contextlib.asynccontextmanager
@@ -224,7 +225,7 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
                 writer.close()
                 break
             await asyncio.sleep(0.01)
-        yield RunningProxy(f"http://{HOST}:{port}", app.extensions["proxy"])
+        yield RunningProxy(f"http://{HOST}:{port}", app.extensions["proxy"], gate)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
