@@ -42,18 +42,22 @@ def serve_args(dtype: str, kv_bytes: int) -> list[str]:
             "--max-num-seqs", "128"]
 
 
-def start(work: Path, dtype: str, concurrency: int, max_in_flight: int) -> tuple[VllmServer, VllmServer]:
+def start(work: Path, dtype: str, concurrency: int, max_in_flight: int, kv_digest: str = "sampled"
+          ) -> tuple[VllmServer, VllmServer]:
+    """The pair, started (``kv_digest``: both instances' option)."""
     config = mooncake_json(work / "mooncake.json", timeout=30)
     kv_max = max_in_flight * 3072 * 32 * 1024
     connector = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
                  "kv_load_failure_policy": "recompute"}
     producer = VllmServer("producer", MODEL, free_port(), 0, work,
                           {**connector, "kv_role": "kv_producer",
-                           "kv_connector_extra_config": {"buffer_size": kv_max + (1 << 30), "entry_ttl": 600}},
+                           "kv_connector_extra_config": {"buffer_size": kv_max + (1 << 30), "entry_ttl": 600,
+                                                         "kv_digest": kv_digest}},
                           config, serve_args(dtype, 1 << 30))
     consumer = VllmServer("consumer", MODEL, free_port(), 1, work,
                           {**connector, "kv_role": "kv_consumer",
-                           "kv_connector_extra_config": {"load_concurrency": concurrency, "load_timeout": 120}},
+                           "kv_connector_extra_config": {"load_concurrency": concurrency, "load_timeout": 120,
+                                                         "kv_digest": kv_digest}},
                           config, serve_args(dtype, kv_max + (256 << 20)))
     start_vllm(producer, consumer)
     return producer, consumer
@@ -116,9 +120,12 @@ def in_vllm_round(producer: VllmServer, consumer: VllmServer, n: int, rng: rando
             "bytes": fetched, "expected_bytes": sum(sizes), "seconds": wall, "GBps": fetched / wall / 1e9, "sizes": sizes}
 
 
-def load_timings(log: Path, skip: int) -> list[tuple[float, float, float]]:
-    """(total, fetch, copy) ms of each pulled load in the consumer's log after the first ``skip`` of them."""
+def load_timings(log: Path, skip: int) -> list[tuple[float, float, float, float]]:
+    """(total, fetch, copy, digest check) ms of each pulled load in the consumer's log after the first ``skip`` of
+    them (the check 0 where the load was not checked)."""
     pattern = re.compile(r"loaded request \S+ \(pulled\).* in ([\d.]+) ms \([\d.]+ GB/s; fetch ([\d.]+) ms, "
-                         r"(?:copy into the KV cache ([\d.]+) ms|received into the KV cache blocks)\)")
-    found = [(float(a), float(b), float(c or 0)) for a, b, c in pattern.findall(log.read_text(errors="replace"))]
-    return found[skip:]  # type: ignore[return-value]
+                         r"(?:copy into the KV cache ([\d.]+) ms|received into the KV cache blocks)"
+                         r"(?:, digest check ([\d.]+) ms)?\)")
+    found = [(float(a), float(b), float(c or 0), float(d or 0))
+             for a, b, c, d in pattern.findall(log.read_text(errors="replace"))]
+    return found[skip:]

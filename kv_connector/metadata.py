@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from kv_connector.source import LoadSource
 
 CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
+# its value: true (scramble the loaded KV: proves it is used) or one of these faults, which the KV digest must catch
+TEST_FAULTS = ("flip_byte", "wrong_block", "stale")
 
 
 @dataclass
@@ -32,6 +34,8 @@ class LoadRequest:
     num_tokens: int  # tokens claimed
     source: LoadSource  # the producer it reads from (``source.load_source``)
     corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
+    fault: str = ""  # test-only, one of TEST_FAULTS: flip a byte of what arrived, write two blocks into each other's
+    # places, or write nothing (the blocks keep what they held)
 
 
 @dataclass

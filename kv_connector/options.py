@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 TRANSFER_MODES = ("pull", "push")
+DIGEST_MODES = ("off", "sampled", "always")  # kv_connector/digest.py
 
 GiB = 1 << 30
 
@@ -48,8 +49,14 @@ class ConnectorOptions:
       into a buffer copied into them. Then a load whose transfer stalls cannot end at ``load_timeout``: it waits
       until the stalled receive ends or the pipe's ``timeout`` (+5 s) passed, since the blocks may not be handed
       back while a write can still land. Off by default: a load ends by ``load_timeout`` whatever the network does.
+    - ``kv_digest``: "off", "sampled" (the default) or "always": the consumer checks that a load's blocks hold the
+      bytes the producer saved (kv_connector/digest.py), every ``kv_digest_sample``-th load or every one; a
+      mismatch fails the load. A producer with "off" sends no digests (a consumer with "always" then fails its
+      loads, one with "sampled" skips the check).
+    - ``kv_digest_sample``: consumer, ``kv_digest`` "sampled": one load in this many is checked (default 16).
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
-      ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used.
+      ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used
+      (no digest check for it); the values "flip_byte", "wrong_block" and "stale" make faults the digest catches.
     """
 
     buffer_size: int = 2 * GiB
@@ -65,6 +72,8 @@ class ConnectorOptions:
     gil_switch_interval: float = 0.0001
     recompute_tokens: int = 0
     receive_into_cache: bool = False
+    kv_digest: str = "sampled"
+    kv_digest_sample: int = 16
     allow_test_corruption: bool = False
 
     @classmethod
@@ -79,15 +88,18 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                               f"known keys: {', '.join(sorted(known))}")
         opts = cls(**extra)
-        for name in ("buffer_size", "push_staging_size", "load_concurrency"):
+        for name in ("buffer_size", "push_staging_size", "load_concurrency", "kv_digest_sample"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                what = "a positive number of bytes" if name != "load_concurrency" else "a positive integer"
+                what = "a positive number of bytes" if name.endswith("_size") else "a positive integer"
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected {what}, got {value!r}")
         for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait", "link_idle"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0 (and < 1e6), got {value!r}")
+        if opts.kv_digest not in DIGEST_MODES:
+            raise ConfigError(f"kv_connector_extra_config.kv_digest: expected one of {', '.join(DIGEST_MODES)}, got "
+                              f"{opts.kv_digest!r}")
         if opts.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
                               f"{opts.transfer_mode!r}")

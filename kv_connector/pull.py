@@ -14,7 +14,8 @@ ends, the request is recomputed, and the buffer is quarantined until nothing mor
 the KV cache is never open to a peer's writes. (``receive_into_cache``: straight into the blocks, registered once,
 one copy less per byte; a stalled receive then holds its load until it ends.) The entry's tokens come back with it:
 a block is used only where its tokens agree with the prompt; blocks written with anything else are reported and
-recomputed.
+recomputed. Then, for a load the ``kv_digest`` sampler picks, the blocks are read back and checked against the
+digests the producer computed when it saved them (``digest``): a mismatch fails the load.
 
 Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
 of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
@@ -26,16 +27,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_connector import block_copy, blocks
+from kv_connector import block_copy, blocks, digest
+from kv_connector.digest import DigestMismatch, Sampler
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, SaveRequest
-from kv_connector.staging import KVStaging
+from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
 from kv_lookup_buffer import AnswerAbandoned, BufferClosed
@@ -43,6 +46,15 @@ from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
 logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def _ready(kv: Staged, sums: torch.Tensor | None) -> Callable[[], None]:
+    """Waits for a device gather's copy into host memory, then hashes it into ``sums``."""
+    def ready() -> None:
+        kv.wait()
+        if sums is not None:
+            sums.copy_(digest.block_digests(kv.tensor))
+    return ready
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -59,10 +71,11 @@ class PullTransfer(KVTransfer):
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
                  split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
-                 staging: KVStaging | None = None, into_cache: bool = False) -> None:
+                 staging: KVStaging | None = None, into_cache: bool = False, checks: Sampler | None = None) -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.staging = staging or KVStaging(layout.layers, layout.block_dim)
         self.into_cache = into_cache  # receive_into_cache: loads go straight into the (registered) blocks
+        self.checks = checks or Sampler("sampled", 16)  # which loads are checked; the producer hashes unless "off"
         self.block_size = block_size
         self.split = split
         self.rank = split.rank
@@ -86,12 +99,21 @@ class PullTransfer(KVTransfer):
         scratch = None if self.staging.on_device else self.scratch.get(nbytes)
         try:
             kv = self.staging.gather(save.block_ids, scratch=scratch)
+            # The blocks' digests travel with them (``hidden``): hashed now from a host gather, else once the copy
+            # off the device is done (before the entry is served).
+            sums = None
+            hashing = time.perf_counter()
+            if self.checks.mode != "off":
+                sums = digest.block_digests(kv.tensor) if kv.done is None else torch.empty(len(save.block_ids),
+                                                                                             dtype=torch.int64)
+            hashed = time.perf_counter() - hashing
+            ready = None if kv.done is None else _ready(kv, sums)
             # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less
             # than one into fresh pages). A device cache's blocks are still being copied into pinned memory: handed
             # over, served once that copy is done. Either way the forward pass never waits for a consumer (full: the
             # oldest entries are evicted).
             self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor,
-                               self.layout.descriptor_tensor(), None, ready=None if kv.done is None else kv.wait)
+                               self.layout.descriptor_tensor(), sums, ready=ready)
         except (BufferClosed, PipeError, ValueError, torch.OutOfMemoryError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
                            len(save.token_ids), e)
@@ -104,8 +126,9 @@ class PullTransfer(KVTransfer):
         self.stats.count("saved")
         self.stats.count("saved_bytes", nbytes)
         self.stats.sample("saves", len(save.token_ids), nbytes, seconds)
-        logger.info("MooncakeConnector: saved request %s: %d tokens, %d blocks, %.1f MiB in %.1f ms", save.req_id,
-                    len(save.token_ids), len(save.block_ids), nbytes / 2**20, seconds * 1e3)
+        logger.info("MooncakeConnector: saved request %s: %d tokens, %d blocks, %.1f MiB in %.1f ms (digest %.1f ms)",
+                    save.req_id, len(save.token_ids), len(save.block_ids), nbytes / 2**20, seconds * 1e3,
+                    hashed * 1e3)
 
     # ---------------------------------------------------------------- consumer
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
@@ -157,7 +180,7 @@ class PullTransfer(KVTransfer):
                                               self.layout.scatter(req.block_ids, piece.at, count))
         buffer = self.links.pull_buffer(producers[piece.producer])
         try:
-            tokens, _, kv, descriptor, _ = buffer.drop_select(
+            tokens, _, kv, descriptor, sums = buffer.drop_select(
                 query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
                 key_out=target, timeout=max(deadline - time.monotonic(), 0.001),
                 deadline=None if buf is None else deadline)
@@ -168,6 +191,7 @@ class PullTransfer(KVTransfer):
                                "its late bytes go to a quarantined buffer, never to the KV cache") from None
         # (if drop_select raised otherwise, writes may still land in buf for a while: it is not put back for reuse)
         fetched = time.perf_counter()
+        check = ""
         try:
             if kv is None:
                 raise KVMiss()
@@ -181,23 +205,65 @@ class PullTransfer(KVTransfer):
                 raise KVMiss()
             ids = req.block_ids[:usable]
             in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
-            if req.corrupt and self.corrupt_ok:  # test-only control: proves the consumer really uses the KV
+            scrambled = req.corrupt and self.corrupt_ok
+            if scrambled:  # test-only control: proves the consumer really uses the KV (not checked: it is meant)
                 if count is not None:
                     raise ValueError("test corruption is for equal TP sizes only")
                 kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
                 in_place = False
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
-            if not in_place:
+            fault = req.fault if self.corrupt_ok else ""
+            if fault:
+                kv, ids = self._fault(req, fault, kv, ids, in_place)
+            if not in_place and fault != "stale":
                 heads = None if count is None else (piece.at, piece.at + count)
                 self.staging.scatter(ids, kv[:usable], heads)
+            copied = time.perf_counter()
+            if count is None and not scrambled and self.checks.due():
+                self._verify(req, sums, usable)
+                check = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
             if buf is not None:
                 self.receive.put(buf)  # the pipe is done with it: the receive completed
-        copied = time.perf_counter()
         where = ("received into the KV cache blocks" if received_in_place
-                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms")
+                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms") + check
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
+
+    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool
+               ) -> tuple[torch.Tensor, list[int]]:
+        """Test-only faults the KV digest must catch (``LoadRequest.fault``)."""
+        if in_place:
+            raise ValueError("test faults need receive_into_cache false")
+        logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
+                       req.req_id)
+        if fault == "flip_byte":  # one byte changed in flight
+            kv = kv.clone()
+            flat = kv.view(-1).view(torch.uint8)
+            flat[flat.numel() // 2] ^= 0xFF
+        elif fault == "wrong_block" and len(ids) > 1:  # the first two blocks written into each other's places
+            ids = [ids[1], ids[0], *ids[2:]]
+        return kv, ids
+
+    def _verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int) -> None:
+        """Read the loaded blocks back from the KV cache and compare their digests with the producer's."""
+        ids = req.block_ids[:usable]
+        if self.staging.on_device:
+            landed = self.staging.gather(ids)
+            landed.wait()
+            got = digest.block_digests(landed.tensor)
+        else:
+            got = digest.block_digests(block_copy.gather(self.layout.layers, self.layout.block_dim, ids))
+        wrong = digest.compare(sums, got, req.first_block)
+        if wrong is None:
+            self.stats.count("digest_checks")
+            return
+        if sums is None and self.checks.mode == "sampled":
+            logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such loads)",
+                           req.req_id, wrong)
+            return
+        self.stats.count("digest_mismatches")
+        raise DigestMismatch(f"KV digest mismatch: {wrong}")
 
     def _reclaim(self) -> None:
         """Give the buffers of abandoned receives back to the pool once nothing more can land in them."""

@@ -16,7 +16,7 @@ from vllm.logger import init_logger
 
 from kv_connector import blocks
 from kv_connector import params as kv_params
-from kv_connector.metadata import CORRUPT_PARAM, LoadRequest, MooncakeConnectorMetadata
+from kv_connector.metadata import CORRUPT_PARAM, TEST_FAULTS, LoadRequest, MooncakeConnectorMetadata
 from kv_connector.source import LoadSource, load_source
 
 if TYPE_CHECKING:
@@ -70,9 +70,10 @@ class ConsumerScheduler:
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
-        corrupt = bool(request.kv_transfer_params.get(CORRUPT_PARAM)) if request.kv_transfer_params else False
+        switch = request.kv_transfer_params.get(CORRUPT_PARAM) if request.kv_transfer_params else None
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
-                                      block_ids[first:end], num_external_tokens, source, corrupt))
+                                      block_ids[first:end], num_external_tokens, source, switch is True,
+                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else ""))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=self.loads, idle=out.total_num_scheduled_tokens == 0)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kv_connector.config import ConnectorConfig, kv_rank, role_pipe
+from kv_connector.digest import Sampler
 from kv_connector.heads import HeadSplit
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
@@ -124,7 +125,8 @@ class ConnectorWorker:
         opts = self.options
         pull = PullTransfer(layout, links, self.stats, block_size, split, opts.allow_test_corruption,
                             opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging,
-                            into_cache=self._into_cache(layout))
+                            into_cache=self._into_cache(layout),
+                            checks=Sampler(opts.kv_digest, opts.kv_digest_sample))
         if not self.push_mode:
             return pull
         return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,

@@ -53,7 +53,8 @@ def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None =
                           serve_args, confine=confine, **on[0])
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
-                                           **(consumer_extra or {})), config, serve_args, confine=confine, **on[1])
+                                           **{"kv_digest": "always", **(consumer_extra or {})}), config, serve_args,
+                          confine=confine, **on[1])
     if wait:
         start_vllm(producer, consumer)
     return producer, consumer

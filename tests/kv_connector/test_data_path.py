@@ -50,10 +50,11 @@ def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, 
     registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
     more = (consumer_options or {}).get("then") or []
     look_at = sorted({b for ld in [*loads, *more] for b in ld["block_ids"]} | {0, 1})
-    options = {"load_timeout": 30.0, "then": None, "pause": 0.0, "into_cache": False, **(consumer_options or {})}
+    options = {"load_timeout": 30.0, "then": None, "pause": 0.0, "into_cache": False, "options": None,
+               **(consumer_options or {})}
     consumer = Peer(worker_peers.consume, cfg, layout_name, 1, 0, mode, device, loads, producers, registered, go,
                     look_at, scales[1], sleep, options["load_timeout"], options["then"], options["pause"],
-                    options["into_cache"])
+                    options["into_cache"], options["options"])
     assert registered.wait(60), "the consumer did not start"
     readies = [ctx().Event() for _ in range(producer_tp)]
     ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
@@ -214,3 +215,34 @@ def test_receive_into_cache_waits_for_a_stalled_answer_instead():
                          consumer_options={"load_timeout": 1.5, "into_cache": True})
     assert result["seconds"] > 2.5, result["seconds"]
     expect_loaded(result, layout, prompts, loads)
+
+
+@pytest.mark.parametrize("fault", ["flip_byte", "wrong_block", "stale"])
+def test_the_kv_digest_catches_blocks_that_differ_from_what_was_saved(fault):
+    """Issue #37: a byte flipped after it left the producer, two blocks written into each other's places, blocks left
+    holding what they held before (test switches of the consumer's load): with ``kv_digest`` "always" each such load
+    fails (vLLM recomputes it), counted as a digest mismatch; the other prompt's load is checked and used."""
+    layout_name = "gqa-cpu"
+    a, b = prompt(5 * BLOCK - 3, 1), prompt(6 * BLOCK, 2)
+    prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
+    loads = [{**load("a", a, 0, [14, 2, 21, 8, 6]), "fault": fault}, load("b", b, 2, [15, 16, 23, 19])]
+    result, _ = transfer(layout_name, "pull", "cpu", prompts, loads, consumer_options={
+        "options": {"kv_digest": "always", "allow_test_corruption": True}})
+    assert result["failed"] == ["a"] and sorted(result["done"]) == ["a", "b"], result
+    stats = result["stats"]
+    assert stats["digest_mismatches"] == 1 and stats["digest_checks"] == 1 and stats["load_failures"] == 1, stats
+    layout = LAYOUTS[layout_name]
+    producer = caches(layout, 1, 0, 1, "cpu")
+    for i, block in enumerate([15, 16, 23, 19]):
+        assert result["blocks"][block] == block_bytes(producer, layout, [9, 10, 11, 2, 17, 4][2 + i])
+
+
+def test_without_a_fault_the_default_sampled_digest_checks_the_first_load():
+    """``kv_digest`` "sampled" (the default, one load in 16): the first load is checked and passes; "off" on the
+    consumer checks none."""
+    a = prompt(5 * BLOCK - 3, 1)
+    prompts = [("a", a, [7, 3, 12, 20, 5])]
+    for options, checks in ((None, 1), ({"kv_digest": "off"}, 0)):
+        result, _ = transfer("gqa-cpu", "pull", "cpu", prompts, [load("a", a, 0, [14, 2, 21, 8, 6])],
+                             consumer_options={"options": options})
+        assert result["failed"] == [] and result["stats"]["digest_checks"] == checks, result["stats"]

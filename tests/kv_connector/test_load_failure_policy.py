@@ -15,6 +15,7 @@ import pytest
 
 from harness.ports import free_port
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
+from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import SERVE_ARGS, diff, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 from tests.kv_connector.test_tensor_parallel import prefill
@@ -26,7 +27,8 @@ def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     work = tmp_path_factory.mktemp("fail-policy")
     config = mooncake_json(work / "mooncake.json")
     consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", failure_policy="fail"), config, SERVE_ARGS)
+                          connector_config("kv_consumer", failure_policy="fail", kv_digest="always",
+                                           allow_test_corruption=True), config, SERVE_ARGS)
     try:
         start_vllm(consumer)
         yield consumer
@@ -62,3 +64,33 @@ def test_a_failed_load_ends_its_request_with_an_error_under_fail(fail_consumer, 
     assert fail_consumer.complete(c, MAX_TOKENS, kv_transfer_params=params) == reference.complete(c, MAX_TOKENS)
     change = settled_stats(fail_consumer, before, 1)
     assert change.get("loaded") == 1 and change.get("fetched_bytes", 0) > 0, change
+
+
+def test_a_kv_digest_mismatch_fails_the_load_recomputed_or_refused(fail_consumer, pd_pair, reference):
+    """Issue #37: a byte of the KV flipped after it left the producer (a test switch of the consumer's load). The
+    consumer's digest check catches it before vLLM runs the request: under ``recompute`` the answer is the
+    reference's (recomputed), under ``fail`` the client gets an error, never text computed from the bad KV; both
+    log the request's mismatch and count it on /metrics."""
+    producer, consumer = pd_pair
+    for server, tokens in ((consumer, prompt(9110, 500)), (fail_consumer, prompt(9111, 500))):
+        params = {**prefill(producer, tokens), CORRUPT_PARAM: "flip_byte"}
+        before, mark = kv_stats(server), log_mark(server)
+        if server is consumer:
+            assert server.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == \
+                reference.complete(tokens, MAX_TOKENS)
+        else:
+            with pytest.raises(urllib.error.HTTPError) as failed:
+                server.complete(tokens, MAX_TOKENS, kv_transfer_params=params)
+            assert failed.value.code == 500, failed.value.read()
+        change = settled_stats(server, before, 1)
+        assert change.get("digest_mismatches") == 1 and change.get("load_failures") == 1, change
+        assert not change.get("loaded") and not change.get("digest_checks"), change
+        said = server.log.read_bytes()[mark:]
+        assert b"KV digest mismatch: 1 of" in said and b"flip_byte" in said, warnings_since(server, mark)
+    # a clean load on the same instance is checked and used
+    tokens = prompt(9112, 500)
+    before = kv_stats(fail_consumer)
+    params = prefill(producer, tokens)
+    assert fail_consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == reference.complete(tokens, MAX_TOKENS)
+    change = settled_stats(fail_consumer, before, 1)
+    assert change.get("loaded") == 1 and change.get("digest_checks") == 1, change

@@ -153,15 +153,16 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
             loads: list[dict[str, Any]], producers: list[str], registered: Any, go: Any,
             look_at: list[int], kv_scales: list[list[float]] | None = None, sleep: bool = False,
             load_timeout: float = 30.0, then: list[dict[str, Any]] | None = None, pause: float = 0.0,
-            into_cache: bool = False) -> dict[str, Any]:
+            into_cache: bool = False, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A consumer rank: set ``registered`` once linked up, wait for ``go``, then run ``loads`` (dicts of
     ``LoadRequest`` fields but ``source``) from ``producers`` (their pipe per rank); what finished, its stats and the
     bytes of blocks ``look_at``. ``sleep``: first release the KV cache and restore it (vLLM's sleep mode), counting
     the receive regions registered with the engine at each stage. ``then``: more loads, ``pause`` seconds after the
-    first ones ended (their result under ``"then"``). ``into_cache``: the ``receive_into_cache`` option."""
+    first ones ended (their result under ``"then"``). ``into_cache``: the ``receive_into_cache`` option; ``options``:
+    more connector options."""
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_consumer", cfg, layout, tp, rank, mode, seed=99, device=device, kv_scales=kv_scales,
-                            load_timeout=load_timeout, receive_into_cache=into_cache)
+                            load_timeout=load_timeout, receive_into_cache=into_cache, **(options or {}))
     try:
         regions = []
         if sleep:

@@ -1,0 +1,71 @@
+"""End-to-end KV digests: the blocks a consumer's request attends to hold the bytes its producer saved.
+
+The producer hashes each block it saves (every layer's rows of that block, laid out as ``block_copy.gather`` lays
+them out) with xxHash's XXH3-64 (a fast non-cryptographic hash, as storage systems use for checksums), one int64
+per block; the digests travel with the entry (the buffer's ``hidden`` tensor, over the pipe, whose peers proved the
+secret if one is set). The consumer, once a load's blocks are written into its KV cache and before vLLM may run
+the request, reads those blocks back and hashes them: a difference (a byte changed in flight or in a buffer, a block
+written into the wrong place, blocks left holding what they held before) fails the load, which vLLM recomputes (or
+ends the request: ``kv_load_failure_policy`` "fail"). Modes (``kv_digest``): ``off``, ``sampled`` (one load in
+``kv_digest_sample``), ``always``. Checked: pull loads of whole blocks (equal TP sizes, MLA); not yet: parts of
+blocks (a consumer of another TP size) and pushed entries (push mode).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+import xxhash
+
+_SIGNED = 1 << 63
+
+
+class DigestMismatch(ValueError):
+    """What landed in the blocks is not what the producer saved."""
+
+
+def block_digests(kv: torch.Tensor) -> torch.Tensor:
+    """XXH3-64 of each row of the block-major host tensor ``kv`` (a block of every layer), as int64."""
+    rows = kv.reshape(kv.shape[0], -1)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    data = rows.view(torch.uint8).numpy()
+    out = torch.empty(kv.shape[0], dtype=torch.int64)
+    for i in range(kv.shape[0]):
+        value = xxhash.xxh3_64_intdigest(data[i])
+        out[i] = value - (1 << 64) if value >= _SIGNED else value
+    return out
+
+
+def compare(expected: torch.Tensor | None, got: torch.Tensor, first: int) -> str | None:
+    """Why the blocks ``first`` .. ``first + len(got) - 1`` of the prompt (``got``: their digests as received) do not
+    match the producer's ``expected`` digests of the whole prompt, or None if they match."""
+    if expected is None:
+        return "the producer sent no KV digests (its kv_digest is \"off\")"
+    if expected.dtype != torch.int64 or expected.dim() != 1 or expected.numel() < first + got.numel():
+        return (f"the producer's KV digests do not cover blocks {first}-{first + got.numel() - 1} "
+                f"({expected.numel()} digests)")
+    bad = (expected[first:first + got.numel()] != got).nonzero().flatten()
+    if bad.numel():
+        return (f"{bad.numel()} of {got.numel()} loaded blocks differ from what the producer saved (first: block "
+                f"{first + int(bad[0])} of the prompt)")
+    return None
+
+
+class Sampler:
+    """Which loads are checked: none, every one, or one in ``every`` (thread-safe)."""
+
+    def __init__(self, mode: str, every: int) -> None:
+        self.mode, self.every = mode, every
+        self._count = itertools.count()
+        self._lock = threading.Lock()
+
+    def due(self) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "always":
+            return True
+        with self._lock:
+            return next(self._count) % self.every == 0
