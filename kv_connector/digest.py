@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 
 import torch
 import xxhash
@@ -37,6 +38,27 @@ def block_digests(kv: torch.Tensor) -> torch.Tensor:
         value = xxhash.xxh3_64_intdigest(data[i])
         out[i] = value - (1 << 64) if value >= _SIGNED else value
     return out
+
+
+def cache_digests(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[int]) -> torch.Tensor:
+    """``block_digests`` of blocks ``ids`` of a host KV cache, hashed where they lie (no gathered copy: a block's
+    bytes are streamed into the hash layer by layer, in ``block_copy.gather``'s order)."""
+    out = torch.empty(len(ids), dtype=torch.int64)
+    for i, block in enumerate(ids):
+        state = xxhash.xxh3_64()
+        for layer in layers:
+            _update(state, layer.select(block_dim, block))
+        value = state.intdigest()
+        out[i] = value - (1 << 64) if value >= _SIGNED else value
+    return out
+
+
+def _update(state: xxhash.xxh3_64, part: torch.Tensor) -> None:
+    if part.is_contiguous():
+        state.update(part.reshape(-1).view(torch.uint8).numpy())
+    else:
+        for sub in part.unbind(0):
+            _update(state, sub)
 
 
 def compare(expected: torch.Tensor | None, got: torch.Tensor, first: int) -> str | None:

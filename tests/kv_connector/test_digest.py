@@ -1,0 +1,36 @@
+"""kv_connector/digest.py: a block's digest is the same whether hashed from the producer's gathered copy or where it
+lies in a KV cache (every attention layout the connector moves), and any changed byte or misplaced block shows.
+The end-to-end checks run in test_data_path.py (real processes and pipes) and test_load_failure_policy.py (vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_connector import block_copy, digest
+from tests.kv_connector.worker_peers import LAYOUTS, caches
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_a_block_hashes_alike_gathered_or_in_place(layout_name):
+    layout = LAYOUTS[layout_name]
+    cache = list(caches(layout, 1, 0, 3, "cpu").values())
+    ids = [5, 2, 9]
+    gathered = digest.block_digests(block_copy.gather(cache, layout.block_dim, ids))
+    assert torch.equal(gathered, digest.cache_digests(cache, layout.block_dim, ids))
+    assert len(set(gathered.tolist())) == 3
+    assert digest.compare(gathered, digest.cache_digests(cache, layout.block_dim, [5, 2, 9]), 0) is None
+    assert "2 of 3 loaded blocks differ" in digest.compare(gathered, digest.cache_digests(cache, layout.block_dim,
+                                                                                          [5, 9, 2]), 0)
+    part = cache[-1].select(layout.block_dim, 2).view(torch.uint8)  # one byte of block 2, last layer
+    part[(0,) * (part.dim() - 1) + (7,)] ^= 1
+    changed = digest.cache_digests(cache, layout.block_dim, ids)
+    assert (changed != gathered).tolist() == [False, True, False]
+
+
+def test_the_sampler_picks_one_load_in_n():
+    sampled = digest.Sampler("sampled", 4)
+    assert [sampled.due() for _ in range(8)] == [True, False, False, False] * 2
+    assert not digest.Sampler("off", 1).due() and digest.Sampler("always", 99).due()
+    assert "sent no KV digests" in digest.compare(None, torch.zeros(2, dtype=torch.int64), 0)
+    assert "do not cover" in digest.compare(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 2)
