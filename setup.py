@@ -17,7 +17,7 @@ setup(
         "quart>=0.19",
         "aiohttp>=3.9",
         "prometheus_client>=0.17",
-        "xxhash>=3",  # the end-to-end KV digest (kv_connector/digest.py)
+        "xxhash>=4.1",  # the end-to-end KV digest (kv_connector/digest.py)
     ],
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.

@@ -29,6 +29,8 @@ class DigestMismatch(ValueError):
 
 def block_digests(kv: torch.Tensor) -> torch.Tensor:
     """XXH3-64 of each row of the block-major host tensor ``kv`` (a block of every layer), as int64."""
+    if kv.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64)
     rows = kv.reshape(kv.shape[0], -1)
     if not rows.is_contiguous():
         rows = rows.contiguous()

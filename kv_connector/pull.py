@@ -49,11 +49,16 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def _ready(kv: Staged, sums: torch.Tensor | None) -> Callable[[], None]:
-    """Waits for a device gather's copy into host memory, then hashes it into ``sums``."""
+    """Waits for a device gather's copy into host memory, then hashes it into ``sums``: once, however many shares
+    of the entry are served (MLA, a consumer of another TP size), each from a serving thread."""
+    lock, done = threading.Lock(), []
+
     def ready() -> None:
         kv.wait()
-        if sums is not None:
-            sums.copy_(digest.block_digests(kv.tensor))
+        with lock:
+            if sums is not None and not done:
+                sums.copy_(digest.block_digests(kv.tensor))
+                done.append(True)
     return ready
 
 
@@ -222,6 +227,8 @@ class PullTransfer(KVTransfer):
             if count is None and not scrambled and self.checks.due():
                 self._verify(req, sums, usable)
                 check = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
+            elif count is not None and self.checks.mode == "always":  # parts of blocks: not checked (yet); said
+                self.stats.count("digest_unchecked")
         finally:
             if buf is not None:
                 self.receive.put(buf)  # the pipe is done with it: the receive completed
@@ -258,10 +265,13 @@ class PullTransfer(KVTransfer):
         if wrong is None:
             self.stats.count("digest_checks")
             return
-        if sums is None and self.checks.mode == "sampled":
-            logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such loads)",
-                           req.req_id, wrong)
-            return
+        if sums is None:  # a producer with kv_digest "off" (or an older one): nothing to compare with
+            self.stats.count("digest_missing")
+            if self.checks.mode == "sampled":
+                logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such "
+                               "loads)", req.req_id, wrong)
+                return
+            raise DigestMismatch(f"no KV digest to check (kv_digest \"always\"): {wrong}")
         self.stats.count("digest_mismatches")
         raise DigestMismatch(f"KV digest mismatch: {wrong}")
 

@@ -42,7 +42,7 @@ def load(req_id: str, tokens: list[int], cached: int, block_ids: list[int]) -> d
 def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, list[int], list[int]]],
              loads: list[dict], producer_tp: int = 1, chunk: int = 1 << 30,
              scales: tuple[list | None, list | None] = (None, None), sleep: bool = False, stall: float = 0.0,
-             consumer_options: dict | None = None) -> tuple[dict, list[dict]]:
+             consumer_options: dict | None = None, producer_options: dict | None = None) -> tuple[dict, list[dict]]:
     """Producer ranks (``producer_tp``) and one consumer (TP 1) in processes of their own: the consumer's result
     and each producer rank's stats. ``scales``: the producer's and the consumer's KV scales (an fp8 cache)."""
     cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
@@ -58,7 +58,7 @@ def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, 
     assert registered.wait(60), "the consumer did not start"
     readies = [ctx().Event() for _ in range(producer_tp)]
     ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
-                  done, scales[0], stall) for r in range(producer_tp)]
+                  done, scales[0], stall, producer_options) for r in range(producer_tp)]
     try:
         assert all(ready.wait(90) for ready in readies), "a producer rank did not finish its prefills"
         go.set()
@@ -246,3 +246,16 @@ def test_without_a_fault_the_default_sampled_digest_checks_the_first_load():
         result, _ = transfer("gqa-cpu", "pull", "cpu", prompts, [load("a", a, 0, [14, 2, 21, 8, 6])],
                              consumer_options={"options": options})
         assert result["failed"] == [] and result["stats"]["digest_checks"] == checks, result["stats"]
+
+
+def test_a_producer_without_digests_fails_an_always_consumers_loads_only():
+    """A producer with ``kv_digest`` "off" sends no digests: a consumer with "always" fails the load (it cannot
+    check it), one with "sampled" uses it unchecked; both count it as ``digest_missing``."""
+    a = prompt(5 * BLOCK - 3, 1)
+    prompts = [("a", a, [7, 3, 12, 20, 5])]
+    for mode, failed in (("always", ["a"]), ("sampled", [])):
+        result, _ = transfer("gqa-cpu", "pull", "cpu", prompts, [load("a", a, 0, [14, 2, 21, 8, 6])],
+                             consumer_options={"options": {"kv_digest": mode}},
+                             producer_options={"kv_digest": "off"})
+        stats = result["stats"]
+        assert result["failed"] == failed and stats["digest_missing"] == 1 and not stats["digest_mismatches"], stats

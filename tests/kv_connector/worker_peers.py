@@ -127,14 +127,17 @@ def stall_first_entry(seconds: float) -> None:
 
 def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any,
-            kv_scales: list[list[float]] | None = None, stall: float = 0.0) -> dict[str, Any]:
+            kv_scales: list[list[float]] | None = None, stall: float = 0.0,
+            options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
     pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats. ``stall``:
-    the first entry it serves comes that many seconds late (``stall_first_entry``)."""
+    the first entry it serves comes that many seconds late (``stall_first_entry``); ``options``: more connector
+    options."""
     if stall:
         stall_first_entry(stall)
     layout = LAYOUTS[layout_name]
-    worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales)
+    worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales,
+                            **(options or {}))
     try:
         with strict_sync(device):  # push: the first prompt is the link's first use (it waits for the first credit)
             prefill_steps(worker, list(cache), prompts, mode, chunk)
