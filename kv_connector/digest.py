@@ -63,18 +63,21 @@ def _update(state: xxhash.xxh3_64, part: torch.Tensor) -> None:
             _update(state, sub)
 
 
-def compare(expected: torch.Tensor | None, got: torch.Tensor, first: int) -> str | None:
-    """Why the blocks ``first`` .. ``first + len(got) - 1`` of the prompt (``got``: their digests as received) do not
-    match the producer's ``expected`` digests of the whole prompt, or None if they match."""
+def compare(expected: torch.Tensor | None, got: torch.Tensor, first: int,
+            positions: Sequence[int] | None = None) -> str | None:
+    """Why the prompt's blocks ``first + p`` for each ``p`` of ``positions`` (default: ``first`` ..
+    ``first + len(got) - 1``; ``got``: their digests as landed) do not match the producer's ``expected`` digests of the
+    whole prompt, or None if they match."""
+    at = list(range(got.numel())) if positions is None else list(positions)
     if expected is None:
         return "the producer sent no KV digests (its kv_digest is \"off\")"
-    if expected.dtype != torch.int64 or expected.dim() != 1 or expected.numel() < first + got.numel():
-        return (f"the producer's KV digests do not cover blocks {first}-{first + got.numel() - 1} "
-                f"({expected.numel()} digests)")
-    bad = (expected[first:first + got.numel()] != got).nonzero().flatten()
+    last = first + (max(at) if at else -1)
+    if expected.dtype != torch.int64 or expected.dim() != 1 or expected.numel() <= last:
+        return f"the producer's KV digests do not cover blocks {first}-{last} ({expected.numel()} digests)"
+    bad = (expected[[first + p for p in at]] != got).nonzero().flatten()
     if bad.numel():
         return (f"{bad.numel()} of {got.numel()} loaded blocks differ from what the producer saved (first: block "
-                f"{first + int(bad[0])} of the prompt)")
+                f"{first + at[int(bad[0])]} of the prompt)")
     return None
 
 

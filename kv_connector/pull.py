@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -253,15 +254,20 @@ class PullTransfer(KVTransfer):
         return kv, ids
 
     def _verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int) -> None:
-        """Read the loaded blocks back from the KV cache and compare their digests with the producer's."""
-        ids = req.block_ids[:usable]
+        """Read the loaded blocks back from the KV cache and compare their digests with the producer's. A block id
+        that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
+        per position, never read, not checked."""
+        loaded = req.block_ids[:usable]
+        seen = Counter(loaded)
+        positions = [i for i, block in enumerate(loaded) if seen[block] == 1]
+        ids = [loaded[i] for i in positions]
         if self.staging.on_device:
             landed = self.staging.gather(ids)
             landed.wait()
             got = digest.block_digests(landed.tensor)
         else:
             got = digest.cache_digests(self.layout.layers, self.layout.block_dim, ids)
-        wrong = digest.compare(sums, got, req.first_block)
+        wrong = digest.compare(sums, got, req.first_block, positions)
         if wrong is None:
             self.stats.count("digest_checks")
             return

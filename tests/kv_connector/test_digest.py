@@ -34,3 +34,10 @@ def test_the_sampler_picks_one_load_in_n():
     assert not digest.Sampler("off", 1).due() and digest.Sampler("always", 99).due()
     assert "sent no KV digests" in digest.compare(None, torch.zeros(2, dtype=torch.int64), 0)
     assert "do not cover" in digest.compare(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 2)
+
+
+def test_positions_compare_only_the_blocks_named():
+    expected = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64)
+    assert digest.compare(expected, torch.tensor([3, 5]), 1, [1, 3]) is None  # prompt blocks 2 and 4
+    assert "first: block 4 of the prompt" in digest.compare(expected, torch.tensor([3, 9]), 1, [1, 3])
+    assert "do not cover" in digest.compare(expected, torch.tensor([3]), 1, [4])
