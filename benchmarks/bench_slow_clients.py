@@ -24,11 +24,9 @@ import asyncio
 import contextlib
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,72 +39,9 @@ if str(ROOT) not in sys.path:  # run as a script
 
 from benchmarks.common import fmt, header, percentile, write  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
+from harness.slow_clients import SlowClients  # noqa: E402
 
 REQUEST = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 16}
-SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-SLOW_BODY = SLOW_HEAD + b"Content-Length: 100000\r\n\r\n"
-
-
-class Attack:
-    """The slow clients (see the module docstring), in a thread of their own."""
-
-    def __init__(self, port: int, count: int) -> None:
-        self.port, self.reopened, self.failed = port, 0, 0
-        kinds = [None, SLOW_HEAD, SLOW_BODY]
-        self.socks: list[tuple[bytes | None, socket.socket | None]] = []
-        for i in range(count):
-            opening = kinds[i * 3 // count]
-            self.socks.append((opening, self.connect(opening)))
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.dribble, daemon=True)
-        self.thread.start()
-
-    def connect(self, opening: bytes | None) -> socket.socket | None:
-        try:
-            sock = socket.create_connection((HOST, self.port), timeout=5)
-            if opening:
-                sock.sendall(opening)
-            return sock
-        except OSError:
-            self.failed += 1
-            return None
-
-    @staticmethod
-    def closed(sock: socket.socket) -> bool:
-        sock.setblocking(False)
-        try:
-            return sock.recv(1 << 16) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-        finally:
-            sock.setblocking(True)
-
-    def dribble(self) -> None:
-        while not self.stopped.wait(0.5):
-            for i, (opening, sock) in enumerate(self.socks):
-                try:
-                    if sock is None:
-                        raise ConnectionResetError
-                    if opening == SLOW_BODY:
-                        sock.send(b" ")
-                    elif self.closed(sock):
-                        raise ConnectionResetError
-                except OSError:
-                    if sock is not None:
-                        sock.close()
-                    self.socks[i] = (opening, self.connect(opening))
-                    self.reopened += 1
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(10)
-        for _, sock in self.socks:
-            if sock is not None:
-                sock.close()
-
-
 @dataclass
 class Row:
     scenario: str
@@ -172,7 +107,7 @@ async def run(args: argparse.Namespace, log: Path) -> tuple[list[Row], int]:
         async with aiohttp.ClientSession() as session:
             rows = [row("quiet", await timed(session, proxy_url, args.requests),
                         len(os.listdir(f"/proc/{proxy.pid}/fd")), 0)]
-            attack = await asyncio.to_thread(Attack, proxy_port, args.slow)
+            attack = await asyncio.to_thread(SlowClients, proxy_port, args.slow)
             await asyncio.sleep(args.settle)
             took = await timed(session, proxy_url, args.requests)
             rows.append(row(f"attacked ({args.slow} slow clients)", took, len(os.listdir(f"/proc/{proxy.pid}/fd")),

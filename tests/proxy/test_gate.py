@@ -4,67 +4,21 @@ it waits for its answer; real HTTP, ``proxy_server.main()`` in a subprocess wher
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import resource
 import socket
-import threading
 import time
 
 import aiohttp
 import pytest
 
+from harness.slow_clients import SlowClients, closed
 from proxy.config import ProxyConfig
 from proxy.gate import ClientGate
 from tests.proxy.upstreams import COMPLETION, Environment, run, start_main, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-SLOW_BODY = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
-
-
-class Attack:
-    """300 slow clients: 100 silent connections, 100 heads that never end, 100 complete heads whose bodies come a
-    byte every half second; a connection the proxy closes is opened again (as an attacker would)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.socks: list[tuple[bytes | None, socket.socket]] = []
-        self.reopened = 0
-        self.stopped = threading.Event()
-        for opening in [None] * 100 + [SLOW_HEAD] * 100 + [SLOW_BODY] * 100:
-            self.socks.append((opening, self.connect(opening)))
-        self.thread = threading.Thread(target=self.dribble, daemon=True)
-        self.thread.start()
-
-    def connect(self, opening: bytes | None) -> socket.socket:
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-        if opening:
-            sock.sendall(opening)
-        return sock
-
-    def dribble(self) -> None:
-        while not self.stopped.wait(0.5):
-            for i, (opening, sock) in enumerate(self.socks):
-                try:
-                    if opening == SLOW_BODY:
-                        sock.send(b" ")
-                    elif _closed(sock):
-                        raise ConnectionResetError
-                except OSError:
-                    sock.close()
-                    with contextlib.suppress(OSError):
-                        self.socks[i] = (opening, self.connect(opening))
-                        self.reopened += 1
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(10)
-        for _, sock in self.socks:
-            sock.close()
 
 
 def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> None:
@@ -81,7 +35,7 @@ def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> 
     async def test(env: Environment) -> None:
         process, url = await start_main(env, stderr=asyncio.subprocess.PIPE,
                                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
-        attack = await asyncio.to_thread(Attack, int(url.rsplit(":", 1)[1]))
+        attack = await asyncio.to_thread(SlowClients, int(url.rsplit(":", 1)[1]), 300)
         try:
             await asyncio.sleep(3.0)  # past BODY_GRACE: the dribbled bodies are being cut and opened again
             fds = len(os.listdir(f"/proc/{process.pid}/fd"))
@@ -122,16 +76,6 @@ def test_answers_longer_than_the_client_timeout_are_not_cut() -> None:
     run(test, client_timeout=1.0)
 
 
-def _closed(sock: socket.socket) -> bool:
-    sock.setblocking(False)
-    try:
-        return sock.recv(1 << 16) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def test_client_connections_send_without_delay() -> None:
     """A small answer goes out at once: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and the gate's
     accepted sockets did not say so, so Nagle's algorithm held each answer until the client's delayed ACK."""
@@ -167,7 +111,7 @@ def _dribble_until_closed(port: int, opening: bytes, within: float) -> float | N
             time.sleep(0.5)
             try:
                 sock.send(b" ")
-                if _closed(sock):
+                if closed(sock):
                     return time.monotonic() - start
                 sock.setblocking(True)
             except OSError:
