@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script
 
 from benchmarks.common import fmt, header, percentile, write  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
+from harness.processes import stop  # noqa: E402
 from harness.slow_clients import SlowClients  # noqa: E402
 
 REQUEST = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 16}
@@ -93,12 +94,12 @@ async def run(args: argparse.Namespace, log: Path) -> tuple[list[Row], int]:
     upstream_port, proxy_port = free_port(), free_port()
     upstream_url, proxy_url = f"http://{HOST}:{upstream_port}", f"http://{HOST}:{proxy_port}"
     upstream = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_proxy.py"), "--serve-upstream",
-                                 str(upstream_port)])
+                                 str(upstream_port)], start_new_session=True)
     nofile = args.nofile
     with log.open("wb") as out:
         proxy = subprocess.Popen([sys.executable, str(args.proxy_root / "proxy_server.py"), "--prefill", upstream_url,
                                   "--decode", upstream_url, "--host", HOST, "--port", str(proxy_port)],
-                                 cwd=args.proxy_root, stdout=out, stderr=subprocess.STDOUT,
+                                 cwd=args.proxy_root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
     attack = None
     try:
@@ -117,12 +118,7 @@ async def run(args: argparse.Namespace, log: Path) -> tuple[list[Row], int]:
         if attack is not None:
             await asyncio.to_thread(attack.stop)
         for process in (proxy, upstream):
-            process.terminate()
-        for process in (proxy, upstream):
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop(process)
 
 
 def main() -> None:

@@ -23,6 +23,11 @@ import xxhash
 _SIGNED = 1 << 63
 
 
+def _signed(value: int) -> int:
+    """An unsigned 64-bit digest as the int64 a tensor holds."""
+    return value - (1 << 64) if value >= _SIGNED else value
+
+
 class DigestMismatch(ValueError):
     """What landed in the blocks is not what the producer saved."""
 
@@ -37,8 +42,7 @@ def block_digests(kv: torch.Tensor) -> torch.Tensor:
     data = rows.view(torch.uint8).numpy()
     out = torch.empty(kv.shape[0], dtype=torch.int64)
     for i in range(kv.shape[0]):
-        value = xxhash.xxh3_64_intdigest(data[i])
-        out[i] = value - (1 << 64) if value >= _SIGNED else value
+        out[i] = _signed(xxhash.xxh3_64_intdigest(data[i]))
     return out
 
 
@@ -50,8 +54,7 @@ def cache_digests(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[
         state = xxhash.xxh3_64()
         for layer in layers:
             _update(state, layer.select(block_dim, block))
-        value = state.intdigest()
-        out[i] = value - (1 << 64) if value >= _SIGNED else value
+        out[i] = _signed(state.intdigest())
     return out
 
 

@@ -189,10 +189,6 @@ class Router:
             return scores
         return score
 
-    def skip_prefill(self, decode: Choice, hint: Fingerprint | None, request_id: str) -> bool:
-        """Whether the decode instance computes the prompt itself (``route`` without the prefill instance option)."""
-        return self.route(decode, hint, request_id)[0] == LOCAL
-
     def route(self, decode: Choice, hint: Fingerprint | None, request_id: str,
               output_tokens: float | None = None) -> tuple[str, Upstream | None]:
         """Where the request goes: ``remote`` (prefill remotely, decode on ``decode``), ``local`` (the decode instance
