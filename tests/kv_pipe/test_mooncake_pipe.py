@@ -564,17 +564,23 @@ def test_failed_receives_free_their_memory():
         base, tensors = _rss(), _large_tensors(size)
         for _ in range(8):
             with raw_connect(pipe) as sock:
-                ring = _handshake(sock, pipe)["ring_size"]
-                frames = wire.encode_tensor(torch.uint8, (size,), size)
-                for k in range(size // chunk - 1):
-                    frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
-                sock.sendall(frames)
-                sock.shutdown(socket.SHUT_WR)
+                _announce_and_vanish(sock, pipe, size, chunk)
                 with pytest.raises(PeerDisconnected):
                     pipe.recv_tensor(timeout=10)
         gc.collect()
         grown = (_rss() - base) / MiB
         assert _large_tensors(size) == tensors and grown < 96, f"{grown:.0f} MiB more than before"
+
+
+def _announce_and_vanish(sock: socket.socket, pipe, size: int, chunk: int) -> None:
+    """Handshake on ``sock``, announce a ``size``-byte tensor, send CHUNK frames for all of it but its last chunk
+    (which the receiver copies out of its ring) and stop sending."""
+    ring = _handshake(sock, pipe)["ring_size"]
+    frames = wire.encode_tensor(torch.uint8, (size,), size)
+    for k in range(size // chunk - 1):
+        frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
+    sock.sendall(frames)
+    sock.shutdown(socket.SHUT_WR)
 
 
 def test_tensors_announced_together_stay_within_the_receive_budget():
@@ -609,12 +615,7 @@ def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
         base, grown, outcomes = _rss(), 0, []
         for _ in range(5):
             with raw_connect(pipe) as sock:
-                ring = _handshake(sock, pipe)["ring_size"]
-                frames = wire.encode_tensor(torch.uint8, (size,), size)
-                for k in range(size // chunk - 1):
-                    frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
-                sock.sendall(frames)
-                sock.shutdown(socket.SHUT_WR)
+                _announce_and_vanish(sock, pipe, size, chunk)
                 with pytest.raises((PeerDisconnected, ProtocolError)) as failed:
                     pipe.recv_tensor(timeout=10)
                 outcomes.append("refused" if "receive_budget" in str(failed.value) else "held")
