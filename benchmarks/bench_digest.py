@@ -22,14 +22,13 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.loads_pair import load_timings, post, prefill, prepare, start  # noqa: E402
+from benchmarks.loads_pair import prepare, single_load, start  # noqa: E402
 
 SAVE = re.compile(r"saved request \S+: \d+ tokens, \d+ blocks, ([\d.]+) MiB in ([\d.]+) ms \(digest ([\d.]+) ms\)")
 
@@ -42,16 +41,9 @@ def measure(mode: str, dtype: str, tokens: int, rounds: int) -> dict[str, float]
             loads = []
             for r in range(rounds + 1):
                 prompt = [rng.randrange(10, 7000) for _ in range(tokens)]
-                prefill(producer, [prompt])
-                seen = len(load_timings(consumer.log, 0))
-                post(consumer, prompt, 1)
-                deadline = time.monotonic() + 20
-                while not (found := load_timings(consumer.log, seen)) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if len(found) != 1:
-                    raise RuntimeError(f"{mode}, round {r}: {len(found)} pulled-load lines (expected 1)")
+                found = single_load(producer, consumer, prompt, f"{mode}, round {r}")
                 if r:  # the first is the warm-up
-                    loads.append(found[0])
+                    loads.append(found)
             saves = [tuple(map(float, m)) for m in SAVE.findall(producer.log.read_text(errors="replace"))][1:]
         finally:
             producer.stop()

@@ -29,7 +29,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,8 @@ from benchmarks.loads_pair import (  # noqa: E402
     BLOCK,
     ROW_BYTES,
     in_vllm_round,
-    load_timings,
-    post,
-    prefill,
     prepare,
+    single_load,
     start,
     stats,
 )
@@ -64,16 +61,9 @@ def single_loads(producer: VllmServer, consumer: VllmServer, cfg: dict[str, Any]
     try:
         for r in range(rounds):
             prompt = [rng.randrange(10, 7000) for _ in range(tokens)]
-            prefill(producer, [prompt])
-            seen, before = len(load_timings(consumer.log, 0)), stats(consumer)
-            post(consumer, prompt, 1)
-            deadline = time.monotonic() + 10
-            while not (timings := load_timings(consumer.log, seen)) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if len(timings) != 1:
-                raise RuntimeError(f"round {r}: {len(timings)} pulled-load lines in the consumer's log (expected 1)")
+            before = stats(consumer)
+            ms = single_load(producer, consumer, prompt, f"round {r}", timeout=10)[0]
             nbytes = stats(consumer).get("fetched_bytes", 0) - before.get("fetched_bytes", 0)
-            ms = timings[0][0]
             bare_ms = bare.transfer(int(nbytes)) * 1e3
             out.append({"bytes": nbytes, "vllm_ms": ms, "bare_ms": bare_ms, "ratio": bare_ms / ms})
             print(f"single load {r}: {nbytes / 2**20:.0f} MiB, in vLLM {ms:.1f} ms ({nbytes / ms / 1e6:.2f} GB/s), bare "

@@ -129,3 +129,18 @@ def load_timings(log: Path, skip: int) -> list[tuple[float, float, float, float]
     found = [(float(a), float(b), float(c or 0), float(d or 0))
              for a, b, c, d in pattern.findall(log.read_text(errors="replace"))]
     return found[skip:]
+
+
+def single_load(producer: VllmServer, consumer: VllmServer, prompt: list[int], what: str,
+                timeout: float = 20.0) -> tuple[float, float, float, float]:
+    """Prefill ``prompt`` on the producer, then its decode request (``max_tokens`` 1) on the consumer: the
+    ``load_timings`` of that one pulled load (``what`` names it if its load line does not come)."""
+    prefill(producer, [prompt])
+    seen = len(load_timings(consumer.log, 0))
+    post(consumer, prompt, 1)
+    deadline = time.monotonic() + timeout
+    while not (found := load_timings(consumer.log, seen)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if len(found) != 1:
+        raise RuntimeError(f"{what}: {len(found)} pulled-load lines in the consumer's log (expected 1)")
+    return found[0]
