@@ -7,8 +7,9 @@ secret if one is set). The consumer, once a load's blocks are written into its K
 the request, reads those blocks back and hashes them: a difference (a byte changed in flight or in a buffer, a block
 written into the wrong place, blocks left holding what they held before) fails the load, which vLLM recomputes (or
 ends the request: ``kv_load_failure_policy`` "fail"). Modes (``kv_digest``): ``off``, ``sampled`` (one load in
-``kv_digest_sample``), ``always``. Checked: pull loads of whole blocks (equal TP sizes, MLA); not yet: parts of
-blocks (a consumer of another TP size) and pushed entries (push mode).
+``kv_digest_sample``), ``always``. Pushed entries carry their digests in their commit: the producer's push sender
+hashes each piece as it sends it (``BlockHasher``). Checked: loads of whole blocks (equal TP sizes, MLA), pulled or
+pushed; not yet: parts of blocks (a consumer of another TP size).
 """
 
 from __future__ import annotations
@@ -56,6 +57,23 @@ def cache_digests(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[
             _update(state, layer.select(block_dim, block))
         out[i] = _signed(state.intdigest())
     return out
+
+
+class BlockHasher:
+    """The digests of an entry's ``num_blocks`` blocks, fed a layer's rows at a time (a push's pieces, as they are
+    sent): equal to ``block_digests`` of the same blocks gathered, if each block's layers come in order. One thread
+    at a time."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._states = [xxhash.xxh3_64() for _ in range(num_blocks)]
+
+    def update(self, first: int, rows: torch.Tensor) -> None:
+        """Add one layer's rows of blocks ``first`` .. ``first + len(rows) - 1``."""
+        for i, row in enumerate(rows.unbind(0)):
+            _update(self._states[first + i], row)
+
+    def digests(self) -> torch.Tensor:
+        return torch.tensor([_signed(state.intdigest()) for state in self._states], dtype=torch.int64)
 
 
 def _update(state: xxhash.xxh3_64, part: torch.Tensor) -> None:

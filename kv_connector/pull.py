@@ -226,7 +226,7 @@ class PullTransfer(KVTransfer):
                 self.staging.scatter(ids, kv[:usable], heads)
             copied = time.perf_counter()
             if count is None and not scrambled and self.checks.due():
-                self._verify(req, sums, usable)
+                self.verify(req, sums, usable)
                 check = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
             elif count is not None and self.checks.mode == "always":  # parts of blocks: not checked (yet); said
                 self.stats.count("digest_unchecked")
@@ -253,8 +253,9 @@ class PullTransfer(KVTransfer):
             ids = [ids[1], ids[0], *ids[2:]]
         return kv, ids
 
-    def _verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int) -> None:
-        """Read the loaded blocks back from the KV cache and compare their digests with the producer's. A block id
+    def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int) -> None:
+        """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
+        producer's ``sums`` (of the whole prompt; pulled or pushed); ``DigestMismatch`` if they differ. A block id
         that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
         per position, never read, not checked."""
         loaded = req.block_ids[:usable]

@@ -23,15 +23,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kv_connector import blocks
+from kv_connector.digest import BlockHasher
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
 from kv_connector.source import push_link_source
-from kv_connector.staging import KVStaging
+from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
 from kv_lookup_buffer.push_buffer import PushedEntry, PushReceiver, PushSender, entry_key
@@ -47,6 +51,7 @@ class _PushState:
     num_blocks: int
     push: PushSender  # the link to the consumer it goes to
     next_block: int = 0  # blocks before this one are queued
+    hasher: BlockHasher | None = None  # its KV digests (kv_digest not "off"), fed by the sender thread
 
 
 class PushTransfer(KVTransfer):
@@ -87,7 +92,8 @@ class PushTransfer(KVTransfer):
                 assert push is not None
                 self.targets[step.req_id] = push
                 if push.begin(key, nbytes, len(self.layout.layers), nblocks):
-                    self.pushing[step.req_id] = _PushState(key, nblocks, push)
+                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(nblocks)
+                    self.pushing[step.req_id] = _PushState(key, nblocks, push, hasher=hasher)
                 else:
                     logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
                                 "not answered on this link yet: pull", step.req_id, nbytes / 2**20)
@@ -106,8 +112,7 @@ class PushTransfer(KVTransfer):
         self.begin_step(meta)
         for state, first, ids in self.step_pushes:
             piece = self.staging.gather(ids, layer=layer)  # [n, 1, *block]; from a device: still being copied
-            state.push.push(state.key, layer, first, piece.tensor, len(ids),
-                            ready=None if piece.done is None else piece.wait)
+            state.push.push(state.key, layer, first, piece.tensor, len(ids), ready=_sending(piece, first, state.hasher))
 
     def finish_prompt(self, save: SaveRequest) -> None:
         """Commit the push, or save the prompt for pull (and tell the consumer not to wait for a push)."""
@@ -117,7 +122,10 @@ class PushTransfer(KVTransfer):
             logger.warning("MooncakeConnector: request %s completed with %d of %d blocks pushed: serving it by pull",
                            save.req_id, state.next_block, state.num_blocks)
         elif state is not None and not state.push.failed(state.key):
-            state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor())
+            hasher = state.hasher
+            sums = None if hasher is None else torch.empty(state.num_blocks, dtype=torch.int64)
+            state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor(), sums,
+                              ready=None if hasher is None else lambda: sums.copy_(hasher.digests()))
             self.stats.count("pushed")
             return
         self.pull.finish_prompt(save)  # before the notice: the consumer's drop_select must find it
@@ -223,6 +231,9 @@ class PushTransfer(KVTransfer):
             raise ValueError(f"the pushed entry covers {min(covered)} of the {end - first} blocks wanted")
         if req.corrupt and self.corrupt_ok:
             logger.warning("MooncakeConnector: corrupted the KV of request %s on purpose (test switch)", req.req_id)
+        fault = req.fault if self.corrupt_ok else ""
+        if fault:
+            jobs = _fault(req, fault, jobs)
         last = None
         try:
             for layer, ids, rows in jobs:
@@ -230,9 +241,43 @@ class PushTransfer(KVTransfer):
         finally:  # copies into a device cache run in order on one stream: the last ends last
             if last is not None:
                 last.wait()
+        if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due():
+            self.pull.verify(req, entry.hidden, end - first)
         return end - first
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """The push buffers belong to the links (closed with them)."""
         self.pull.close()
+
+
+def _sending(piece: Staged, first: int, hasher: BlockHasher | None) -> Callable[[], None] | None:
+    """What the sender thread runs before it sends a piece: wait for its copy off the device, then add it to the
+    entry's digests (pieces are sent in the order they were queued, so each block's layers come in order)."""
+    if hasher is None:
+        return None if piece.done is None else piece.wait
+
+    def ready() -> None:
+        piece.wait()
+        hasher.update(first, piece.tensor[:, 0])
+    return ready
+
+
+def _fault(req: LoadRequest, fault: str, jobs: list[tuple[int, list[int], torch.Tensor]]
+           ) -> list[tuple[int, list[int], torch.Tensor]]:
+    """Test-only faults the KV digest must catch (``LoadRequest.fault``), as ``PullTransfer`` makes them."""
+    logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
+                   req.req_id)
+    if fault == "stale":  # nothing written: the blocks keep what they held
+        return []
+    if fault == "flip_byte" and jobs:  # one byte changed in flight
+        layer, ids, rows = jobs[0]
+        rows = rows.clone()
+        flat = rows.view(-1).view(torch.uint8)
+        flat[flat.numel() // 2] ^= 0xFF
+        return [(layer, ids, rows), *jobs[1:]]
+    if fault == "wrong_block" and len(req.block_ids) > 1:  # the first two blocks written into each other's places
+        a, b = req.block_ids[0], req.block_ids[1]
+        swap = {a: b, b: a}
+        return [(layer, [swap.get(i, i) for i in ids], rows) for layer, ids, rows in jobs]
+    return jobs

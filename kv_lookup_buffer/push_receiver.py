@@ -66,7 +66,12 @@ class PushedEntry:
     received: int = 0
     num_tokens: int = 0
     meta: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # what the producer's commit carried besides ``meta`` (e.g. KV digests)
     committed: bool = False
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class PushReceiver:
@@ -228,13 +233,20 @@ class PushReceiver:
             self._data(message, self.pipe.recv_tensor())
         elif isinstance(message, Commit):
             meta = self.pipe.recv_tensor()
+            hidden = self.pipe.recv_tensor() if message.hidden else None
             with self._cv:
                 if message.key in self._repeats:
                     self._repeats.discard(message.key)
                     return
                 entry = self._entries.get(message.key)
+                if entry is not None and hidden is not None and _nbytes(hidden) > entry.nbytes // 16 + 4096:
+                    self._drop(message.key, DROPPED)  # held outside the staging budget: small beside the entry
+                    self._arrivals.notify()
+                    raise ValueError(f"COMMIT's hidden tensor ({_nbytes(hidden)} bytes) is too large for its entry "
+                                     f"({entry.nbytes} bytes): entry dropped")
                 if entry is not None:
                     entry.committed, entry.meta, entry.num_tokens = True, meta, message.num_tokens
+                    entry.hidden = hidden
                     self._cv.notify_all()
             self._arrivals.notify()
         elif isinstance(message, (Pull, Abort)):

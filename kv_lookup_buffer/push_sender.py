@@ -24,13 +24,23 @@ FIRST_CREDIT_WAIT = 5.0  # seconds the first BEGIN on a new link may wait for th
 
 @dataclass
 class _Filling:
-    """A DATA payload still being filled (an asynchronous copy out of a device): sent once ``ready()`` returns."""
+    """A DATA payload still being filled (an asynchronous copy out of a device), or a COMMIT's hidden tensor still
+    being computed: sent once ``ready()`` returns."""
 
     tensor: torch.Tensor
     ready: Callable[[], None]
 
 
-_Outgoing = tuple[Message, "torch.Tensor | _Filling | None"]  # a message, and the tensor that follows it (DATA, COMMIT)
+@dataclass
+class _Committing:
+    """A COMMIT's payload: its metadata tensor, and its hidden tensor (if any)."""
+
+    meta: torch.Tensor | None
+    hidden: torch.Tensor | _Filling | None
+
+
+# a message, and what follows it: DATA's tensor, COMMIT's tensors
+_Outgoing = tuple[Message, "torch.Tensor | _Filling | _Committing | None"]
 
 
 class PushSender:
@@ -111,9 +121,13 @@ class PushSender:
         payload = blocks if ready is None else _Filling(blocks, ready)
         self._enqueue((Data(key, layer, first_block, num_blocks), payload), control=False)
 
-    def commit(self, key: bytes, num_tokens: int, meta: torch.Tensor | None) -> None:
-        """The entry is complete: the consumer may hand it out."""
-        self._enqueue((Commit(key, num_tokens), meta), control=False)
+    def commit(self, key: bytes, num_tokens: int, meta: torch.Tensor | None, hidden: torch.Tensor | None = None,
+               ready: Callable[[], None] | None = None) -> None:
+        """The entry is complete: the consumer may hand it out. ``hidden``: a tensor it carries to whoever takes it
+        (``PushedEntry.hidden``; e.g. digests of its pieces); ``ready``: ``hidden`` is filled by ``ready()``, which
+        the sender thread calls once every piece queued before this commit is sent."""
+        carried = hidden if hidden is None or ready is None else _Filling(hidden, ready)
+        self._enqueue((Commit(key, num_tokens, int(hidden is not None)), _Committing(meta, carried)), control=False)
 
     def notify_pull(self, key: bytes) -> None:
         """Tell the consumer not to wait for a push of these tokens."""
@@ -150,18 +164,27 @@ class PushSender:
             if key in self._failed and not isinstance(message, (Hello, Pull)):
                 continue  # the rest of an entry that failed (its PULL notice still goes)
             try:
-                if isinstance(payload, _Filling):  # before the header: a failure leaves the stream in step
+                # before the header: a failure leaves the stream in step
+                if isinstance(payload, _Filling):
                     payload.ready()
                     payload = payload.tensor
+                if isinstance(payload, _Committing) and isinstance(payload.hidden, _Filling):
+                    payload.hidden.ready()
+                    payload = _Committing(payload.meta, payload.hidden.tensor)
                 self.pipe.send_tensor(encode(message))
                 if isinstance(message, Hello):
                     self._hello_retries = 0
-                if isinstance(message, (Data, Commit)):
+                if isinstance(message, Data):
+                    assert not isinstance(payload, _Committing)
                     self.pipe.send_tensor(payload)
-                    if payload is not None and isinstance(message, Data):
+                    if payload is not None:
                         self.stats.add("pushed_bytes", payload.numel() * payload.element_size())
-                    if isinstance(message, Commit):
-                        self.stats.add("committed")
+                elif isinstance(message, Commit):
+                    assert isinstance(payload, _Committing)
+                    self.pipe.send_tensor(payload.meta)
+                    if payload.hidden is not None:
+                        self.pipe.send_tensor(payload.hidden)
+                    self.stats.add("committed")
             except PipeClosed:
                 return
             except Exception as e:  # a PipeError, or a bug: this entry fails, the sending goes on

@@ -3,13 +3,14 @@ and the counters both ends keep (``push_stats``).
 
 Messages, all on one pipe: an int64 header ``[MAGIC, VERSION, kind, k0, k1, k2, k3, f0, f1, f2, f3]`` (``k`` = the
 SHA-256 of the entry's tokens, as four int64; ``f``: the message's fields in the order below, unused ones 0),
-followed by one tensor for DATA and COMMIT.
+followed by one tensor for DATA and COMMIT (two for a COMMIT with ``hidden`` 1).
 
 producer -> consumer
   HELLO   epoch                              a (re)started producer; the consumer answers with a CREDIT
   BEGIN   nbytes, num_layers, num_blocks     an entry of this size follows (sent once the credit allows it)
   DATA    layer, first_block, num_blocks     + a tensor: ``num_blocks`` blocks of one layer, from ``first_block``
-  COMMIT  num_tokens                         + a tensor (the caller's metadata, e.g. a layout descriptor)
+  COMMIT  num_tokens, hidden                 + a tensor (the caller's metadata, e.g. a layout descriptor); + a
+                                             second if ``hidden`` is 1 (e.g. the entry's KV digests)
   PULL                                       these tokens go through the pull path: stop waiting for a push
   ABORT                                      the producer gave up on this entry
 consumer -> producer
@@ -31,7 +32,7 @@ import torch
 
 from kv_lookup_buffer.base import Counts
 
-MAGIC, VERSION = 0x4D4B5642, 1  # "MKVB"
+MAGIC, VERSION = 0x4D4B5642, 2  # "MKVB"; 2: COMMIT's hidden tensor
 HELLO, BEGIN, DATA, COMMIT, PULL, ABORT, CREDIT = range(1, 8)
 KIND_NAMES = {HELLO: "HELLO", BEGIN: "BEGIN", DATA: "DATA", COMMIT: "COMMIT", PULL: "PULL", ABORT: "ABORT",
               CREDIT: "CREDIT"}
@@ -78,11 +79,13 @@ class Data:
 
 @dataclass(frozen=True)
 class Commit:
-    """The entry of ``num_tokens`` tokens is complete; its metadata tensor follows."""
+    """The entry of ``num_tokens`` tokens is complete; its metadata tensor follows, then (``hidden`` 1) a second
+    tensor the entry carries to whoever takes it."""
 
     KIND: ClassVar[int] = COMMIT
     key: bytes
     num_tokens: int
+    hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ def parse(t: torch.Tensor | None) -> Message:
         raise ValueError(f"negative field in a {KIND_NAMES[words[2]]} header: {rest}")
     keyed = issubclass(cls, _KEYED)
     values = rest[:len(fields(cls)) - keyed]
+    if cls is Commit and values[1] > 1:
+        raise ValueError(f"a COMMIT's hidden must be 0 or 1, got {values[1]}")
     if keyed:
         return cls(t[3:7].contiguous().numpy().tobytes(), *values)  # type: ignore[call-arg]
     return cls(*values)  # type: ignore[call-arg]

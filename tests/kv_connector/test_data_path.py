@@ -124,6 +124,8 @@ def test_push_streams_chunked_prefills_and_loads_only_the_missing_blocks(layout_
     result, (stats,) = transfer(layout_name, "push", device, prompts, loads, chunk=40)
     expect_loaded(result, layout, prompts, loads)
     assert result["stats"]["push_loaded"] == 2 and result["stats"]["fetched_bytes"] == 0, result["stats"]
+    # kv_digest "sampled" (the default) checks the first load against the digests the push's commit carried
+    assert result["stats"]["digest_checks"] == 1 and not result["stats"]["digest_missing"], result["stats"]
     assert result["stats"]["loaded_bytes"] == (5 + 4) * row_bytes(layout), result["stats"]
     assert stats["pushed"] == 2 and stats["pushed_bytes"] == (5 + 6) * row_bytes(layout), stats
 
@@ -217,20 +219,23 @@ def test_receive_into_cache_waits_for_a_stalled_answer_instead():
     expect_loaded(result, layout, prompts, loads)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("fault", ["flip_byte", "wrong_block", "stale"])
-def test_the_kv_digest_catches_blocks_that_differ_from_what_was_saved(fault):
+def test_the_kv_digest_catches_blocks_that_differ_from_what_was_saved(fault, mode):
     """Issue #37: a byte flipped after it left the producer, two blocks written into each other's places, blocks left
     holding what they held before (test switches of the consumer's load): with ``kv_digest`` "always" each such load
-    fails (vLLM recomputes it), counted as a digest mismatch; the other prompt's load is checked and used."""
+    fails (vLLM recomputes it), counted as a digest mismatch; the other prompt's load is checked and used. Pulled
+    or pushed (the digests then come with the push's commit, hashed as the pieces were sent, in chunks)."""
     layout_name = "gqa-cpu"
     a, b = prompt(5 * BLOCK - 3, 1), prompt(6 * BLOCK, 2)
     prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
     loads = [{**load("a", a, 0, [14, 2, 21, 8, 6]), "fault": fault}, load("b", b, 2, [15, 16, 23, 19])]
-    result, _ = transfer(layout_name, "pull", "cpu", prompts, loads, consumer_options={
+    result, _ = transfer(layout_name, mode, "cpu", prompts, loads, chunk=40, consumer_options={
         "options": {"kv_digest": "always", "allow_test_corruption": True}})
     assert result["failed"] == ["a"] and sorted(result["done"]) == ["a", "b"], result
     stats = result["stats"]
     assert stats["digest_mismatches"] == 1 and stats["digest_checks"] == 1 and stats["load_failures"] == 1, stats
+    assert stats.get("push_loaded", 0) == (1 if mode == "push" else 0), stats  # b (a failed)
     layout = LAYOUTS[layout_name]
     producer = caches(layout, 1, 0, 1, "cpu")
     for i, block in enumerate([15, 16, 23, 19]):
@@ -248,14 +253,15 @@ def test_without_a_fault_the_default_sampled_digest_checks_the_first_load():
         assert result["failed"] == [] and result["stats"]["digest_checks"] == checks, result["stats"]
 
 
-def test_a_producer_without_digests_fails_an_always_consumers_loads_only():
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_producer_without_digests_fails_an_always_consumers_loads_only(mode):
     """A producer with ``kv_digest`` "off" sends no digests: a consumer with "always" fails the load (it cannot
     check it), one with "sampled" uses it unchecked; both count it as ``digest_missing``."""
     a = prompt(5 * BLOCK - 3, 1)
     prompts = [("a", a, [7, 3, 12, 20, 5])]
-    for mode, failed in (("always", ["a"]), ("sampled", [])):
-        result, _ = transfer("gqa-cpu", "pull", "cpu", prompts, [load("a", a, 0, [14, 2, 21, 8, 6])],
-                             consumer_options={"options": {"kv_digest": mode}},
+    for checks, failed in (("always", ["a"]), ("sampled", [])):
+        result, _ = transfer("gqa-cpu", mode, "cpu", prompts, [load("a", a, 0, [14, 2, 21, 8, 6])],
+                             consumer_options={"options": {"kv_digest": checks}},
                              producer_options={"kv_digest": "off"})
         stats = result["stats"]
         assert result["failed"] == failed and stats["digest_missing"] == 1 and not stats["digest_mismatches"], stats

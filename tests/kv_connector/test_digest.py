@@ -41,3 +41,18 @@ def test_positions_compare_only_the_blocks_named():
     assert digest.compare(expected, torch.tensor([3, 5]), 1, [1, 3]) is None  # prompt blocks 2 and 4
     assert "first: block 4 of the prompt" in digest.compare(expected, torch.tensor([3, 9]), 1, [1, 3])
     assert "do not cover" in digest.compare(expected, torch.tensor([3]), 1, [4])
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_blocks_hashed_a_layer_at_a_time_as_a_push_sends_them_hash_as_gathered(layout_name):
+    """``BlockHasher``, fed each layer's rows of some blocks at a time (a push's pieces, prefilled in chunks): the
+    same digests as the whole blocks gathered."""
+    layout = LAYOUTS[layout_name]
+    cache = list(caches(layout, 1, 0, 3, "cpu").values())
+    ids = [5, 2, 9, 4]
+    hasher = digest.BlockHasher(len(ids))
+    for first, upto in ((0, 1), (1, 4)):  # two steps: block 0, then blocks 1-3, every layer in each
+        for layer in range(len(cache)):
+            piece = block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])  # [n, 1, *block]
+            hasher.update(first, piece[:, 0])
+    assert torch.equal(hasher.digests(), digest.block_digests(block_copy.gather(cache, layout.block_dim, ids)))

@@ -105,12 +105,17 @@ def test_hostile_headers_are_refused_with_a_clear_error():
 
     for frame, match in [(None, "expected a push header"), (good.float(), "expected a push header"),
                          (good[:10], "expected a push header"), (good.view(1, 11), "expected a push header"),
-                         (changed(0, 7), "magic/version"), (changed(1, 2), "magic/version"),
+                         (changed(0, 7), "magic/version"), (changed(1, pw.VERSION - 1), "magic/version"),
                          (changed(2, 99), "unknown push message kind 99"), (changed(2, 0), "unknown push message"),
                          (changed(8, -1), "negative field in a BEGIN header"),
                          (changed(10, -5), "negative field")]:
         with pytest.raises(ValueError, match=match):
             pw.parse(frame)
+    commit = pw.encode(pw.Commit(KEY, 3, 1))
+    assert pw.parse(commit) == pw.Commit(KEY, 3, 1)
+    commit[8] = 2  # how many tensors follow must be known: hidden is 0 or 1
+    with pytest.raises(ValueError, match="hidden must be 0 or 1"):
+        pw.parse(commit)
 
 
 # ----------------------------------------------------------------------------- sender and receiver together
@@ -125,6 +130,46 @@ def test_an_entry_pushed_in_pieces_is_taken_once(ends):
     assert wait_for(lambda: sender.stats["committed"] == 1)
     assert sender.stats["begun"] == 1 and sender.stats["pushed_bytes"] == NBYTES and receiver.stats["taken"] == 1
     assert receiver.has_producer() and sender.healthy and receiver.healthy
+
+
+def test_a_commit_carries_a_hidden_tensor_filled_once_every_piece_before_it_is_sent(ends):
+    """``commit(hidden=, ready=)``: the sender thread runs each piece's ``ready`` then the commit's, in the order they
+    were queued (what the KV digests of a push rely on); the entry carries the tensor to whoever takes it."""
+    sender, receiver = ends(capacity=1 << 20)
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
+    order: list[str] = []
+    hidden = torch.zeros(BLOCKS, dtype=torch.int64)
+    for layer in range(LAYERS):
+        sender.push(KEY, layer, 0, KV[layer].clone(), BLOCKS, ready=lambda layer=layer: order.append(f"data {layer}"))
+
+    def fill() -> None:
+        order.append("commit")
+        hidden.copy_(torch.tensor([5, 6, 7]))
+    sender.commit(KEY, 3, torch.tensor([7]), hidden, ready=fill)
+    entry = take_once_begun(receiver)
+    assert entry is not None and entry.hidden.tolist() == [5, 6, 7] and entry.meta.tolist() == [7]
+    assert order == ["data 0", "data 1", "commit"] and torch.equal(assemble(entry), KV)
+
+
+def test_a_hidden_tensor_too_large_for_its_entry_drops_it_and_the_next_push_is_staged(ends):
+    """A COMMIT's hidden tensor is held outside the staging budget: one larger than a sixteenth of its entry (plus
+    4 KiB) drops the entry, counted as malformed; the producer's next push is staged and taken as usual."""
+    pipe, receiver = ends(raw=True, capacity=1 << 20)
+    pipe.send_tensor(pw.encode(pw.Hello(5)))
+    for hidden in (torch.zeros(2048, dtype=torch.int64), torch.tensor([1, 2, 3])):  # 16 KiB, then 24 bytes
+        pipe.send_tensor(pw.encode(pw.Begin(KEY, NBYTES, LAYERS, BLOCKS)))
+        for layer in range(LAYERS):
+            pipe.send_tensor(pw.encode(pw.Data(KEY, layer, 0, BLOCKS)))
+            pipe.send_tensor(KV[layer].clone())
+        pipe.send_tensor(pw.encode(pw.Commit(KEY, 3, 1)))
+        pipe.send_tensor(torch.tensor([7]))
+        pipe.send_tensor(hidden)
+        if hidden.numel() > 3:
+            assert wait_for(lambda: receiver.stats["malformed"] == 1)
+            assert receiver.look(KEY) == push_receiver.DROPPED and receiver.staged_bytes() == 0
+    entry = take_once_begun(receiver)
+    assert entry is not None and entry.hidden.tolist() == [1, 2, 3] and torch.equal(assemble(entry), KV)
+    assert receiver.stats["malformed"] == 1 and receiver.healthy
 
 
 def test_no_credit_means_pull(ends):
