@@ -10,10 +10,19 @@ ends the request: ``kv_load_failure_policy`` "fail"). Modes (``kv_digest``): ``o
 ``kv_digest_sample``), ``always``. Pushed entries carry their digests in their commit: the producer's push sender
 hashes each piece as it sends it (``BlockHasher``). Checked: loads of whole blocks (equal TP sizes, MLA), pulled or
 pushed; not yet: parts of blocks (a consumer of another TP size).
+
+With a secret, the producer seals the digests (``seal``: an HMAC-SHA256 under the secret of the entry's key and its
+digests, appended) and the consumer checks the seal first (``unseal``). XXH3 catches accidents, not an attacker:
+whoever can write into the Transfer Engine's buffers (they take writes from anyone who reaches their port, secret or
+not) could change a block and its digest alike; with the seal they cannot make digests that match what they wrote.
+(The seal cannot ride in the request's signed params: vLLM's scheduler answers the prefill, params included, before
+the worker's output of that step - where the digests are - reaches the scheduler side.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import threading
 from collections.abc import Sequence
@@ -31,6 +40,42 @@ def _signed(value: int) -> int:
 
 class DigestMismatch(ValueError):
     """What landed in the blocks is not what the producer saved."""
+
+
+SEAL_WORDS = 4  # the seal: HMAC-SHA256, as int64 words after the digests
+_SEAL_LABEL = b"mooncake-kv-digests\0"
+
+
+def _mac(digests: torch.Tensor, key: bytes, secret: bytes) -> bytes:
+    data = digests.contiguous().numpy().tobytes()
+    return hmac.new(secret, _SEAL_LABEL + key + data, hashlib.sha256).digest()
+
+
+def sealed_size(num_blocks: int, secret: bytes) -> int:
+    """The length of ``seal``'s tensor for ``num_blocks`` digests."""
+    return num_blocks + (SEAL_WORDS if secret else 0)
+
+
+def seal(digests: torch.Tensor, key: bytes, secret: bytes) -> torch.Tensor:
+    """``digests`` of the entry ``key`` (``push_wire.entry_key`` of its tokens), with their seal under ``secret``
+    appended (as they are without a secret)."""
+    if not secret:
+        return digests
+    return torch.cat([digests, torch.frombuffer(bytearray(_mac(digests, key, secret)), dtype=torch.int64)])
+
+
+def unseal(sealed: torch.Tensor, key: bytes, secret: bytes) -> torch.Tensor:
+    """The digests of a ``seal``ed tensor of the entry ``key``; ``DigestMismatch`` if its seal does not verify under
+    ``secret`` (as it is without a secret)."""
+    if not secret:
+        return sealed
+    if sealed.dtype != torch.int64 or sealed.dim() != 1 or sealed.numel() < SEAL_WORDS:
+        raise DigestMismatch("the producer's KV digests carry no seal, but a secret is set")
+    digests = sealed[:-SEAL_WORDS]
+    if not hmac.compare_digest(_mac(digests, key, secret), sealed[-SEAL_WORDS:].contiguous().numpy().tobytes()):
+        raise DigestMismatch("the seal of the producer's KV digests does not verify under the secret: the digests "
+                             "were changed after the producer made them, or belong to another entry")
+    return digests
 
 
 def block_digests(kv: torch.Tensor) -> torch.Tensor:

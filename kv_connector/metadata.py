@@ -10,7 +10,7 @@ from kv_connector.source import LoadSource
 
 CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
 # its value: true (scramble the loaded KV: proves it is used) or one of these faults, which the KV digest must catch
-TEST_FAULTS = ("flip_byte", "wrong_block", "stale")
+TEST_FAULTS = ("flip_byte", "wrong_block", "stale", "forged_digest")
 
 
 @dataclass

@@ -56,7 +56,8 @@ class ConnectorOptions:
     - ``kv_digest_sample``: consumer, ``kv_digest`` "sampled": one load in this many is checked (default 16).
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
       ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used
-      (no digest check for it); the values "flip_byte", "wrong_block" and "stale" make faults the digest catches.
+      (no digest check for it); the values "flip_byte", "wrong_block", "stale" and "forged_digest" (pull: a byte and
+      its block's digest changed; only the seal of a secret catches it) make faults the digest catches.
     """
 
     buffer_size: int = 2 * GiB

@@ -43,22 +43,24 @@ from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
 from kv_lookup_buffer import AnswerAbandoned, BufferClosed
+from kv_lookup_buffer.push_buffer import entry_key
 from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-def _ready(kv: Staged, sums: torch.Tensor | None) -> Callable[[], None]:
-    """Waits for a device gather's copy into host memory, then hashes it into ``sums``: once, however many shares
-    of the entry are served (MLA, a consumer of another TP size), each from a serving thread."""
+def _ready(kv: Staged, sums: torch.Tensor | None, key: bytes, secret: bytes) -> Callable[[], None]:
+    """Waits for a device gather's copy into host memory, then hashes it into ``sums`` (sealed with ``secret``):
+    once, however many shares of the entry are served (MLA, a consumer of another TP size), each from a serving
+    thread."""
     lock, done = threading.Lock(), []
 
     def ready() -> None:
         kv.wait()
         with lock:
             if sums is not None and not done:
-                sums.copy_(digest.block_digests(kv.tensor))
+                sums.copy_(digest.seal(digest.block_digests(kv.tensor), key, secret))
                 done.append(True)
     return ready
 
@@ -73,15 +75,18 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 class PullTransfer(KVTransfer):
     """``split``: this worker's TP rank and the KV heads it holds (a request's ``source`` names the producer's pipe
     per rank); ``rank_to_rank`` (push mode, whose pushes go rank to rank, and so does what falls back to pull): every
-    producer rank saves, and with equal TP sizes consumer rank r reads producer rank r."""
+    producer rank saves, and with equal TP sizes consumer rank r reads producer rank r. ``secret``: the pipes'
+    secret, which seals the KV digests (``digest.seal``)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
                  split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
-                 staging: KVStaging | None = None, into_cache: bool = False, checks: Sampler | None = None) -> None:
+                 staging: KVStaging | None = None, into_cache: bool = False, checks: Sampler | None = None,
+                 secret: bytes = b"") -> None:
         self.layout, self.links, self.stats = layout, links, stats
         self.staging = staging or KVStaging(layout.layers, layout.block_dim)
         self.into_cache = into_cache  # receive_into_cache: loads go straight into the (registered) blocks
         self.checks = checks or Sampler("sampled", 16)  # which loads are checked; the producer hashes unless "off"
+        self.secret = secret
         self.block_size = block_size
         self.split = split
         self.rank = split.rank
@@ -109,11 +114,13 @@ class PullTransfer(KVTransfer):
             # off the device is done (before the entry is served).
             sums = None
             hashing = time.perf_counter()
-            if self.checks.mode != "off":
-                sums = digest.block_digests(kv.tensor) if kv.done is None else torch.empty(len(save.block_ids),
-                                                                                             dtype=torch.int64)
+            key = entry_key(save.token_ids) if self.secret else b""
+            if self.checks.mode != "off" and kv.done is None:
+                sums = digest.seal(digest.block_digests(kv.tensor), key, self.secret)
+            elif self.checks.mode != "off":
+                sums = torch.empty(digest.sealed_size(len(save.block_ids), self.secret), dtype=torch.int64)
             hashed = time.perf_counter() - hashing
-            ready = None if kv.done is None else _ready(kv, sums)
+            ready = None if kv.done is None else _ready(kv, sums, key, self.secret)
             # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less
             # than one into fresh pages). A device cache's blocks are still being copied into pinned memory: handed
             # over, served once that copy is done. Either way the forward pass never waits for a consumer (full: the
@@ -220,13 +227,13 @@ class PullTransfer(KVTransfer):
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
             fault = req.fault if self.corrupt_ok else ""
             if fault:
-                kv, ids = self._fault(req, fault, kv, ids, in_place)
+                kv, ids, sums = self._fault(req, fault, kv, ids, in_place, sums)
             if not in_place and fault != "stale":
                 heads = None if count is None else (piece.at, piece.at + count)
                 self.staging.scatter(ids, kv[:usable], heads)
             copied = time.perf_counter()
             if count is None and not scrambled and self.checks.due():
-                self.verify(req, sums, usable)
+                self.verify(req, sums, usable, tokens)
                 check = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
             elif count is not None and self.checks.mode == "always":  # parts of blocks: not checked (yet); said
                 self.stats.count("digest_unchecked")
@@ -238,9 +245,11 @@ class PullTransfer(KVTransfer):
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
-    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool
-               ) -> tuple[torch.Tensor, list[int]]:
-        """Test-only faults the KV digest must catch (``LoadRequest.fault``)."""
+    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool,
+               sums: torch.Tensor | None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """Test-only faults the KV digest must catch (``LoadRequest.fault``); "forged_digest": one byte of the first
+        block changed and its digest made to match, as whoever could write into the transfer buffers could (only the
+        seal of a secret catches it)."""
         if in_place:
             raise ValueError("test faults need receive_into_cache false")
         logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
@@ -249,15 +258,29 @@ class PullTransfer(KVTransfer):
             kv = kv.clone()
             flat = kv.view(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0xFF
+        elif fault == "forged_digest":
+            kv = kv.clone()
+            kv[0].view(-1).view(torch.uint8)[7] ^= 0xFF
+            if sums is not None:
+                sums = sums.clone()
+                sums[req.first_block] = digest.block_digests(kv[:1])[0]
         elif fault == "wrong_block" and len(ids) > 1:  # the first two blocks written into each other's places
             ids = [ids[1], ids[0], *ids[2:]]
-        return kv, ids
+        return kv, ids, sums
 
-    def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int) -> None:
+    def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int]
+               ) -> None:
         """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
-        producer's ``sums`` (of the whole prompt; pulled or pushed); ``DigestMismatch`` if they differ. A block id
+        producer's ``sums`` (of the whole entry, whose tokens are ``tokens``; pulled or pushed; sealed with a secret);
+        ``DigestMismatch`` if they differ. A block id
         that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
         per position, never read, not checked."""
+        if sums is not None and self.secret:
+            try:
+                sums = digest.unseal(sums, entry_key(tokens), self.secret)
+            except DigestMismatch:
+                self.stats.count("digest_mismatches")
+                raise
         loaded = req.block_ids[:usable]
         seen = Counter(loaded)
         positions = [i for i, block in enumerate(loaded) if seen[block] == 1]

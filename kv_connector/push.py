@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_connector import blocks
+from kv_connector import blocks, digest
 from kv_connector.digest import BlockHasher
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
@@ -122,10 +122,12 @@ class PushTransfer(KVTransfer):
             logger.warning("MooncakeConnector: request %s completed with %d of %d blocks pushed: serving it by pull",
                            save.req_id, state.next_block, state.num_blocks)
         elif state is not None and not state.push.failed(state.key):
-            hasher = state.hasher
-            sums = None if hasher is None else torch.empty(state.num_blocks, dtype=torch.int64)
+            hasher, key, secret = state.hasher, state.key, self.pull.secret
+            sums = None if hasher is None else torch.empty(digest.sealed_size(state.num_blocks, secret),
+                                                           dtype=torch.int64)
             state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor(), sums,
-                              ready=None if hasher is None else lambda: sums.copy_(hasher.digests()))
+                              ready=None if hasher is None else
+                              lambda: sums.copy_(digest.seal(hasher.digests(), key, secret)))
             self.stats.count("pushed")
             return
         self.pull.finish_prompt(save)  # before the notice: the consumer's drop_select must find it
@@ -242,7 +244,7 @@ class PushTransfer(KVTransfer):
             if last is not None:
                 last.wait()
         if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due():
-            self.pull.verify(req, entry.hidden, end - first)
+            self.pull.verify(req, entry.hidden, end - first, req.token_ids)
         return end - first
 
     # ---------------------------------------------------------------- closing

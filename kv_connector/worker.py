@@ -126,7 +126,7 @@ class ConnectorWorker:
         pull = PullTransfer(layout, links, self.stats, block_size, split, opts.allow_test_corruption,
                             opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging,
                             into_cache=self._into_cache(layout),
-                            checks=Sampler(opts.kv_digest, opts.kv_digest_sample))
+                            checks=Sampler(opts.kv_digest, opts.kv_digest_sample), secret=self.config.secret)
         if not self.push_mode:
             return pull
         return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,

@@ -42,10 +42,12 @@ def load(req_id: str, tokens: list[int], cached: int, block_ids: list[int]) -> d
 def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, list[int], list[int]]],
              loads: list[dict], producer_tp: int = 1, chunk: int = 1 << 30,
              scales: tuple[list | None, list | None] = (None, None), sleep: bool = False, stall: float = 0.0,
-             consumer_options: dict | None = None, producer_options: dict | None = None) -> tuple[dict, list[dict]]:
+             consumer_options: dict | None = None, producer_options: dict | None = None, secret: str = ""
+             ) -> tuple[dict, list[dict]]:
     """Producer ranks (``producer_tp``) and one consumer (TP 1) in processes of their own: the consumer's result
-    and each producer rank's stats. ``scales``: the producer's and the consumer's KV scales (an fp8 cache)."""
-    cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
+    and each producer rank's stats. ``scales``: the producer's and the consumer's KV scales (an fp8 cache);
+    ``secret``: the pipes' ``auth_secret``."""
+    cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0, auth_secret=secret)
     producers = [f"127.0.0.1:{int(cfg['prefill_url'].rsplit(':', 1)[1]) + r}" for r in range(producer_tp)]
     registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
     more = (consumer_options or {}).get("then") or []
@@ -265,3 +267,27 @@ def test_a_producer_without_digests_fails_an_always_consumers_loads_only(mode):
                              producer_options={"kv_digest": "off"})
         stats = result["stats"]
         assert result["failed"] == failed and stats["digest_missing"] == 1 and not stats["digest_mismatches"], stats
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_with_a_secret_the_digests_are_sealed_and_a_forged_digest_is_caught(mode):
+    """With a secret the producer seals the digests (an HMAC under the secret): sealed digests check as usual, pulled
+    or pushed. A byte changed together with its block's digest (what whoever can write into the transfer buffers
+    could do: XXH3 is no MAC) passes the digest check without a secret, and fails the seal with one."""
+    a, b = prompt(5 * BLOCK - 3, 1), prompt(6 * BLOCK, 2)
+    prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
+    secret = "k" * 40
+    loads = [load("a", a, 0, [14, 2, 21, 8, 6]), load("b", b, 2, [15, 16, 23, 19])]
+    result, _ = transfer("gqa-cpu", mode, "cpu", prompts, loads, chunk=40, secret=secret,
+                         consumer_options={"options": {"kv_digest": "always"}})
+    assert result["failed"] == [] and result["stats"]["digest_checks"] == 2, result["stats"]
+    if mode == "push":
+        assert result["stats"]["push_loaded"] == 2, result["stats"]
+        return
+    forged = [{**load("a", a, 0, [14, 2, 21, 8, 6]), "fault": "forged_digest"}]
+    options = {"options": {"kv_digest": "always", "allow_test_corruption": True}}
+    unsealed, _ = transfer("gqa-cpu", mode, "cpu", prompts[:1], forged, consumer_options=options)
+    assert unsealed["failed"] == [] and unsealed["stats"]["digest_checks"] == 1, unsealed["stats"]  # not caught
+    sealed, _ = transfer("gqa-cpu", mode, "cpu", prompts[:1], forged, consumer_options=options, secret=secret)
+    stats = sealed["stats"]
+    assert sealed["failed"] == ["a"] and stats["digest_mismatches"] == 1 and not stats["digest_checks"], stats

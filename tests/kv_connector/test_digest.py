@@ -56,3 +56,22 @@ def test_blocks_hashed_a_layer_at_a_time_as_a_push_sends_them_hash_as_gathered(l
             piece = block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])  # [n, 1, *block]
             hasher.update(first, piece[:, 0])
     assert torch.equal(hasher.digests(), digest.block_digests(block_copy.gather(cache, layout.block_dim, ids)))
+
+
+def test_a_seal_under_the_secret_binds_the_digests_to_their_entry():
+    """With a secret the digests carry an HMAC of the entry's key and themselves: changed digests, another entry's key
+    or another secret do not verify; digests without a seal are refused; without a secret nothing is sealed."""
+    secret, key = b"s" * 32, bytes(range(32))
+    sums = torch.tensor([1, -2, 3], dtype=torch.int64)
+    sealed = digest.seal(sums, key, secret)
+    assert sealed.numel() == digest.sealed_size(3, secret) == 3 + digest.SEAL_WORDS
+    assert torch.equal(digest.unseal(sealed, key, secret), sums)
+    forged = sealed.clone()
+    forged[1] = 7
+    for tensor, k, s, why in [(forged, key, secret, "does not verify"), (sealed, bytes(32), secret, "does not verify"),
+                              (sealed, key, b"t" * 32, "does not verify"), (sums[:2], key, secret, "no seal"),
+                              (sealed.to(torch.int32), key, secret, "no seal")]:
+        with pytest.raises(digest.DigestMismatch, match=why):
+            digest.unseal(tensor, k, s)
+    assert digest.seal(sums, key, b"") is sums and digest.unseal(sums, key, b"") is sums
+    assert digest.sealed_size(3, b"") == 3

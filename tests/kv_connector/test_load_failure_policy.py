@@ -28,7 +28,7 @@ def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     config = mooncake_json(work / "mooncake.json")
     consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", failure_policy="fail", kv_digest="always",
-                                           allow_test_corruption=True), config, SERVE_ARGS)
+                                           allow_test_corruption=True), config, SERVE_ARGS, worker_process=False)
     try:
         start_vllm(consumer)
         yield consumer
