@@ -50,17 +50,16 @@ from kv_pipe.memory import WarmPool
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-def _ready(kv: Staged, sums: torch.Tensor | None, key: bytes, secret: bytes) -> Callable[[], None]:
-    """Waits for a device gather's copy into host memory, then hashes it into ``sums`` (sealed with ``secret``):
-    once, however many shares of the entry are served (MLA, a consumer of another TP size), each from a serving
-    thread."""
+def _ready(kv: Staged, sums: torch.Tensor | None, groups: int, key: bytes, secret: bytes) -> Callable[[], None]:
+    """Waits for a device gather's copy into host memory, then hashes it into ``sums`` (``digest.pack``ed): once,
+    however many shares of the entry are served (MLA, a consumer of another TP size), each from a serving thread."""
     lock, done = threading.Lock(), []
 
     def ready() -> None:
         kv.wait()
         with lock:
             if sums is not None and not done:
-                sums.copy_(digest.seal(digest.block_digests(kv.tensor), key, secret))
+                sums.copy_(digest.pack(digest.block_digests(kv.tensor, groups), key, secret))
                 done.append(True)
     return ready
 
@@ -76,7 +75,7 @@ class PullTransfer(KVTransfer):
     """``split``: this worker's TP rank and the KV heads it holds (a request's ``source`` names the producer's pipe
     per rank); ``rank_to_rank`` (push mode, whose pushes go rank to rank, and so does what falls back to pull): every
     producer rank saves, and with equal TP sizes consumer rank r reads producer rank r. ``secret``: the pipes'
-    secret, which seals the KV digests (``digest.seal``)."""
+    secret, which seals the KV digests (``digest.pack``)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
                  split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
@@ -87,6 +86,9 @@ class PullTransfer(KVTransfer):
         self.into_cache = into_cache  # receive_into_cache: loads go straight into the (registered) blocks
         self.checks = checks or Sampler("sampled", 16)  # which loads are checked; the producer hashes unless "off"
         self.secret = secret
+        # a digest per head of each block where a block holds its heads first: a consumer of another TP size checks
+        # the heads it loads
+        self.digest_groups = layout.heads[1] - layout.heads[0] if layout.heads_split else 1
         self.block_size = block_size
         self.split = split
         self.rank = split.rank
@@ -115,12 +117,13 @@ class PullTransfer(KVTransfer):
             sums = None
             hashing = time.perf_counter()
             key = entry_key(save.token_ids) if self.secret else b""
+            groups = self.digest_groups
             if self.checks.mode != "off" and kv.done is None:
-                sums = digest.seal(digest.block_digests(kv.tensor), key, self.secret)
+                sums = digest.pack(digest.block_digests(kv.tensor, groups), key, self.secret)
             elif self.checks.mode != "off":
-                sums = torch.empty(digest.sealed_size(len(save.block_ids), self.secret), dtype=torch.int64)
+                sums = torch.empty(digest.packed_size(len(save.block_ids), groups, self.secret), dtype=torch.int64)
             hashed = time.perf_counter() - hashing
-            ready = None if kv.done is None else _ready(kv, sums, key, self.secret)
+            ready = None if kv.done is None else _ready(kv, sums, groups, key, self.secret)
             # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less
             # than one into fresh pages). A device cache's blocks are still being copied into pinned memory: handed
             # over, served once that copy is done. Either way the forward pass never waits for a consumer (full: the
@@ -151,13 +154,15 @@ class PullTransfer(KVTransfer):
             pieces = [Piece(self.rank, (0, self.split.span[1] - self.split.span[0]), 0, 1, True)]
         else:
             pieces = self.split.plan(len(producers))
+        check = self.checks.due()  # once per load, however many pieces
         if len(pieces) == 1:
-            results = [self._load_piece(req, pieces[0], producers, deadline)]
+            results = [self._load_piece(req, pieces[0], producers, deadline, check)]
         else:  # every piece runs to its end, so that no producer keeps a share nobody takes
             if self._pieces is None:
                 self._pieces = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-kv-piece",
                                                   initializer=self.staging.bind_thread)
-            futures = [self._pieces.submit(self._load_piece, req, piece, producers, deadline) for piece in pieces]
+            futures = [self._pieces.submit(self._load_piece, req, piece, producers, deadline, check)
+                       for piece in pieces]
             errors = [f.exception() for f in futures]
             if any(errors):
                 raise next(e for e in errors if e is not None)
@@ -170,10 +175,10 @@ class PullTransfer(KVTransfer):
                           "; ".join(details) if len(details) == 1 else
                           f"{len(details)} producer ranks in {seconds * 1e3:.1f} ms: " + "; ".join(details))
 
-    def _load_piece(self, req: LoadRequest, piece: Piece, producers: list[str], deadline: float
+    def _load_piece(self, req: LoadRequest, piece: Piece, producers: list[str], deadline: float, check: bool
                     ) -> tuple[int, int, str]:
         """Read ``piece`` of ``req``'s blocks from its producer rank (of ``producers``) into the KV cache: (rows
-        usable, bytes fetched, timings)."""
+        usable, bytes fetched, timings); ``check``: then compare what landed with the producer's KV digests."""
         start = time.perf_counter()
         n = len(req.block_ids)
         rows = (req.first_block, req.first_block + n)
@@ -204,7 +209,7 @@ class PullTransfer(KVTransfer):
                                "its late bytes go to a quarantined buffer, never to the KV cache") from None
         # (if drop_select raised otherwise, writes may still land in buf for a while: it is not put back for reuse)
         fetched = time.perf_counter()
-        check = ""
+        checked = ""
         try:
             if kv is None:
                 raise KVMiss()
@@ -232,16 +237,14 @@ class PullTransfer(KVTransfer):
                 heads = None if count is None else (piece.at, piece.at + count)
                 self.staging.scatter(ids, kv[:usable], heads)
             copied = time.perf_counter()
-            if count is None and not scrambled and self.checks.due():
-                self.verify(req, sums, usable, tokens)
-                check = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
-            elif count is not None and self.checks.mode == "always":  # parts of blocks: not checked (yet); said
-                self.stats.count("digest_unchecked")
+            if check and not scrambled:
+                self.verify(req, sums, usable, tokens, None if piece.whole else piece.part, piece.at)
+                checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
             if buf is not None:
                 self.receive.put(buf)  # the pipe is done with it: the receive completed
         where = ("received into the KV cache blocks" if received_in_place
-                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms") + check
+                 else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms") + checked
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
@@ -261,26 +264,35 @@ class PullTransfer(KVTransfer):
         elif fault == "forged_digest":
             kv = kv.clone()
             kv[0].view(-1).view(torch.uint8)[7] ^= 0xFF
-            if sums is not None:
+            if sums is not None:  # packed: [groups, *digests, *seal]
+                groups = int(sums[0])
                 sums = sums.clone()
-                sums[req.first_block] = digest.block_digests(kv[:1])[0]
+                at = 1 + req.first_block * groups
+                sums[at:at + groups] = digest.block_digests(kv[:1], groups)[0]
         elif fault == "wrong_block" and len(ids) > 1:  # the first two blocks written into each other's places
             ids = [ids[1], ids[0], *ids[2:]]
         return kv, ids, sums
 
-    def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int]
-               ) -> None:
+    def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int],
+               part: tuple[int, int] | None = None, at: int = 0) -> None:
         """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
-        producer's ``sums`` (of the whole entry, whose tokens are ``tokens``; pulled or pushed; sealed with a secret);
-        ``DigestMismatch`` if they differ. A block id
+        producer's ``sums`` (``digest.pack``ed, of the whole entry, whose tokens are ``tokens``; pulled or pushed);
+        ``DigestMismatch`` if they differ. ``part``: the load wrote heads ``part`` of the producer rank's blocks
+        only, into ours from head ``at`` (a consumer of another TP size). A block id
         that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
         per position, never read, not checked."""
-        if sums is not None and self.secret:
+        expected = None
+        if sums is not None:
             try:
-                sums = digest.unseal(sums, entry_key(tokens), self.secret)
+                expected = digest.unpack(sums, entry_key(tokens) if self.secret else b"", self.secret)
             except DigestMismatch:
                 self.stats.count("digest_mismatches")
                 raise
+        groups = 1 if expected is None else expected.shape[1]
+        if part is not None and groups == 1:  # a digest per block: parts of blocks cannot be checked; said
+            self.stats.count("digest_unchecked")
+            return
+        heads = None if groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
         loaded = req.block_ids[:usable]
         seen = Counter(loaded)
         positions = [i for i, block in enumerate(loaded) if seen[block] == 1]
@@ -288,12 +300,14 @@ class PullTransfer(KVTransfer):
         if self.staging.on_device:
             landed = self.staging.gather(ids)
             landed.wait()
-            got = digest.block_digests(landed.tensor)
+            rows = landed.tensor if heads is None else landed.tensor[:, :, heads[0]:heads[1]]
+            got = digest.block_digests(rows, 1 if heads is None else heads[1] - heads[0])
         else:
-            got = digest.cache_digests(self.layout.layers, self.layout.block_dim, ids)
-        wrong = digest.compare(sums, got, req.first_block, positions)
+            got = digest.cache_digests(self.layout.layers, self.layout.block_dim, ids, heads)
+        wrong = digest.compare(expected, got, req.first_block, positions, part)
         if wrong is None:
-            self.stats.count("digest_checks")
+            if at == 0:  # once per load: a load of parts of blocks has one piece for each producer rank
+                self.stats.count("digest_checks")
             return
         if sums is None:  # a producer with kv_digest "off" (or an older one): nothing to compare with
             self.stats.count("digest_missing")

@@ -92,7 +92,7 @@ class PushTransfer(KVTransfer):
                 assert push is not None
                 self.targets[step.req_id] = push
                 if push.begin(key, nbytes, len(self.layout.layers), nblocks):
-                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(nblocks)
+                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(nblocks, self.pull.digest_groups)
                     self.pushing[step.req_id] = _PushState(key, nblocks, push, hasher=hasher)
                 else:
                     logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
@@ -123,11 +123,11 @@ class PushTransfer(KVTransfer):
                            save.req_id, state.next_block, state.num_blocks)
         elif state is not None and not state.push.failed(state.key):
             hasher, key, secret = state.hasher, state.key, self.pull.secret
-            sums = None if hasher is None else torch.empty(digest.sealed_size(state.num_blocks, secret),
-                                                           dtype=torch.int64)
+            sums = None if hasher is None else torch.empty(
+                digest.packed_size(state.num_blocks, hasher.groups, secret), dtype=torch.int64)
             state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor(), sums,
                               ready=None if hasher is None else
-                              lambda: sums.copy_(digest.seal(hasher.digests(), key, secret)))
+                              lambda: sums.copy_(digest.pack(hasher.digests(), key, secret)))
             self.stats.count("pushed")
             return
         self.pull.finish_prompt(save)  # before the notice: the consumer's drop_select must find it

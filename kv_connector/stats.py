@@ -39,8 +39,8 @@ COUNTERS = {  # name -> help text
     "digest_checks": "Loads whose blocks were read back and matched the producer's KV digests (kv_digest).",
     "digest_mismatches": "Loads whose blocks did not hold what the producer saved (failed; also load_failures).",
     "digest_missing": "Checked loads whose producer sent no KV digests (kv_digest off there; failed under always).",
-    "digest_unchecked": "Loads kv_digest \"always\" could not check (parts of blocks: producer and consumer of "
-                        "different TP sizes).",
+    "digest_unchecked": "Checked loads of parts of blocks (producer and consumer of different TP sizes) whose "
+                        "producer sent a digest per block, not per head: not checked.",
     "push_expired": "Pushed entries dropped on the consumer because no request took them within push_ttl.",
     "fetched_bytes": "KV bytes received from producers by pull loads.",
     "loaded_bytes": "KV bytes written into this instance's KV cache by loads.",

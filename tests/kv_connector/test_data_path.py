@@ -135,14 +135,17 @@ def test_push_streams_chunked_prefills_and_loads_only_the_missing_blocks(layout_
 @pytest.mark.parametrize("layout_name", ["gqa-cpu", "mla"])
 def test_a_tp2_producer_serves_a_tp1_consumer(layout_name, device):
     """Producer TP 2, consumer TP 1 (pull): GQA heads are read half from each producer rank into each block; MLA's
-    latent, alike on both ranks, is saved by rank 0 only and read from it."""
+    latent, alike on both ranks, is saved by rank 0 only and read from it. ``kv_digest`` "always": each half is
+    checked against the producer rank's digests of those heads (one per head of each block)."""
     layout = LAYOUTS[layout_name]
     a = prompt(4 * BLOCK + 5, 5)
     prompts = [("a", a, [7, 3, 12, 20, 5])]
     loads = [load("a", a, 1, [14, 2, 21, 8])]
-    result, stats = transfer(layout_name, "pull", device, prompts, loads, producer_tp=2)
+    result, stats = transfer(layout_name, "pull", device, prompts, loads, producer_tp=2,
+                             consumer_options={"options": {"kv_digest": "always"}})
     expect_loaded(result, layout, prompts, loads)
     assert result["stats"]["loaded_bytes"] == 4 * row_bytes(layout), result["stats"]
+    assert result["stats"]["digest_checks"] == 1 and not result["stats"]["digest_unchecked"], result["stats"]
     if layout.heads_dim is None:
         assert [s.get("saved", 0) for s in stats] == [1, 0], stats
         assert result["stats"]["fetched_bytes"] == 4 * row_bytes(layout)
@@ -291,3 +294,14 @@ def test_with_a_secret_the_digests_are_sealed_and_a_forged_digest_is_caught(mode
     sealed, _ = transfer("gqa-cpu", mode, "cpu", prompts[:1], forged, consumer_options=options, secret=secret)
     stats = sealed["stats"]
     assert sealed["failed"] == ["a"] and stats["digest_mismatches"] == 1 and not stats["digest_checks"], stats
+
+
+def test_the_kv_digest_catches_a_byte_changed_in_a_part_of_each_block():
+    """Producer TP 2, consumer TP 1: a byte flipped in the half of each block one producer rank sends fails the load
+    (``kv_digest`` "always"), where a per-block digest could not have checked a part of a block."""
+    a = prompt(4 * BLOCK + 5, 5)
+    loads = [{**load("a", a, 1, [14, 2, 21, 8]), "fault": "flip_byte"}]
+    result, _ = transfer("gqa-cpu", "pull", "cpu", [("a", a, [7, 3, 12, 20, 5])], loads, producer_tp=2,
+                         consumer_options={"options": {"kv_digest": "always", "allow_test_corruption": True}})
+    stats = result["stats"]
+    assert result["failed"] == ["a"] and stats["digest_mismatches"] >= 1 and stats["load_failures"] == 1, stats

