@@ -50,7 +50,7 @@ from kv_pipe.memory import WarmPool
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-def _ready(kv: Staged, sums: torch.Tensor | None, groups: int, key: bytes, secret: bytes) -> Callable[[], None]:
+def _ready(kv: Staged, sums: torch.Tensor | None, groups: int, context: bytes, secret: bytes) -> Callable[[], None]:
     """Waits for a device gather's copy into host memory, then hashes it into ``sums`` (``digest.pack``ed): once,
     however many shares of the entry are served (MLA, a consumer of another TP size), each from a serving thread."""
     lock, done = threading.Lock(), []
@@ -59,7 +59,7 @@ def _ready(kv: Staged, sums: torch.Tensor | None, groups: int, key: bytes, secre
         kv.wait()
         with lock:
             if sums is not None and not done:
-                sums.copy_(digest.pack(digest.block_digests(kv.tensor, groups), key, secret))
+                sums.copy_(digest.pack(digest.block_digests(kv.tensor, groups), context, secret))
                 done.append(True)
     return ready
 
@@ -116,20 +116,21 @@ class PullTransfer(KVTransfer):
             # off the device is done (before the entry is served).
             sums = None
             hashing = time.perf_counter()
-            key = entry_key(save.token_ids) if self.secret else b""
+            descriptor = self.layout.descriptor_tensor()
+            context = digest.seal_context(entry_key(save.token_ids), descriptor) if self.secret else b""
             groups = self.digest_groups
             if self.checks.mode != "off" and kv.done is None:
-                sums = digest.pack(digest.block_digests(kv.tensor, groups), key, self.secret)
+                sums = digest.pack(digest.block_digests(kv.tensor, groups), context, self.secret)
             elif self.checks.mode != "off":
                 sums = torch.empty(digest.packed_size(len(save.block_ids), groups, self.secret), dtype=torch.int64)
             hashed = time.perf_counter() - hashing
-            ready = None if kv.done is None else _ready(kv, sums, groups, key, self.secret)
+            ready = None if kv.done is None else _ready(kv, sums, groups, context, self.secret)
             # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less
             # than one into fresh pages). A device cache's blocks are still being copied into pinned memory: handed
             # over, served once that copy is done. Either way the forward pass never waits for a consumer (full: the
             # oldest entries are evicted).
-            self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor,
-                               self.layout.descriptor_tensor(), sums, ready=ready)
+            self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor, descriptor, sums,
+                               ready=ready)
         except (BufferClosed, PipeError, ValueError, torch.OutOfMemoryError) as e:
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
                            len(save.token_ids), e)
@@ -232,13 +233,13 @@ class PullTransfer(KVTransfer):
                 logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
             fault = req.fault if self.corrupt_ok else ""
             if fault:
-                kv, ids, sums = self._fault(req, fault, kv, ids, in_place, sums)
+                kv, ids = self._fault(req, fault, kv, ids, in_place)
             if not in_place and fault != "stale":
                 heads = None if count is None else (piece.at, piece.at + count)
                 self.staging.scatter(ids, kv[:usable], heads)
             copied = time.perf_counter()
             if check and not scrambled:
-                self.verify(req, sums, usable, tokens, None if piece.whole else piece.part, piece.at)
+                self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part, piece.at)
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
             if buf is not None:
@@ -248,51 +249,36 @@ class PullTransfer(KVTransfer):
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
 
-    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool,
-               sums: torch.Tensor | None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """Test-only faults the KV digest must catch (``LoadRequest.fault``); "forged_digest": one byte of the first
-        block changed and its digest made to match, as whoever could write into the transfer buffers could (only the
-        seal of a secret catches it)."""
+    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool
+               ) -> tuple[torch.Tensor, list[int]]:
+        """Test-only faults the KV digest must catch (``LoadRequest.fault``); "forged_digest": a byte changed (here)
+        and the digests of the blocks made to match (``verify``), as whoever could write into the transfer buffers
+        could: only the seal of a secret catches it."""
         if in_place:
             raise ValueError("test faults need receive_into_cache false")
         logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
                        req.req_id)
-        if fault == "flip_byte":  # one byte changed in flight
+        if fault in ("flip_byte", "forged_digest"):  # one byte changed in flight
             kv = kv.clone()
             flat = kv.view(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0xFF
-        elif fault == "forged_digest":
-            kv = kv.clone()
-            kv[0].view(-1).view(torch.uint8)[7] ^= 0xFF
-            if sums is not None:  # packed: [groups, *digests, *seal]
-                groups = int(sums[0])
-                sums = sums.clone()
-                at = 1 + req.first_block * groups
-                sums[at:at + groups] = digest.block_digests(kv[:1], groups)[0]
         elif fault == "wrong_block" and len(ids) > 1:  # the first two blocks written into each other's places
             ids = [ids[1], ids[0], *ids[2:]]
-        return kv, ids, sums
+        return kv, ids
 
     def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int],
-               part: tuple[int, int] | None = None, at: int = 0) -> None:
+               descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0) -> None:
         """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
-        producer's ``sums`` (``digest.pack``ed, of the whole entry, whose tokens are ``tokens``; pulled or pushed);
-        ``DigestMismatch`` if they differ. ``part``: the load wrote heads ``part`` of the producer rank's blocks
-        only, into ours from head ``at`` (a consumer of another TP size). A block id
+        producer's ``sums`` (``digest.pack``ed, of the whole entry, whose tokens are ``tokens`` and layout
+        ``descriptor``; pulled or pushed); ``DigestMismatch`` if they differ. ``part``: the load wrote heads ``part``
+        of the producer rank's blocks only, into ours from head ``at`` (a consumer of another TP size). A block id
         that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
         per position, never read, not checked."""
-        expected = None
-        if sums is not None:
-            try:
-                expected = digest.unpack(sums, entry_key(tokens) if self.secret else b"", self.secret)
-            except DigestMismatch:
-                self.stats.count("digest_mismatches")
-                raise
-        groups = 1 if expected is None else expected.shape[1]
+        groups = None if sums is None else digest.groups_of(sums)
         if part is not None and groups == 1:  # a digest per block: parts of blocks cannot be checked; said
             self.stats.count("digest_unchecked")
             return
-        heads = None if groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
+        heads = None if not groups or groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
         loaded = req.block_ids[:usable]
         seen = Counter(loaded)
         positions = [i for i, block in enumerate(loaded) if seen[block] == 1]
@@ -304,18 +290,28 @@ class PullTransfer(KVTransfer):
             got = digest.block_digests(rows, 1 if heads is None else heads[1] - heads[0])
         else:
             got = digest.cache_digests(self.layout.layers, self.layout.block_dim, ids, heads)
+        if sums is not None and req.fault == "forged_digest" and self.corrupt_ok and part is None:
+            sums = digest.overwrite(sums, req.first_block, positions, got)  # test switch: see ``_fault``
+        try:
+            if sums is None:
+                raise digest.DigestUnusable("the producer sent no KV digests (its kv_digest is \"off\")")
+            context = digest.seal_context(entry_key(tokens), descriptor) if self.secret else b""
+            expected = digest.unpack(sums, context, self.secret)
+        except digest.DigestUnusable as e:  # none, another release's, unsealed: nothing to compare with
+            self.stats.count("digest_missing")
+            if self.checks.mode == "sampled":
+                logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such "
+                               "loads)", req.req_id, e)
+                return
+            raise DigestMismatch(f"no KV digest to check (kv_digest \"always\"): {e}") from None
+        except DigestMismatch:
+            self.stats.count("digest_mismatches")
+            raise
         wrong = digest.compare(expected, got, req.first_block, positions, part)
         if wrong is None:
             if at == 0:  # once per load: a load of parts of blocks has one piece for each producer rank
                 self.stats.count("digest_checks")
             return
-        if sums is None:  # a producer with kv_digest "off" (or an older one): nothing to compare with
-            self.stats.count("digest_missing")
-            if self.checks.mode == "sampled":
-                logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such "
-                               "loads)", req.req_id, wrong)
-                return
-            raise DigestMismatch(f"no KV digest to check (kv_digest \"always\"): {wrong}")
         self.stats.count("digest_mismatches")
         raise DigestMismatch(f"KV digest mismatch: {wrong}")
 

@@ -92,7 +92,8 @@ class PushTransfer(KVTransfer):
                 assert push is not None
                 self.targets[step.req_id] = push
                 if push.begin(key, nbytes, len(self.layout.layers), nblocks):
-                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(nblocks, self.pull.digest_groups)
+                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(
+                        nblocks, len(self.layout.layers), self.pull.digest_groups)
                     self.pushing[step.req_id] = _PushState(key, nblocks, push, hasher=hasher)
                 else:
                     logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
@@ -112,7 +113,8 @@ class PushTransfer(KVTransfer):
         self.begin_step(meta)
         for state, first, ids in self.step_pushes:
             piece = self.staging.gather(ids, layer=layer)  # [n, 1, *block]; from a device: still being copied
-            state.push.push(state.key, layer, first, piece.tensor, len(ids), ready=_sending(piece, first, state.hasher))
+            state.push.push(state.key, layer, first, piece.tensor, len(ids),
+                            ready=_sending(piece, first, layer, state.hasher))
 
     def finish_prompt(self, save: SaveRequest) -> None:
         """Commit the push, or save the prompt for pull (and tell the consumer not to wait for a push)."""
@@ -122,12 +124,11 @@ class PushTransfer(KVTransfer):
             logger.warning("MooncakeConnector: request %s completed with %d of %d blocks pushed: serving it by pull",
                            save.req_id, state.next_block, state.num_blocks)
         elif state is not None and not state.push.failed(state.key):
-            hasher, key, secret = state.hasher, state.key, self.pull.secret
-            sums = None if hasher is None else torch.empty(
-                digest.packed_size(state.num_blocks, hasher.groups, secret), dtype=torch.int64)
-            state.push.commit(state.key, len(save.token_ids), self.layout.descriptor_tensor(), sums,
-                              ready=None if hasher is None else
-                              lambda: sums.copy_(digest.pack(hasher.digests(), key, secret)))
+            descriptor, secret = self.layout.descriptor_tensor(), self.pull.secret
+            sums = None if state.hasher is None else torch.empty(
+                digest.packed_size(state.num_blocks, state.hasher.groups, secret), dtype=torch.int64)
+            state.push.commit(state.key, len(save.token_ids), descriptor, sums,
+                              ready=None if state.hasher is None else _digests(state, descriptor, secret, sums))
             self.stats.count("pushed")
             return
         self.pull.finish_prompt(save)  # before the notice: the consumer's drop_select must find it
@@ -244,7 +245,7 @@ class PushTransfer(KVTransfer):
             if last is not None:
                 last.wait()
         if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due():
-            self.pull.verify(req, entry.hidden, end - first, req.token_ids)
+            self.pull.verify(req, entry.hidden, end - first, req.token_ids, entry.meta)
         return end - first
 
     # ---------------------------------------------------------------- closing
@@ -253,15 +254,32 @@ class PushTransfer(KVTransfer):
         self.pull.close()
 
 
-def _sending(piece: Staged, first: int, hasher: BlockHasher | None) -> Callable[[], None] | None:
+def _sending(piece: Staged, first: int, layer: int, hasher: BlockHasher | None) -> Callable[[], None] | None:
     """What the sender thread runs before it sends a piece: wait for its copy off the device, then add it to the
-    entry's digests (pieces are sent in the order they were queued, so each block's layers come in order)."""
+    entry's digests."""
     if hasher is None:
         return None if piece.done is None else piece.wait
 
     def ready() -> None:
         piece.wait()
-        hasher.update(first, piece.tensor[:, 0])
+        hasher.update(first, layer, piece.tensor[:, 0])
+    return ready
+
+
+def _digests(state: _PushState, descriptor: torch.Tensor, secret: bytes, sums: torch.Tensor) -> Callable[[], None]:
+    """What the sender thread runs before it sends the commit, once every piece before it is hashed: the entry's
+    digests, packed into ``sums`` (sealed with a secret); if some piece never came, unusable ones (all zeros: the
+    consumer takes the entry as one without digests) rather than wrong ones."""
+    assert state.hasher is not None
+
+    def ready() -> None:
+        sums.zero_()
+        got = state.hasher.digests()
+        if got is None:
+            logger.warning("MooncakeConnector: a pushed entry is committed without KV digests: some of its pieces "
+                           "were not hashed")
+            return
+        sums.copy_(digest.pack(got, digest.seal_context(state.key, descriptor) if secret else b"", secret))
     return ready
 
 
@@ -272,7 +290,7 @@ def _fault(req: LoadRequest, fault: str, jobs: list[tuple[int, list[int], torch.
                    req.req_id)
     if fault == "stale":  # nothing written: the blocks keep what they held
         return []
-    if fault == "flip_byte" and jobs:  # one byte changed in flight
+    if fault in ("flip_byte", "forged_digest") and jobs:  # one byte changed in flight (forged: see verify)
         layer, ids, rows = jobs[0]
         rows = rows.clone()
         flat = rows.view(-1).view(torch.uint8)

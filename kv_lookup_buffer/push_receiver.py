@@ -239,14 +239,17 @@ class PushReceiver:
                     self._repeats.discard(message.key)
                     return
                 entry = self._entries.get(message.key)
-                if entry is not None and hidden is not None and _nbytes(hidden) > entry.nbytes // 16 + 4096:
-                    self._drop(message.key, DROPPED)  # held outside the staging budget: small beside the entry
+                extra = 0 if entry is None or hidden is None else _nbytes(hidden)
+                if extra > self._free:  # the hidden tensor is staged too: it counts in the staging budget
+                    self._drop(message.key, DROPPED)
                     self._arrivals.notify()
-                    raise ValueError(f"COMMIT's hidden tensor ({_nbytes(hidden)} bytes) is too large for its entry "
-                                     f"({entry.nbytes} bytes): entry dropped")
+                    raise ValueError(f"COMMIT's hidden tensor ({extra} bytes) does not fit the staging room left "
+                                     f"({self._free} bytes): entry dropped")
                 if entry is not None:
                     entry.committed, entry.meta, entry.num_tokens = True, meta, message.num_tokens
                     entry.hidden = hidden
+                    entry.nbytes += extra  # given back with the entry
+                    self._free -= extra
                     self._cv.notify_all()
             self._arrivals.notify()
         elif isinstance(message, (Pull, Abort)):

@@ -13,7 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_lookup_buffer.push_wire import Begin, Commit, Credit, Data, Hello, Message, Pull, encode, key_of, parse, push_stats
+from kv_lookup_buffer.push_wire import (
+    Abort,
+    Begin,
+    Commit,
+    Credit,
+    Data,
+    Hello,
+    Message,
+    Pull,
+    encode,
+    key_of,
+    parse,
+    push_stats,
+)
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 
 logger = logging.getLogger(__name__)
@@ -161,7 +174,9 @@ class PushSender:
                 return
             message, payload = item
             key = key_of(message)
-            if key in self._failed and not isinstance(message, (Hello, Pull)):
+            if key in self._failed and not isinstance(message, (Hello, Pull, Abort)):
+                if isinstance(message, Commit):  # committed after it failed: nobody else tells the consumer
+                    self._enqueue((Abort(key), None), control=True)
                 continue  # the rest of an entry that failed (its PULL notice still goes)
             try:
                 # before the header: a failure leaves the stream in step
@@ -201,6 +216,8 @@ class PushSender:
                     if key not in self._failed:
                         self._failed.add(key)
                         self.stats.add("push_failed")
+                if isinstance(message, Commit):  # the consumer must not wait for it until its deadline
+                    self._enqueue((Abort(key), None), control=True)
                 logger.warning("push channel: sending an entry failed (%s); the consumer will recompute it", e)
 
     def _credit_loop(self) -> None:

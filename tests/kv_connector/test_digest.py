@@ -30,10 +30,11 @@ def test_a_block_hashes_alike_gathered_fed_by_layer_or_in_place(layout_name):
     assert gathered.shape == (4, groups)
     assert torch.equal(gathered, digest.cache_digests(cache, layout.block_dim, ids, heads))
     assert len(set(gathered.flatten().tolist())) == 4 * groups
-    hasher = digest.BlockHasher(len(ids), groups)
+    hasher = digest.BlockHasher(len(ids), len(cache), groups)
     for first, upto in ((0, 1), (1, 4)):  # as a push sends them: block 0, then blocks 1-3, every layer in each step
-        for layer in range(len(cache)):
-            hasher.update(first, block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])[:, 0])
+        for layer in reversed(range(len(cache))):  # in any order of layers
+            assert hasher.digests() is None  # not every block's every layer yet
+            hasher.update(first, layer, block_copy.gather([cache[layer]], layout.block_dim, ids[first:upto])[:, 0])
     assert torch.equal(hasher.digests(), gathered)
     assert digest.compare(gathered, digest.cache_digests(cache, layout.block_dim, ids, heads), 0) is None
     assert "2 of 4 loaded blocks differ" in digest.compare(
@@ -76,23 +77,30 @@ def test_packed_digests_carry_their_groups_and_with_a_secret_a_seal_binding_them
     """``pack`` / ``unpack``: the grouping travels; with a secret, an HMAC of the entry's key and the digests:
     changed digests, another entry's key or another secret do not verify; digests without a seal, or malformed,
     are refused."""
-    secret, key = b"s" * 32, bytes(range(32))
+    secret = b"s" * 32
+    rank0 = torch.frombuffer(bytearray(b'{"heads": [0, 2]}'), dtype=torch.uint8)
+    rank1 = torch.frombuffer(bytearray(b'{"heads": [2, 4]}'), dtype=torch.uint8)
+    key = digest.seal_context(bytes(range(32)), rank0)
     sums = torch.tensor([[1, -2], [3, 4], [5, 6]], dtype=torch.int64)
     plain = digest.pack(sums, key, b"")
-    assert plain.tolist() == [2, 1, -2, 3, 4, 5, 6] and plain.numel() == digest.packed_size(3, 2, b"")
+    assert plain.tolist() == [digest.TAG, 2, 1, -2, 3, 4, 5, 6] and plain.numel() == digest.packed_size(3, 2, b"")
     assert torch.equal(digest.unpack(plain, key, b""), sums)
     sealed = digest.pack(sums, key, secret)
-    assert sealed.numel() == digest.packed_size(3, 2, secret) == 7 + digest.SEAL_WORDS
+    assert sealed.numel() == digest.packed_size(3, 2, secret) == 8 + digest.SEAL_WORDS
     assert torch.equal(digest.unpack(sealed, key, secret), sums)
-    forged = sealed.clone()
-    forged[2] = 7
+    forged = digest.overwrite(sealed, 1, [0], torch.tensor([[7, 8]]))
+    unsealed = digest.unpack(digest.overwrite(plain, 1, [0], torch.tensor([[7, 8]])), key, b"")
+    assert torch.equal(unsealed, torch.tensor([[1, -2], [7, 8], [5, 6]]))  # without a secret a forgery passes
     regrouped = sealed.clone()
-    regrouped[0] = 3
+    regrouped[1] = 1
     for tensor, k, s, why in [(forged, key, secret, "does not verify"), (regrouped, key, secret, "does not verify"),
-                              (sealed, bytes(32), secret, "does not verify"), (sealed, key, b"t" * 32, "does not verify"),
-                              (plain, key, secret, "does not verify"), (plain[:2], key, secret, "no seal"),
-                              (sealed.to(torch.int32), key, secret, "malformed"),
-                              (torch.tensor([0, 1, 2]), key, b"", "malformed"),
-                              (torch.tensor([2, 1, 2, 3]), key, b"", "malformed")]:
+                              (sealed, digest.seal_context(bytes(32), rank0), secret, "does not verify"),
+                              (sealed, digest.seal_context(bytes(range(32)), rank1), secret, "does not verify"),
+                              (sealed, key, b"t" * 32, "does not verify")]:
         with pytest.raises(digest.DigestMismatch, match=why):
             digest.unpack(tensor, k, s)
+    # not this release's digests, or unsealed with a secret set: unusable (as if none were sent), not a mismatch
+    for tensor, s in [(plain[:2], secret), (sealed.to(torch.int32), secret), (torch.tensor([1, 2, 3]), b""),
+                      (torch.tensor([digest.TAG, 0, 1]), b""), (torch.tensor([digest.TAG, 2, 1, 2, 3]), b"")]:
+        with pytest.raises(digest.DigestUnusable):
+            digest.unpack(tensor, key, s)

@@ -151,10 +151,10 @@ def test_a_commit_carries_a_hidden_tensor_filled_once_every_piece_before_it_is_s
     assert order == ["data 0", "data 1", "commit"] and torch.equal(assemble(entry), KV)
 
 
-def test_a_hidden_tensor_too_large_for_its_entry_drops_it_and_the_next_push_is_staged(ends):
-    """A COMMIT's hidden tensor is held outside the staging budget: one larger than a sixteenth of its entry (plus
-    4 KiB) drops the entry, counted as malformed; the producer's next push is staged and taken as usual."""
-    pipe, receiver = ends(raw=True, capacity=1 << 20)
+def test_a_hidden_tensor_counts_in_the_staging_budget(ends):
+    """A COMMIT's hidden tensor is staged with its entry: one larger than the room left drops the entry (counted as
+    malformed); the producer's next push is staged and taken as usual, its hidden tensor's bytes given back with it."""
+    pipe, receiver = ends(raw=True, capacity=NBYTES + 1024)
     pipe.send_tensor(pw.encode(pw.Hello(5)))
     for hidden in (torch.zeros(2048, dtype=torch.int64), torch.tensor([1, 2, 3])):  # 16 KiB, then 24 bytes
         pipe.send_tensor(pw.encode(pw.Begin(KEY, NBYTES, LAYERS, BLOCKS)))
@@ -167,9 +167,25 @@ def test_a_hidden_tensor_too_large_for_its_entry_drops_it_and_the_next_push_is_s
         if hidden.numel() > 3:
             assert wait_for(lambda: receiver.stats["malformed"] == 1)
             assert receiver.look(KEY) == push_receiver.DROPPED and receiver.staged_bytes() == 0
+    assert wait_for(lambda: receiver.staged_bytes() == NBYTES + 24)
     entry = take_once_begun(receiver)
     assert entry is not None and entry.hidden.tolist() == [1, 2, 3] and torch.equal(assemble(entry), KV)
-    assert receiver.stats["malformed"] == 1 and receiver.healthy
+    assert receiver.stats["malformed"] == 1 and receiver.healthy and receiver.staged_bytes() == 0
+
+
+def test_a_commit_that_fails_to_send_aborts_its_entry_at_once(ends):
+    """The producer committed (nothing was kept for pull) but the commit's ``ready`` fails: the consumer is told at
+    once (ABORT), not left to wait for the entry until its deadline."""
+    sender, receiver = ends(capacity=1 << 20)
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
+    for layer in range(LAYERS):
+        sender.push(KEY, layer, 0, KV[layer].clone(), BLOCKS)
+
+    def fail() -> None:
+        raise RuntimeError("hashing failed")
+    sender.commit(KEY, 3, torch.tensor([7]), torch.zeros(BLOCKS, dtype=torch.int64), ready=fail)
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.DROPPED)
+    assert receiver.stats["aborted"] == 1 and sender.failed(KEY) and receiver.staged_bytes() == 0
 
 
 def test_no_credit_means_pull(ends):
