@@ -58,4 +58,7 @@ class MooncakeConnectorMetadata:
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     pushes: list[PushStep] = field(default_factory=list)
+    # producer, push mode: requests that ended before their prompt was complete (aborted mid-prefill): their pushes
+    # end (the consumer frees what it staged)
+    abandoned: list[str] = field(default_factory=list)
     idle: bool = False  # nothing to compute in this step (the engine only waits for loads)

@@ -106,6 +106,14 @@ class PushTransfer(KVTransfer):
                 self.step_pushes.append((state, state.next_block, step.block_ids[state.next_block:upto]))
                 state.next_block = upto
 
+    def abandon(self, req_ids: list[str]) -> None:
+        """Requests aborted mid-prefill: their pushes end (the consumer frees what it staged at once)."""
+        for req_id in req_ids:
+            state = self.pushing.pop(req_id, None)
+            self.targets.pop(req_id, None)
+            if state is not None:
+                state.push.abort(state.key)
+
     def save_layer(self, layer: int, meta: MooncakeConnectorMetadata) -> None:
         """Queue this layer's blocks planned for this step (the sender thread moves them)."""
         if not meta.pushes:

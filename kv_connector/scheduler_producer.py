@@ -39,6 +39,7 @@ class ProducerScheduler:
         self.saved: set[str] = set()  # requests whose prompt was saved (until they finish)
         self.push_to: dict[str, list[str] | None] = {}  # push mode: the consumer each request goes to
         self.pushing: set[str] = set()  # push mode: prompts whose first step was announced to the worker
+        self.abandoned: list[str] = []  # push mode: of those, ended before their prompt was complete
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False  # a producer loads nothing
@@ -61,7 +62,8 @@ class ProducerScheduler:
             return []
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(idle=out.total_num_scheduled_tokens == 0)
+        meta = MooncakeConnectorMetadata(idle=out.total_num_scheduled_tokens == 0, abandoned=self.abandoned)
+        self.abandoned = []
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -95,7 +97,9 @@ class ProducerScheduler:
         saved = req_id in self.saved
         self.saved.discard(req_id)
         self.prompts.pop(req_id, None)
-        self.pushing.discard(req_id)
+        if req_id in self.pushing:  # its push began, its prompt never completed: the worker ends the push
+            self.pushing.discard(req_id)
+            self.abandoned.append(req_id)
         pushed = self.push and self.push_to.pop(req_id, None) != []  # [] : kept for pull, nothing was sent
         params = request.kv_transfer_params
         if not saved or not isinstance(params, dict) or not params.get("do_remote_decode") or not self.pipes:

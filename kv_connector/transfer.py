@@ -31,6 +31,9 @@ class KVTransfer(ABC):
     def begin_step(self, meta: MooncakeConnectorMetadata) -> None:  # noqa: B027 - optional hook
         """Producer: a step starts (before its first layer is saved)."""
 
+    def abandon(self, req_ids: list[str]) -> None:  # noqa: B027 - optional hook
+        """Producer: these requests ended before their prompt was complete; forget what is kept for them."""
+
     def save_layer(self, layer: int, meta: MooncakeConnectorMetadata) -> None:  # noqa: B027 - optional hook
         """Producer: ``layer``'s attention has written this step's KV."""
 

@@ -173,6 +173,8 @@ class ConnectorWorker:
                 self.loads.start(load)
         if meta.pushes:
             self.transfer.begin_step(meta)
+        if meta.abandoned:
+            self.transfer.abandon(meta.abandoned)
 
     def save_layer(self, layer_name: str, meta: MooncakeConnectorMetadata) -> None:
         if self.transfer is None or self.layout is None or not meta.pushes:

@@ -142,6 +142,13 @@ class PushSender:
         carried = hidden if hidden is None or ready is None else _Filling(hidden, ready)
         self._enqueue((Commit(key, num_tokens, int(hidden is not None)), _Committing(meta, carried)), control=False)
 
+    def abort(self, key: bytes) -> None:
+        """Give up on an entry (its request ended): what is still queued of it is not sent, and the consumer drops
+        what it staged."""
+        with self._cv:
+            self._failed.add(key)
+        self._enqueue((Abort(key), None), control=True)
+
     def notify_pull(self, key: bytes) -> None:
         """Tell the consumer not to wait for a push of these tokens."""
         self._enqueue((Pull(key), None), control=True)

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from kv_connector import block_copy, digest
+from kv_connector.digest import Sampler
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, PushStep, SaveRequest
 from kv_connector.push import PushTransfer
@@ -46,8 +48,14 @@ class FakePush:
     def failed(self, key):
         return key in self.failed_keys
 
-    def commit(self, key, tokens, meta):
+    def commit(self, key, tokens, meta, hidden=None, ready=None):
+        if ready is not None:
+            ready()
         self.committed.append(tokens)
+        self.hidden = hidden
+
+    def abort(self, key):
+        self.aborted = [*getattr(self, "aborted", []), key]
 
     def notify_pull(self, key):
         self.notices.append(key)
@@ -69,8 +77,12 @@ class FakeLinks:
 
 
 class FakePull:
-    def __init__(self) -> None:
-        self.saved, self.loaded = [], []
+    def __init__(self, checks: str = "off") -> None:
+        self.saved, self.loaded, self.verified = [], [], []
+        self.checks, self.secret, self.digest_groups = Sampler(checks, 1), b"", 1
+
+    def verify(self, req, sums, usable, tokens, descriptor):
+        self.verified.append((req.req_id, sums, usable))
 
     def finish_prompt(self, save):
         self.saved.append(save.req_id)
@@ -83,12 +95,12 @@ class FakePull:
         pass
 
 
-def transfer(push: FakePush | None = None, rank: int = 0):
+def transfer(push: FakePush | None = None, rank: int = 0, checks: str = "off"):
     caches = {f"layer.{i}": torch.zeros(NUM_BLOCKS, BLOCK, WIDTH) for i in range(LAYERS)}
     for i, t in enumerate(caches.values()):  # every block of every layer tells where it is
         t += (torch.arange(NUM_BLOCKS) * 10 + i * 1000).view(-1, 1, 1)
     layout = KVCacheLayout.from_caches(caches, NUM_BLOCKS, "model", block_size=BLOCK)
-    links, pull = FakeLinks(push or FakePush()), FakePull()
+    links, pull = FakeLinks(push or FakePush()), FakePull(checks)
     return PushTransfer(layout, links, pull, StatsRecorder(), BLOCK, rank, PEER, push_wait=1.0), links, pull
 
 
@@ -126,6 +138,27 @@ def test_each_block_is_pushed_once_per_layer_when_complete_then_committed(prompt
                 assert piece[:, 0, 0, 0].tolist() == [(5 + first + i) * 10 + layer * 1000 for i in range(n)]
     t.finish_prompt(SaveRequest("r", list(range(prompt_len)), ids))
     assert push.committed == [prompt_len] and t.stats.take().data["pushed"] == 1
+
+
+def test_the_commit_carries_the_digests_of_every_block_pushed_and_the_consumer_checks_them():
+    """``kv_digest`` on: the pieces hash as they are sent (here at once), the commit carries the packed digests of
+    the whole prompt, equal to those of its blocks gathered; a consumer's write of a pushed entry is then checked."""
+    t, links, _ = transfer(checks="always")
+    ids = [5, 6, 7]
+    run_steps(t, chunked(12, 5, ids))
+    t.finish_prompt(SaveRequest("r", list(range(12)), ids))
+    gathered = block_copy.gather(t.layout.layers, t.layout.block_dim, ids)
+    assert torch.equal(digest.unpack(links.push.hidden, b"", b""), digest.block_digests(gathered))
+
+
+def test_a_request_aborted_mid_prefill_ends_its_push():
+    """The scheduler says a request ended before its prompt was complete: its push state goes and the consumer is
+    told to drop what it staged."""
+    t, links, _ = transfer(checks="always")
+    run_steps(t, chunked(12, 5, [5, 6, 7])[:1])
+    key = t.pushing["r"].key
+    t.abandon(["r", "never-pushed"])
+    assert t.pushing == {} and t.targets == {} and links.push.aborted == [key]
 
 
 def test_the_request_goes_to_the_consumer_its_params_name_at_this_rank():

@@ -256,6 +256,19 @@ def test_push_mode_announces_every_prefill_step_and_the_target_once():
     assert sched.build_meta(step(cached={"r": (50, 1)}, block_ids=ids)).pushes == []
 
 
+def test_a_request_that_ends_mid_prefill_is_abandoned_once_in_the_next_step():
+    """Aborted after its first pushed chunk: the next step tells the worker (its push ends there); a request whose
+    prompt completed, or that never pushed, is not abandoned."""
+    sched = ProducerScheduler(config("kv_producer", mode="push"), BLOCK)
+    for name in ("cut", "done", "idle"):
+        sched.after_alloc(request(name, 40, None), kv_blocks([]), 0)
+    sched.build_meta(step(new={"cut": (0, 20), "done": (0, 40)}, block_ids={"cut": [1, 2, 3], "done": [4, 5, 6]}))
+    for name in ("cut", "done", "idle"):
+        sched.finished(request(name, 40, None))
+    assert sched.build_meta(step()).abandoned == ["cut"]
+    assert sched.build_meta(step()).abandoned == []
+
+
 @pytest.mark.parametrize("params, push_to", [
     (None, None),  # mooncake.json's consumer
     ({"mooncake_push_to": []}, []),  # the proxy asks for pull

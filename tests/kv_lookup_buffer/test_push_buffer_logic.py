@@ -188,6 +188,19 @@ def test_a_commit_that_fails_to_send_aborts_its_entry_at_once(ends):
     assert receiver.stats["aborted"] == 1 and sender.failed(KEY) and receiver.staged_bytes() == 0
 
 
+def test_an_entry_given_up_is_dropped_by_the_consumer_and_its_queued_pieces_are_not_sent(ends):
+    """``abort`` (its request ended mid-prefill): the consumer drops what it staged at once; pieces queued after it
+    are not sent."""
+    sender, receiver = ends(capacity=1 << 20)
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
+    assert wait_for(lambda: receiver.has_begun(KEY))
+    sender.abort(KEY)
+    sender.push(KEY, 0, 0, KV[0].clone(), BLOCKS)
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.DROPPED)
+    time.sleep(0.2)
+    assert receiver.stats["aborted"] == 1 and receiver.staged_bytes() == 0 and sender.stats["pushed_bytes"] == 0
+
+
 def test_no_credit_means_pull(ends):
     a, b = local_pipe_pair(timeout=5.0)
     sender = PushSender(a, first_credit_wait=0.3)
