@@ -143,10 +143,10 @@ class PushSender:
         self._enqueue((Commit(key, num_tokens, int(hidden is not None)), _Committing(meta, carried)), control=False)
 
     def abort(self, key: bytes) -> None:
-        """Give up on an entry (its request ended): what is still queued of it is not sent, and the consumer drops
-        what it staged."""
-        with self._cv:
-            self._failed.add(key)
+        """Give up on an entry (its request ended): its pieces still queued are not sent (not marked failed: a later
+        push of the same prompt goes as usual), and the consumer drops what it staged."""
+        with self._out_cv:
+            self._data = deque(item for item in self._data if key_of(item[0]) != key)
         self._enqueue((Abort(key), None), control=True)
 
     def notify_pull(self, key: bytes) -> None:

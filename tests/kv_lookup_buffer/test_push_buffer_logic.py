@@ -194,11 +194,17 @@ def test_an_entry_given_up_is_dropped_by_the_consumer_and_its_queued_pieces_are_
     sender, receiver = ends(capacity=1 << 20)
     assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
     assert wait_for(lambda: receiver.has_begun(KEY))
-    sender.abort(KEY)
-    sender.push(KEY, 0, 0, KV[0].clone(), BLOCKS)
+    with sender._out_cv:  # the sender thread busy elsewhere: the pieces are still queued when the request ends
+        sender.push(KEY, 0, 0, KV[0].clone(), BLOCKS)
+        sender.abort(KEY)
     assert wait_for(lambda: receiver.look(KEY) == push_receiver.DROPPED)
     time.sleep(0.2)
     assert receiver.stats["aborted"] == 1 and receiver.staged_bytes() == 0 and sender.stats["pushed_bytes"] == 0
+    assert not sender.failed(KEY)  # a later push of the same prompt goes as usual
+    assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
+    push_all(sender)
+    entry = take_once_begun(receiver)
+    assert entry is not None and torch.equal(assemble(entry), KV)
 
 
 def test_no_credit_means_pull(ends):
