@@ -120,6 +120,8 @@ class PushSender:
             if self._credit_epoch != self._epoch or nbytes > self._credit_free - sum(self._sent_begins):
                 self.stats.add("no_credit")
                 return False
+            if key in self._failed:  # its BEGIN would not be sent (nor count against this credit): pull
+                return False
             self._sent_begins.append(nbytes)
             self._begins_total += 1
             self.stats.add("begun")

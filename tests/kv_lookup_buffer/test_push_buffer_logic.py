@@ -287,6 +287,9 @@ def test_a_failed_send_fails_its_entry_and_its_pull_notice_still_goes():
         assert wait_for(lambda: receiver.stats["pulled"] == 1)
         assert receiver.take(KEY, timeout=0) is None and sender.stats["committed"] == 0
         assert receiver.stats["malformed"] == 0
+        # the same prompt again: served by pull, and no credit is held for a BEGIN that would never be sent
+        held = len(sender._sent_begins)  # (a credit may still be on its way: it only shortens this)
+        assert not sender.begin(KEY, NBYTES, LAYERS, BLOCKS) and len(sender._sent_begins) <= held
     finally:
         sender.close()
         receiver.close()
