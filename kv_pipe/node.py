@@ -94,6 +94,7 @@ class Node(Generic[L]):
         self._on_link: Callable[[L], None] | None = None
         self._receiving = 0  # bytes of the tensors being received by the links now, and of those held (see reserve)
         self._held: deque[tuple[float, int, torch.Tensor]] = deque()  # failed receives' results: (until, bytes, it)
+        self._expiry: threading.Timer | None = None  # lets held results go when due
         # Zero-copy receive over TCP into host memory (see mooncake_pipe): offered to senders; with P2PHANDSHAKE also
         # into fresh results (registered per tensor), elsewhere only into regions registered once.
         # (A device pipe receives into pinned host memory too, then copies that onto the device.)
@@ -293,6 +294,21 @@ class Node(Generic[L]):
         with self._lock:
             self._held.append((time.monotonic() + seconds, nbytes, result))
             self._receiving += nbytes
+            if self._expiry is None:
+                self._arm_locked()
+
+    def _arm_locked(self) -> None:
+        """Let the first held result go when it is due (not only at the next receive's reservation)."""
+        self._expiry = None
+        if self._held and not self.closed.is_set():
+            self._expiry = threading.Timer(max(self._held[0][0] - time.monotonic(), 0.0) + 0.01, self._expire_due)
+            self._expiry.daemon = True
+            self._expiry.start()
+
+    def _expire_due(self) -> None:
+        with self._lock:
+            self._expire_locked()
+            self._arm_locked()
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
@@ -316,6 +332,10 @@ class Node(Generic[L]):
                 t.join(timeout=2.0)
         self.engine.close()
         self.results.clear()
+        with self._lock:
+            if self._expiry is not None:
+                self._expiry.cancel()
+            self._held.clear()
         logger.info("pipe endpoint %s closed", self.address)
 
     def __enter__(self) -> Self:

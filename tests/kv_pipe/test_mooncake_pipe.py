@@ -612,7 +612,7 @@ def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
         with raw_connect(pipe) as sock:
             _handshake(sock, pipe)  # the link and its ring are made (and kept) before the memory is measured
         gc.collect()
-        base, grown, outcomes = _rss(), 0, []
+        base, grown, outcomes, tensors = _rss(), 0, [], _large_tensors(size)
         for _ in range(5):
             with raw_connect(pipe) as sock:
                 _announce_and_vanish(sock, pipe, size, chunk)
@@ -623,5 +623,7 @@ def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
         # two 40 MiB results fit in 100 MiB and are held; every later one is refused while they are
         assert outcomes == ["held", "held", "refused", "refused", "refused"], outcomes
         assert grown < 100 * MiB + chunk, f"{grown / MiB:.0f} MiB more than before"
-        time.sleep(cfg["timeout"] + 5.5)  # the held results are let go: the budget is free again
+        time.sleep(cfg["timeout"] + 5.5)  # the held results are let go when due: the budget is free again
+        gc.collect()
+        assert _large_tensors(size) == tensors  # without waiting for another receive to notice
         _assert_still_serves(cfg, pipe)
