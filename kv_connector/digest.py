@@ -114,8 +114,10 @@ def overwrite(packed: torch.Tensor, first: int, positions: Sequence[int], got: t
 # layer order: each layer's rows hash on their own, in whatever order they come (a push's pieces).
 def _combine(per_layer: np.ndarray) -> torch.Tensor:
     """``[blocks, groups, layers]`` uint64 layer digests -> ``[blocks, groups]`` int64 block digests."""
-    n, g, _ = per_layer.shape
-    flat = np.ascontiguousarray(per_layer).reshape(n * g, -1)
+    n, g, layers = per_layer.shape
+    if n * g == 0:
+        return torch.empty(n, g, dtype=torch.int64)
+    flat = np.ascontiguousarray(per_layer).reshape(n * g, layers)
     out = np.fromiter((xxhash.xxh3_64_intdigest(row) for row in flat), dtype=np.uint64, count=n * g)
     return torch.from_numpy(out.view(np.int64).reshape(n, g).copy())
 
@@ -130,6 +132,8 @@ def block_digests(kv: torch.Tensor, groups: int = 1) -> torch.Tensor:
     layer), int64 ``[blocks, groups]``: of the whole row (``groups`` 1), or of each head (``block[0]``, the heads of a
     ``heads_split`` layout: ``groups`` of them)."""
     n, layers = kv.shape[0], kv.shape[1]
+    if n == 0:
+        return torch.empty(0, groups, dtype=torch.int64)
     if not kv.is_contiguous():
         kv = kv.contiguous()
     data = _bytes(kv).reshape(n, layers, groups, -1)
@@ -149,17 +153,18 @@ def cache_digests(layers: Sequence[torch.Tensor], block_dim: int, ids: Sequence[
     lo, hi = (0, 1) if heads is None else heads
     per_layer = np.empty((len(ids), hi - lo, len(layers)), dtype=np.uint64)
     for k, layer in enumerate(layers):
-        if block_dim == 0 and layer.is_contiguous():
+        if block_dim == 0 and layer.is_contiguous() and ids:
             data = _bytes(layer).reshape(layer.shape[0], 1 if heads is None else layer.shape[1], -1)
             for i, b in enumerate(ids):
                 for g in range(lo, hi):
                     per_layer[i, g - lo, k] = xxhash.xxh3_64_intdigest(data[b, g])
-        else:  # blocks inside the layer's outer dimensions (FlashAttention's [2, blocks, ...]): no heads split
-            assert heads is None, "digests per head need blocks along dimension 0"
+        else:  # blocks inside the layer's outer dimensions (FlashAttention's [2, blocks, ...]), or not contiguous
             for i, b in enumerate(ids):
-                state = xxhash.xxh3_64()
-                _update(state, layer.select(block_dim, b))
-                per_layer[i, 0, k] = state.intdigest()
+                block = layer.select(block_dim, b)
+                for g in range(lo, hi):
+                    state = xxhash.xxh3_64()
+                    _update(state, block if heads is None else block[g])
+                    per_layer[i, g - lo, k] = state.intdigest()
     return _combine(per_layer)
 
 

@@ -168,18 +168,21 @@ class PullTransfer(KVTransfer):
             if any(errors):
                 raise next(e for e in errors if e is not None)
             results = [f.result() for f in futures]
-        written = min(usable for usable, _, _ in results)
-        fetched = sum(nbytes for _, nbytes, _ in results)
-        details = [detail for _, _, detail in results]
+        if check and all(checked for _, _, _, checked in results):
+            self.stats.count("digest_checks")
+        written = min(usable for usable, _, _, _ in results)
+        fetched = sum(nbytes for _, nbytes, _, _ in results)
+        details = [detail for _, _, detail, _ in results]
         seconds = time.perf_counter() - start
         return LoadResult(written, self.layout.kv_bytes(written), fetched, "pulled",
                           "; ".join(details) if len(details) == 1 else
                           f"{len(details)} producer ranks in {seconds * 1e3:.1f} ms: " + "; ".join(details))
 
     def _load_piece(self, req: LoadRequest, piece: Piece, producers: list[str], deadline: float, check: bool
-                    ) -> tuple[int, int, str]:
+                    ) -> tuple[int, int, str, bool]:
         """Read ``piece`` of ``req``'s blocks from its producer rank (of ``producers``) into the KV cache: (rows
-        usable, bytes fetched, timings); ``check``: then compare what landed with the producer's KV digests."""
+        usable, bytes fetched, timings, whether its digests were checked); ``check``: then compare what landed with
+        the producer's KV digests."""
         start = time.perf_counter()
         n = len(req.block_ids)
         rows = (req.first_block, req.first_block + n)
@@ -210,7 +213,7 @@ class PullTransfer(KVTransfer):
                                "its late bytes go to a quarantined buffer, never to the KV cache") from None
         # (if drop_select raised otherwise, writes may still land in buf for a while: it is not put back for reuse)
         fetched = time.perf_counter()
-        checked = ""
+        checked, verified = "", False
         try:
             if kv is None:
                 raise KVMiss()
@@ -239,7 +242,8 @@ class PullTransfer(KVTransfer):
                 self.staging.scatter(ids, kv[:usable], heads)
             copied = time.perf_counter()
             if check and not scrambled:
-                self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part, piece.at)
+                verified = self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part,
+                                       piece.at)
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
             if buf is not None:
@@ -247,7 +251,8 @@ class PullTransfer(KVTransfer):
         where = ("received into the KV cache blocks" if received_in_place
                  else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms") + checked
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
-        return usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}"
+        return (usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}",
+                verified)
 
     def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool
                ) -> tuple[torch.Tensor, list[int]]:
@@ -267,53 +272,70 @@ class PullTransfer(KVTransfer):
         return kv, ids
 
     def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int],
-               descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0) -> None:
+               descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0) -> bool:
         """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
         producer's ``sums`` (``digest.pack``ed, of the whole entry, whose tokens are ``tokens`` and layout
-        ``descriptor``; pulled or pushed); ``DigestMismatch`` if they differ. ``part``: the load wrote heads ``part``
-        of the producer rank's blocks only, into ours from head ``at`` (a consumer of another TP size). A block id
-        that comes more than once is vLLM's null block, padding the positions a sliding window skips: written once
-        per position, never read, not checked."""
-        groups = None if sums is None else digest.groups_of(sums)
-        if part is not None and groups == 1:  # a digest per block: parts of blocks cannot be checked; said
-            self.stats.count("digest_unchecked")
-            return
-        heads = None if not groups or groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
+        ``descriptor``; pulled or pushed): True if they match, False if they could not be checked (no usable
+        digests under ``sampled``: counted; a producer's digest per block for a part of blocks: counted),
+        ``DigestMismatch`` if they differ or cannot be checked under ``always``. ``part``: the load wrote heads
+        ``part`` of the producer rank's blocks only, into ours from head ``at`` (a consumer of another TP size:
+        one call per piece; only the piece at head 0 counts what is counted once per load). A block id that comes
+        more than once is vLLM's null block, padding the positions a sliding window skips: written once per
+        position, never read, not checked."""
+        first_piece = at == 0
         loaded = req.block_ids[:usable]
         seen = Counter(loaded)
         positions = [i for i, block in enumerate(loaded) if seen[block] == 1]
         ids = [loaded[i] for i in positions]
-        if self.staging.on_device:
-            landed = self.staging.gather(ids)
-            landed.wait()
-            rows = landed.tensor if heads is None else landed.tensor[:, :, heads[0]:heads[1]]
-            got = digest.block_digests(rows, 1 if heads is None else heads[1] - heads[0])
-        else:
-            got = digest.cache_digests(self.layout.layers, self.layout.block_dim, ids, heads)
         if sums is not None and req.fault == "forged_digest" and self.corrupt_ok and part is None:
-            sums = digest.overwrite(sums, req.first_block, positions, got)  # test switch: see ``_fault``
+            forged = digest.groups_of(sums) or 1  # test switch (see ``_fault``): landed digests over the producer's
+            sums = digest.overwrite(sums, req.first_block, positions,
+                                    self._landed(ids, None if forged == 1 else (0, forged)))
         try:
             if sums is None:
                 raise digest.DigestUnusable("the producer sent no KV digests (its kv_digest is \"off\")")
             context = digest.seal_context(entry_key(tokens), descriptor) if self.secret else b""
-            expected = digest.unpack(sums, context, self.secret)
+            expected = digest.unpack(sums, context, self.secret)  # the seal first: nothing below trusts the rest
+            groups = expected.shape[1]
+            if part is None and groups != self.digest_groups:
+                raise digest.DigestUnusable(f"the producer's KV digests come in groups of {groups}, this layout's "
+                                            f"in {self.digest_groups}")
+            if part is not None and groups == 1:  # a digest per block: parts of blocks cannot be checked; said
+                if first_piece:
+                    self.stats.count("digest_unchecked")
+                if self.checks.mode == "always":
+                    raise DigestMismatch("the producer sent a KV digest per block: a part of each block, loaded "
+                                         "here, cannot be checked (kv_digest \"always\")")
+                return False
+            if part is not None and part[1] > groups:
+                raise digest.DigestUnusable(f"the producer's KV digests cover {groups} heads, not heads "
+                                            f"{part[0]}-{part[1] - 1}")
         except digest.DigestUnusable as e:  # none, another release's, unsealed: nothing to compare with
-            self.stats.count("digest_missing")
+            if first_piece:
+                self.stats.count("digest_missing")
             if self.checks.mode == "sampled":
                 logger.warning("MooncakeConnector: request %s: %s: not checked (kv_digest \"always\" fails such "
                                "loads)", req.req_id, e)
-                return
+                return False
             raise DigestMismatch(f"no KV digest to check (kv_digest \"always\"): {e}") from None
         except DigestMismatch:
             self.stats.count("digest_mismatches")
             raise
-        wrong = digest.compare(expected, got, req.first_block, positions, part)
-        if wrong is None:
-            if at == 0:  # once per load: a load of parts of blocks has one piece for each producer rank
-                self.stats.count("digest_checks")
-            return
-        self.stats.count("digest_mismatches")
-        raise DigestMismatch(f"KV digest mismatch: {wrong}")
+        heads = None if groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
+        wrong = digest.compare(expected, self._landed(ids, heads), req.first_block, positions, part)
+        if wrong is not None:
+            self.stats.count("digest_mismatches")
+            raise DigestMismatch(f"KV digest mismatch: {wrong}")
+        return True
+
+    def _landed(self, ids: list[int], heads: tuple[int, int] | None) -> torch.Tensor:
+        """The digests of blocks ``ids`` as they lie in the KV cache (all heads of each, or ``heads``)."""
+        if self.staging.on_device:
+            landed = self.staging.gather(ids)
+            landed.wait()
+            rows = landed.tensor if heads is None else landed.tensor[:, :, heads[0]:heads[1]]
+            return digest.block_digests(rows, 1 if heads is None else heads[1] - heads[0])
+        return digest.cache_digests(self.layout.layers, self.layout.block_dim, ids, heads)
 
     def _reclaim(self) -> None:
         """Give the buffers of abandoned receives back to the pool once nothing more can land in them."""

@@ -87,13 +87,16 @@ class PushTransfer(KVTransfer):
             elif step.token_ids is not None:  # the request's first step: announce it if the consumer has room
                 key = entry_key(step.token_ids)
                 nblocks = blocks.num_blocks(step.prompt_len, self.block_size)
-                nbytes = self.layout.kv_bytes(nblocks)
+                hashed = self.pull.checks.mode != "off"
+                # the commit's digests are announced with the blocks: the consumer stages them in the same room
+                nbytes = self.layout.kv_bytes(nblocks) + (
+                    8 * digest.packed_size(nblocks, self.pull.digest_groups, self.pull.secret) if hashed else 0)
                 push = self.links.push_buffer(step.push_to[self.rank] if step.push_to else self.default_peer)
                 assert push is not None
                 self.targets[step.req_id] = push
                 if push.begin(key, nbytes, len(self.layout.layers), nblocks):
-                    hasher = None if self.pull.checks.mode == "off" else BlockHasher(
-                        nblocks, len(self.layout.layers), self.pull.digest_groups)
+                    hasher = None if not hashed else BlockHasher(nblocks, len(self.layout.layers),
+                                                                 self.pull.digest_groups)
                     self.pushing[step.req_id] = _PushState(key, nblocks, push, hasher=hasher)
                 else:
                     logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
@@ -252,8 +255,9 @@ class PushTransfer(KVTransfer):
         finally:  # copies into a device cache run in order on one stream: the last ends last
             if last is not None:
                 last.wait()
-        if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due():
-            self.pull.verify(req, entry.hidden, end - first, req.token_ids, entry.meta)
+        if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due() and \
+                self.pull.verify(req, entry.hidden, end - first, req.token_ids, entry.meta):
+            self.stats.count("digest_checks")
         return end - first
 
     # ---------------------------------------------------------------- closing

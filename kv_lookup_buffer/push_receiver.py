@@ -240,16 +240,15 @@ class PushReceiver:
                     return
                 entry = self._entries.get(message.key)
                 extra = 0 if entry is None or hidden is None else _nbytes(hidden)
-                if extra > self._free:  # the hidden tensor is staged too: it counts in the staging budget
+                if entry is not None and entry.received + extra > entry.nbytes:  # staged in the room BEGIN announced
                     self._drop(message.key, DROPPED)
                     self._arrivals.notify()
-                    raise ValueError(f"COMMIT's hidden tensor ({extra} bytes) does not fit the staging room left "
-                                     f"({self._free} bytes): entry dropped")
+                    raise ValueError(f"COMMIT's hidden tensor ({extra} bytes) does not fit what its BEGIN announced "
+                                     f"({entry.received} of {entry.nbytes} bytes received): entry dropped")
                 if entry is not None:
                     entry.committed, entry.meta, entry.num_tokens = True, meta, message.num_tokens
                     entry.hidden = hidden
-                    entry.nbytes += extra  # given back with the entry
-                    self._free -= extra
+                    entry.received += extra
                     self._cv.notify_all()
             self._arrivals.notify()
         elif isinstance(message, (Pull, Abort)):

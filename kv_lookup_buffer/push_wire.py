@@ -7,7 +7,8 @@ followed by one tensor for DATA and COMMIT (two for a COMMIT with ``hidden`` 1).
 
 producer -> consumer
   HELLO   epoch                              a (re)started producer; the consumer answers with a CREDIT
-  BEGIN   nbytes, num_layers, num_blocks     an entry of this size follows (sent once the credit allows it)
+  BEGIN   nbytes, num_layers, num_blocks     an entry of this size (its DATA, and its COMMIT's hidden tensor)
+                                             follows (sent once the credit allows it)
   DATA    layer, first_block, num_blocks     + a tensor: ``num_blocks`` blocks of one layer, from ``first_block``
   COMMIT  num_tokens, hidden                 + a tensor (the caller's metadata, e.g. a layout descriptor); + a
                                              second if ``hidden`` is 1 (e.g. the entry's KV digests)

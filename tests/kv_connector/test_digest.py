@@ -104,3 +104,13 @@ def test_packed_digests_carry_their_groups_and_with_a_secret_a_seal_binding_them
                       (torch.tensor([digest.TAG, 0, 1]), b""), (torch.tensor([digest.TAG, 2, 1, 2, 3]), b"")]:
         with pytest.raises(digest.DigestUnusable):
             digest.unpack(tensor, key, s)
+
+
+def test_no_blocks_hash_to_no_digests():
+    """A load whose blocks are all vLLM's null block (a short prompt of a sliding-window model) checks nothing."""
+    layout = LAYOUTS["gqa-cpu"]
+    cache = list(caches(layout, 1, 0, 3, "cpu").values())
+    assert digest.cache_digests(cache, layout.block_dim, [], (0, 4)).shape == (0, 4)
+    assert digest.cache_digests(cache, layout.block_dim, []).shape == (0, 1)
+    assert digest.block_digests(block_copy.gather(cache, layout.block_dim, []), 4).shape == (0, 4)
+    assert digest.compare(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(0, 4, dtype=torch.int64), 1, []) is None
