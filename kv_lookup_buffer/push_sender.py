@@ -144,6 +144,14 @@ class PushSender:
         carried = hidden if hidden is None or ready is None else _Filling(hidden, ready)
         self._enqueue((Commit(key, num_tokens, int(hidden is not None)), _Committing(meta, carried)), control=False)
 
+    def _forget_failed(self, key: bytes) -> None:
+        """An entry that failed is over (its commit or its pull notice came): drop what is still queued of it and
+        forget that it failed."""
+        with self._out_cv:
+            self._data = deque(item for item in self._data if key_of(item[0]) != key)
+        with self._cv:
+            self._failed.discard(key)
+
     def abort(self, key: bytes) -> None:
         """Give up on an entry (its request ended): its pieces still queued are not sent (not marked failed: a later
         push of the same prompt goes as usual), and the consumer drops what it staged."""
@@ -185,8 +193,11 @@ class PushSender:
             key = key_of(message)
             if key in self._failed and not isinstance(message, (Hello, Pull, Abort)):
                 if isinstance(message, Commit):  # committed after it failed: nobody else tells the consumer
+                    self._forget_failed(key)
                     self._enqueue((Abort(key), None), control=True)
                 continue  # the rest of an entry that failed (its PULL notice still goes)
+            if isinstance(message, Pull) and key in self._failed:  # its request is done with it: every piece it
+                self._forget_failed(key)  # queued is queued by now: a later push of the same prompt goes as usual
             try:
                 # before the header: a failure leaves the stream in step
                 if isinstance(payload, _Filling):
@@ -226,6 +237,7 @@ class PushSender:
                         self._failed.add(key)
                         self.stats.add("push_failed")
                 if isinstance(message, Commit):  # the consumer must not wait for it until its deadline
+                    self._forget_failed(key)
                     self._enqueue((Abort(key), None), control=True)
                 logger.warning("push channel: sending an entry failed (%s); the consumer will recompute it", e)
 
