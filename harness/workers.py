@@ -34,7 +34,10 @@ def connector_worker(role: str, cfg: dict[str, Any], caches: dict[str, torch.Ten
 def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, list[int], list[int]]], mode: str,
                   chunk: int) -> None:
     """Prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, as vLLM's scheduler tells
-    the worker to: every step pushes (push mode), the step that completes a prompt saves it."""
+    the worker to: every step pushes (push mode), the step that completes a prompt saves it; in inference mode, as
+    vLLM's model runner calls the connector (tensors made there cannot be written outside it)."""
+    import torch
+
     from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
 
     for req_id, tokens, block_ids in prompts:
@@ -46,10 +49,11 @@ def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, 
                 meta.pushes.append(PushStep(req_id, block_ids, end, len(tokens), tokens if start == 0 else None))
             if end == len(tokens):
                 meta.saves.append(SaveRequest(req_id, tokens, block_ids))
-            worker.start_step(meta)
-            for name in layer_names:
-                worker.save_layer(name, meta)
-            worker.wait_for_save(meta)
+            with torch.inference_mode():
+                worker.start_step(meta)
+                for name in layer_names:
+                    worker.save_layer(name, meta)
+                worker.wait_for_save(meta)
 
 
 def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp: int, timeout: float = 60.0,

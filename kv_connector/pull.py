@@ -122,7 +122,9 @@ class PullTransfer(KVTransfer):
             if self.checks.mode != "off" and kv.done is None:
                 sums = digest.pack(digest.block_digests(kv.tensor, groups), context, self.secret)
             elif self.checks.mode != "off":
-                sums = torch.empty(digest.packed_size(len(save.block_ids), groups, self.secret), dtype=torch.int64)
+                with torch.inference_mode(False):  # filled by a serving thread: not an inference tensor
+                    sums = torch.empty(digest.packed_size(len(save.block_ids), groups, self.secret),
+                                       dtype=torch.int64)
             hashed = time.perf_counter() - hashing
             ready = None if kv.done is None else _ready(kv, sums, groups, context, self.secret)
             # A host gather: insert copies it into memory the buffer recycles (two copies into warm pages cost less

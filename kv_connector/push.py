@@ -136,8 +136,8 @@ class PushTransfer(KVTransfer):
                            save.req_id, state.next_block, state.num_blocks)
         elif state is not None and not state.push.failed(state.key):
             descriptor, secret = self.layout.descriptor_tensor(), self.pull.secret
-            sums = None if state.hasher is None else torch.empty(
-                digest.packed_size(state.num_blocks, state.hasher.groups, secret), dtype=torch.int64)
+            sums = None if state.hasher is None else _later(
+                digest.packed_size(state.num_blocks, state.hasher.groups, secret))
             state.push.commit(state.key, len(save.token_ids), descriptor, sums,
                               ready=None if state.hasher is None else _digests(state, descriptor, secret, sums))
             self.stats.count("pushed")
@@ -276,6 +276,13 @@ def _sending(piece: Staged, first: int, layer: int, hasher: BlockHasher | None) 
         piece.wait()
         hasher.update(first, layer, piece.tensor[:, 0])
     return ready
+
+
+def _later(words: int) -> torch.Tensor:
+    """An int64 tensor the sender thread fills: not an inference tensor (vLLM runs this in inference mode, and an
+    inference tensor cannot be written outside it)."""
+    with torch.inference_mode(False):
+        return torch.empty(words, dtype=torch.int64)
 
 
 def _digests(state: _PushState, descriptor: torch.Tensor, secret: bytes, sums: torch.Tensor) -> Callable[[], None]:
