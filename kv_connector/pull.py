@@ -219,7 +219,8 @@ class PullTransfer(KVTransfer):
         try:
             if kv is None:
                 raise KVMiss()
-            self.layout.check(descriptor, kv, self.split.producer_span(len(producers), piece.producer), count)
+            span = self.split.producer_span(len(producers), piece.producer)
+            self.layout.check(descriptor, kv, span, count)
             if tokens is None or tokens.dtype != torch.int64 or tokens.dim() != 1:
                 raise ValueError("the producer's entry has no valid token ids")
             # the received blocks that hold this prompt's KV (its tokens agree with the prompt's)
@@ -245,7 +246,7 @@ class PullTransfer(KVTransfer):
             copied = time.perf_counter()
             if check and not scrambled:
                 verified = self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part,
-                                       piece.at)
+                                       piece.at, span[1] - span[0])
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
             if buf is not None:
@@ -274,14 +275,16 @@ class PullTransfer(KVTransfer):
         return kv, ids
 
     def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int],
-               descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0) -> bool:
+               descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0,
+               producer_heads: int = 1) -> bool:
         """Read the first ``usable`` blocks ``req`` loaded back from the KV cache and compare their digests with the
         producer's ``sums`` (``digest.pack``ed, of the whole entry, whose tokens are ``tokens`` and layout
         ``descriptor``; pulled or pushed): True if they match, False if they could not be checked (no usable
         digests under ``sampled``: counted; a producer's digest per block for a part of blocks: counted),
         ``DigestMismatch`` if they differ or cannot be checked under ``always``. ``part``: the load wrote heads
-        ``part`` of the producer rank's blocks only, into ours from head ``at`` (a consumer of another TP size:
-        one call per piece; only the piece at head 0 counts what is counted once per load). A block id that comes
+        ``part`` of the producer rank's blocks only (of its ``producer_heads``), into ours from head ``at`` (a
+        consumer of another TP size: one call per piece; only the piece at head 0 counts what is counted once per
+        load). A block id that comes
         more than once is vLLM's null block, padding the positions a sliding window skips: written once per
         position, never read, not checked."""
         first_piece = at == 0
@@ -302,16 +305,17 @@ class PullTransfer(KVTransfer):
             if part is None and groups != self.digest_groups:
                 raise digest.DigestUnusable(f"the producer's KV digests come in groups of {groups}, this layout's "
                                             f"in {self.digest_groups}")
-            if part is not None and groups == 1:  # a digest per block: parts of blocks cannot be checked; said
+            if part is not None and groups == 1 < producer_heads:  # a digest per block of several heads: a part of
+                # each block cannot be checked; said
                 if first_piece:
                     self.stats.count("digest_unchecked")
                 if self.checks.mode == "always":
                     raise DigestMismatch("the producer sent a KV digest per block: a part of each block, loaded "
                                          "here, cannot be checked (kv_digest \"always\")")
                 return False
-            if part is not None and part[1] > groups:
-                raise digest.DigestUnusable(f"the producer's KV digests cover {groups} heads, not heads "
-                                            f"{part[0]}-{part[1] - 1}")
+            if part is not None and (groups != producer_heads or part[1] > groups):
+                raise digest.DigestUnusable(f"the producer's KV digests come in groups of {groups} per block, its "
+                                            f"rank holds {producer_heads} heads")
         except digest.DigestUnusable as e:  # none, another release's, unsealed: nothing to compare with
             if first_piece:
                 self.stats.count("digest_missing")
@@ -323,7 +327,7 @@ class PullTransfer(KVTransfer):
         except DigestMismatch:
             self.stats.count("digest_mismatches")
             raise
-        heads = None if groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
+        heads = None if part is None and groups == 1 else (at, at + (groups if part is None else part[1] - part[0]))
         wrong = digest.compare(expected, self._landed(ids, heads), req.first_block, positions, part)
         if wrong is not None:
             self.stats.count("digest_mismatches")

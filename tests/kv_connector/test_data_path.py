@@ -132,11 +132,12 @@ def test_push_streams_chunked_prefills_and_loads_only_the_missing_blocks(layout_
     assert stats["pushed"] == 2 and stats["pushed_bytes"] == (5 + 6) * row_bytes(layout), stats
 
 
-@pytest.mark.parametrize("layout_name", ["gqa-cpu", "mla"])
+@pytest.mark.parametrize("layout_name", ["gqa-cpu", "sliding", "mla"])
 def test_a_tp2_producer_serves_a_tp1_consumer(layout_name, device):
-    """Producer TP 2, consumer TP 1 (pull): GQA heads are read half from each producer rank into each block; MLA's
-    latent, alike on both ranks, is saved by rank 0 only and read from it. ``kv_digest`` "always": each half is
-    checked against the producer rank's digests of those heads (one per head of each block)."""
+    """Producer TP 2, consumer TP 1 (pull): GQA heads are read half from each producer rank into each block (two
+    heads each, or one: "sliding"); MLA's latent, alike on both ranks, is saved by rank 0 only and read from it.
+    ``kv_digest`` "always": each half is checked against the producer rank's digests of those heads (one per head of
+    each block)."""
     layout = LAYOUTS[layout_name]
     a = prompt(4 * BLOCK + 5, 5)
     prompts = [("a", a, [7, 3, 12, 20, 5])]

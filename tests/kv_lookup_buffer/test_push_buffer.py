@@ -160,7 +160,7 @@ def test_a_producer_killed_mid_entry_leaves_nothing_waiting(cfg):
             producer.kill()
             start = time.monotonic()
             assert buf.take(entry_key(programs.push_entry(1)[0]), timeout=2.0) is None  # never committed
-            assert time.monotonic() - start < 3.0
+            assert time.monotonic() - start < 5.0  # (a 2 s wait took 3.6 s once under the full suite)
             deadline = time.monotonic() + 30
             while buf.stats["expired"] < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)

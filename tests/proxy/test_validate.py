@@ -81,19 +81,19 @@ def test_proxy_edges_what_vllm_accepts_passes() -> None:
 @pytest.mark.parametrize("stream", ["true", "True", "1", 1, "yes", "on", 1.0])
 def test_proxy_edges_stream_is_read_as_vllm_reads_it(stream: Any) -> None:
     """Hardening finding 5: ``"stream": "true"`` (vLLM takes it as true) was treated as non-streaming and cut by the
-    total timeout. Now it is relayed as a stream: 5 chunks 0.5 s apart pass a 2 s timeout between chunks (the
-    whole stream takes longer than that; the margin per gap is wide: under the suite's load a gap took over 1.2 s)."""
+    total timeout. Now it is relayed as a stream: 8 chunks 0.5 s apart pass a 3 s timeout between chunks (the
+    whole stream takes longer than that; the margin per gap is wide: under the suite's load a gap took over 2 s)."""
 
     async def test(env: Environment) -> None:
         env.decode[0].chunk_delay = 0.5
-        env.decode[0].chunks = ["a", "b", "c", "d", "e"]
+        env.decode[0].chunks = ["a", "b", "c", "d", "e", "f", "g", "h"]
         async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": stream}) as response:
             assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
             events = await read_sse(response)
-        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c", "d", "e"]
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c", "d", "e", "f", "g", "h"]
         assert env.prefill[0].received[0].body["stream"] is False
 
-    run(test, timeout=2.0)
+    run(test, timeout=3.0)
 
 
 def test_proxy_edges_deeply_nested_json_is_a_400_json_error() -> None:
