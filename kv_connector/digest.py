@@ -127,6 +127,15 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _row_digests(data: np.ndarray) -> np.ndarray:
+    """XXH3-64 of each ``data[i, g]`` of a ``[rows, groups, bytes]`` uint8 array: uint64 ``[rows, groups]``."""
+    out = np.empty(data.shape[:2], dtype=np.uint64)
+    for i in range(data.shape[0]):
+        for g in range(data.shape[1]):
+            out[i, g] = xxhash.xxh3_64_intdigest(data[i, g])
+    return out
+
+
 def block_digests(kv: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """The digests of each row of the block-major host tensor ``kv`` (``[blocks, layers, *block]``: a block of every
     layer), int64 ``[blocks, groups]``: of the whole row (``groups`` 1), or of each head (``block[0]``, the heads of a
@@ -138,10 +147,8 @@ def block_digests(kv: torch.Tensor, groups: int = 1) -> torch.Tensor:
         kv = kv.contiguous()
     data = _bytes(kv).reshape(n, layers, groups, -1)
     per_layer = np.empty((n, groups, layers), dtype=np.uint64)
-    for i in range(n):
-        for layer in range(layers):
-            for g in range(groups):
-                per_layer[i, g, layer] = xxhash.xxh3_64_intdigest(data[i, layer, g])
+    for layer in range(layers):
+        per_layer[:, :, layer] = _row_digests(data[:, layer])
     return _combine(per_layer)
 
 
@@ -182,9 +189,7 @@ class BlockHasher:
         """Add ``layer``'s rows (``[n, *block]``) of blocks ``first`` .. ``first + n - 1``."""
         n = rows.shape[0]
         data = _bytes(rows if rows.is_contiguous() else rows.contiguous()).reshape(n, self.groups, -1)
-        for i in range(n):
-            for g in range(self.groups):
-                self._per_layer[first + i, g, layer] = xxhash.xxh3_64_intdigest(data[i, g])
+        self._per_layer[first:first + n, :, layer] = _row_digests(data)
         self._seen[first:first + n, layer] = True
 
     def digests(self) -> torch.Tensor | None:

@@ -147,16 +147,19 @@ class PushSender:
     def _forget_failed(self, key: bytes) -> None:
         """An entry that failed is over (its commit or its pull notice came): drop what is still queued of it and
         forget that it failed."""
-        with self._out_cv:
-            self._data = deque(item for item in self._data if key_of(item[0]) != key)
+        self._drop_queued(key)
         with self._cv:
             self._failed.discard(key)
+
+    def _drop_queued(self, key: bytes) -> None:
+        """Drop the entry's pieces (and commit) still queued."""
+        with self._out_cv:
+            self._data = deque(item for item in self._data if key_of(item[0]) != key)
 
     def abort(self, key: bytes) -> None:
         """Give up on an entry (its request ended): its pieces still queued are not sent (not marked failed: a later
         push of the same prompt goes as usual), and the consumer drops what it staged."""
-        with self._out_cv:
-            self._data = deque(item for item in self._data if key_of(item[0]) != key)
+        self._drop_queued(key)
         self._enqueue((Abort(key), None), control=True)
 
     def notify_pull(self, key: bytes) -> None:
