@@ -29,6 +29,7 @@ MIN_FILES = 128  # below this open-file limit the proxy refuses to start
 MAX_FILES = 1 << 20  # the most it raises its soft limit to
 MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
 BODY_GRACE = 5.0
+NEW_GRACE = 1.0  # seconds a connection accepted and not read from yet keeps its place
 
 
 def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
@@ -82,12 +83,22 @@ class _Client(socket.socket):
     last_active = 0.0
     evicted = False  # shut down to make room; closed once its transport sees the end
     accepted = 0.0
-    sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
+    sent = 0  # bytes read from it (what asyncio's transport read, whether the app parsed it yet or not)
     requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
 
     @property
     def in_flight(self) -> int:
         return len(self.requests or ())
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        data = super().recv(size, flags)
+        self.sent += len(data)
+        return data
+
+    def recv_into(self, buffer: Any, size: int = 0, flags: int = 0) -> int:
+        count = super().recv_into(buffer, size, flags)
+        self.sent += count
+        return count
 
     def evictable(self) -> bool:
         """No request under way, or only requests whose bodies are still coming (pipelined or HTTP/2 streams
@@ -97,6 +108,11 @@ class _Client(socket.socket):
     def rate(self, now: float) -> float:
         """Bytes per second it sent since accepted (at least a second counted): the lowest goes first when full."""
         return self.sent / max(now - self.accepted, 1.0)
+
+    def new(self, now: float) -> bool:
+        """Accepted under NEW_GRACE seconds ago and nothing read from it yet: a request may be waiting in its socket
+        (connections are accepted once they send, see ``ClientGate``), to be read as soon as the loop gets to it."""
+        return self.sent == 0 and now - self.accepted < NEW_GRACE
 
     def end(self) -> None:
         """Shut the connection down: its transport sees the end and closes it."""
@@ -133,7 +149,9 @@ class ClientGate:
     """Who may hold a connection to the proxy: at most ``max_clients`` at once, so slow clients cannot exhaust the
     proxy's file descriptors. When full, a new connection takes the place of the one that sent the fewest bytes per
     second since it was accepted among those with no request under way or a request whose body is still coming (a
-    real client sends its request at once), or is closed if every one has a request under way. The places being
+    real client sends its request at once; bytes are counted as the transport reads them, a head not parsed yet
+    included), or is closed if every one has a request under way. A connection not read from yet keeps its place
+    for its first NEW_GRACE seconds (else one accepted in the same breath would close it). The places being
     given up (an eighth more) do not hold new ones back. A connection with no request under way is closed after
     ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles its headers, or
     sits idle, gives its place up), and a body that averages under MIN_BODY_RATE after BODY_GRACE seconds is cut
@@ -177,7 +195,7 @@ class ClientGate:
         if self.open - self.closing < self.limit:
             return True
         now = time.monotonic()
-        victims = [c for c in self.clients.values() if c.evictable()]
+        victims = [c for c in self.clients.values() if c.evictable() and not c.new(now)]
         self.crowded += 1
         if self.crowded in (1, 10, 100) or self.crowded % 1000 == 0:
             log.warning("%d client connections open (--max-clients): %s (%d times so far)", self.limit,
@@ -210,22 +228,19 @@ class ClientGate:
             del self.clients[client.address]
 
     def wrap(self, app: Any) -> Callable[..., Awaitable[None]]:
-        """The ASGI app, marking each request on its connection while the app handles it, and counting what its
-        client sends: the head (as parsed), the body as it comes (a request without one has none to wait for)."""
+        """The ASGI app, marking each request on its connection while the app handles it, and counting its body as it
+        comes (a request without one has none to wait for)."""
         async def gated(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
             client = self.clients.get(tuple(scope.get("client") or ())[:2]) if scope["type"] == "http" else None
             if client is None:
                 await app(scope, receive, send)
                 return
-            headers = scope.get("headers") or []
-            client.sent += len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers) + 16
             request = _Request()  # every request's body is tracked (HTTP/2 needs no length header)
 
             async def counted() -> Any:
                 message = await receive()
                 if message.get("type") == "http.request" and request.receiving:
                     size = len(message.get("body") or b"")
-                    client.sent += size
                     request.body += size
                     request.receiving = bool(message.get("more_body"))
                 elif message.get("type") == "http.disconnect":

@@ -220,10 +220,13 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
         for _ in range(500):
             if task.done():
                 task.result()
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection(HOST, port)
+            with contextlib.suppress(OSError):  # a whole request: a connection that sends nothing would keep a place
+                reader, writer = await asyncio.open_connection(HOST, port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answered = await reader.read()
                 writer.close()
-                break
+                if answered:
+                    break
             await asyncio.sleep(0.01)
         yield RunningProxy(f"http://{HOST}:{port}", app.extensions["proxy"], gate)
     finally:
