@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import resource
 import socket
+import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,7 +32,7 @@ MIN_FILES = 128  # below this open-file limit the proxy refuses to start
 MAX_FILES = 1 << 20  # the most it raises its soft limit to
 MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
 BODY_GRACE = 5.0
-NEW_GRACE = 1.0  # seconds a connection accepted and not read from yet keeps its place
+NEW_GRACE = 1.0  # seconds a connection keeps its place while its first request is on its way to the app
 
 
 def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
@@ -83,7 +86,9 @@ class _Client(socket.socket):
     last_active = 0.0
     evicted = False  # shut down to make room; closed once its transport sees the end
     accepted = 0.0
-    sent = 0  # bytes read from it (what asyncio's transport read, whether the app parsed it yet or not)
+    sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
+    read = 0  # bytes the transport read from it (a head not parsed yet included)
+    dispatched = False  # the app has seen a request of it
     requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
 
     @property
@@ -92,12 +97,12 @@ class _Client(socket.socket):
 
     def recv(self, size: int, flags: int = 0) -> bytes:
         data = super().recv(size, flags)
-        self.sent += len(data)
+        self.read += len(data)
         return data
 
     def recv_into(self, buffer: Any, size: int = 0, flags: int = 0) -> int:
         count = super().recv_into(buffer, size, flags)
-        self.sent += count
+        self.read += count
         return count
 
     def evictable(self) -> bool:
@@ -110,9 +115,17 @@ class _Client(socket.socket):
         return self.sent / max(now - self.accepted, 1.0)
 
     def new(self, now: float) -> bool:
-        """Accepted under NEW_GRACE seconds ago and nothing read from it yet: a request may be waiting in its socket
-        (connections are accepted once they send, see ``ClientGate``), to be read as soon as the loop gets to it."""
-        return self.sent == 0 and now - self.accepted < NEW_GRACE
+        """Accepted under NEW_GRACE seconds ago, no request of it seen by the app yet, and bytes sent: its request,
+        read or waiting to be, not parsed and handed to the app yet (a few loop turns), so none of it counts in
+        ``sent``. A silent connection is not new: it waits for nothing."""
+        return not self.dispatched and now - self.accepted < NEW_GRACE and (self.read > 0 or self.waiting() > 0)
+
+    def waiting(self) -> int:
+        """Bytes received and not read yet."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return 0
 
     def end(self) -> None:
         """Shut the connection down: its transport sees the end and closes it."""
@@ -149,9 +162,9 @@ class ClientGate:
     """Who may hold a connection to the proxy: at most ``max_clients`` at once, so slow clients cannot exhaust the
     proxy's file descriptors. When full, a new connection takes the place of the one that sent the fewest bytes per
     second since it was accepted among those with no request under way or a request whose body is still coming (a
-    real client sends its request at once; bytes are counted as the transport reads them, a head not parsed yet
-    included), or is closed if every one has a request under way. A connection not read from yet keeps its place
-    for its first NEW_GRACE seconds (else one accepted in the same breath would close it). The places being
+    real client sends its request at once), or is closed if every one has a request under way. A new connection
+    (``_Client.new``) goes only when all others are under way or new: until the app sees its request it has sent
+    nothing counted, and one accepted in the same breath would close it. The places being
     given up (an eighth more) do not hold new ones back. A connection with no request under way is closed after
     ``client_timeout`` seconds (a request's head must arrive within them: a client that trickles its headers, or
     sits idle, gives its place up), and a body that averages under MIN_BODY_RATE after BODY_GRACE seconds is cut
@@ -186,24 +199,25 @@ class ClientGate:
         self.cut = 0  # connections closed for a body too slow or an answer not read
 
     def room(self) -> bool:
-        """Whether a new connection may be accepted now. At the limit the evictable connection that sent the fewest
-        bytes per second is shut down to make room (see the class docstring); the new one is accepted at once while
-        the places being given up fit in the headroom, else it waits in the listen queue. If every one has a request
-        under way the new one is accepted and closed at once (``admit``)."""
-        if self.open >= self.limit + self.headroom:
-            return False
-        if self.open - self.closing < self.limit:
-            return True
+        """Whether a connection may be accepted now: while the places being given up fit in the headroom (a file
+        each until closed); else it waits in the listen queue."""
+        return self.open < self.limit + self.headroom
+
+    def make_room(self) -> bool:
+        """At the limit, shut down the evictable connection that sent the fewest bytes per second (see the class
+        docstring); False if every one has a request under way (the new one is then closed at once). Asked only
+        once a connection is accepted: asyncio calls ``accept`` until none is waiting."""
         now = time.monotonic()
-        victims = [c for c in self.clients.values() if c.evictable() and not c.new(now)]
+        evictable = [c for c in self.clients.values() if c.evictable()]
+        victims = [c for c in evictable if not c.new(now)] or evictable
         self.crowded += 1
         if self.crowded in (1, 10, 100) or self.crowded % 1000 == 0:
             log.warning("%d client connections open (--max-clients): %s (%d times so far)", self.limit,
                         "closing the slowest sender" if victims else "refusing a new one", self.crowded)
         if not victims:
-            return True
+            return False
         self.evict(min(victims, key=lambda c: (c.rate(now), c.accepted)))
-        return self.open < self.limit + self.headroom
+        return True
 
     def evict(self, client: _Client) -> None:
         client.evicted = True
@@ -212,7 +226,9 @@ class ClientGate:
         client.end()
 
     def admit(self, client: _Client, address: Any) -> bool:
-        if self.open - self.closing >= self.limit or self.open >= self.limit + self.headroom:
+        if self.open >= self.limit + self.headroom:
+            return False
+        if self.open - self.closing >= self.limit and not self.make_room():
             return False
         client.gate, client.address, client.requests = self, address[:2], set()
         client.last_active = client.accepted = time.monotonic()
@@ -228,19 +244,23 @@ class ClientGate:
             del self.clients[client.address]
 
     def wrap(self, app: Any) -> Callable[..., Awaitable[None]]:
-        """The ASGI app, marking each request on its connection while the app handles it, and counting its body as it
-        comes (a request without one has none to wait for)."""
+        """The ASGI app, marking each request on its connection while the app handles it, and counting what its
+        client sends: the head (as parsed), the body as it comes (a request without one has none to wait for)."""
         async def gated(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
             client = self.clients.get(tuple(scope.get("client") or ())[:2]) if scope["type"] == "http" else None
             if client is None:
                 await app(scope, receive, send)
                 return
+            headers = scope.get("headers") or []
+            client.sent += len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers) + 16
+            client.dispatched = True
             request = _Request()  # every request's body is tracked (HTTP/2 needs no length header)
 
             async def counted() -> Any:
                 message = await receive()
                 if message.get("type") == "http.request" and request.receiving:
                     size = len(message.get("body") or b"")
+                    client.sent += size
                     request.body += size
                     request.receiving = bool(message.get("more_body"))
                 elif message.get("type") == "http.disconnect":

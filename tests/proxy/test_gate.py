@@ -235,3 +235,48 @@ def test_a_new_connection_keeps_its_place_until_its_request_is_read() -> None:
                 sock.close()
 
     run(test, max_clients=32)
+
+
+def test_a_big_head_that_never_ends_goes_before_idle_clients() -> None:
+    """Review of the fix above: bytes count when the app sees them as a request, not as the transport reads them, so
+    a head of 12 KiB that never ends (or any bytes that never become a request) does not outrank clients that sent
+    their requests and wait idle on keep-alive. The gate is full of both kinds; a new connection takes the place of a
+    never-ending head, and every idle client keeps its connection. (Also: the gate made room as soon as it was full,
+    before any connection waited, so it closed one as the last place was taken.)"""
+    async def test(env: Environment) -> None:
+        port, gate = int(env.url.rsplit(":", 1)[1]), env.proxy.gate
+        body = json.dumps(COMPLETION).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+        def fill() -> tuple[list[socket.socket], list[socket.socket]]:
+            idle = []
+            for _ in range(16):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(request)
+                status = _answer_status(sock)
+                assert status.startswith(b"HTTP/1.1 200"), status
+                idle.append(sock)
+            time.sleep(0.2)
+            assert not any(closed(sock) for sock in idle)  # reads the rest of each answer
+            heads = []
+            for _ in range(16):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 12288)
+                heads.append(sock)
+            return idle, heads
+
+        idle, heads = await asyncio.to_thread(fill)
+        try:
+            await wait_until(lambda: gate.open == 32)
+            await asyncio.sleep(NEW_GRACE + 0.2)  # none of them is new any more
+            assert gate.crowded == 0  # full, not over: nobody was closed while no connection waited
+            assert (await env.post("/v1/completions", COMPLETION, headers={"Connection": "close"}))[0] == 200
+            await asyncio.sleep(0.2)
+            assert not any(closed(sock) for sock in idle)
+            assert sum(closed(sock) for sock in heads) >= 1
+        finally:
+            for sock in idle + heads:
+                sock.close()
+
+    run(test, max_clients=32)
