@@ -58,10 +58,12 @@ def test_one_hosts_flood_of_silent_connections_leaves_room_for_the_others(cfg):
     server = free_address()
     with open_endpoint(cfg, 0, server, start=False) as endpoint:
         endpoint.on_link(lambda pipe: None)
-        endpoint.start()
-        start = time.monotonic()
+        # queued before the endpoint accepts: it takes them in one burst, so a busy machine (connecting 70 took
+        # seconds in a loaded CI run) does not spread them past the held ones' HELLO deadline
         silent = [socket.create_connection((endpoint.host, endpoint.port), source_address=("127.0.0.2", 0))
                   for _ in range(70)]
+        endpoint.start()
+        start = time.monotonic()
         try:
             # The excess ones are closed as they are accepted; the held ones only at their HELLO deadline, 3 s after
             # being accepted: until then exactly 54 are closed (a busy machine may take a while to accept them all).

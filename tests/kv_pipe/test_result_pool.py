@@ -162,12 +162,18 @@ def test_a_pooled_result_is_registered_only_while_it_is_received(echo):
     the peer's writes while it is the caller's, and its next receive can register it again."""
     engine = echo.pipe.endpoint.engine
     for seed in (1, 2, 3):
-        before = echo.pipe.stats["direct_bytes"]
-        got = echo.round_trip(tensor(seed))
-        assert same(got, tensor(seed)) and echo.pipe.stats["direct_bytes"] > before, echo.pipe.stats
-        # registering it again succeeds (the engine refuses overlapping registrations): it is not registered now
-        assert engine.register_region(got.data_ptr(), BIG)
-        engine.unregister_region(got.data_ptr())
+        direct = False
+        for _ in range(5):  # a sender that waited past OFFER_WAIT for the offer (a busy machine) used the ring
+            before = echo.pipe.stats["direct_bytes"]
+            got = echo.round_trip(tensor(seed))
+            assert same(got, tensor(seed))
+            direct = echo.pipe.stats["direct_bytes"] > before
+            # registering it again succeeds (the engine refuses overlapping registrations): it is not registered now
+            assert engine.register_region(got.data_ptr(), BIG)
+            engine.unregister_region(got.data_ptr())
+            if direct:
+                break
+        assert direct, echo.pipe.stats
         del got
     assert echo.pool.stats["made"] == 1
 
