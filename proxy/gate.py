@@ -226,8 +226,7 @@ class ClientGate:
         client.end()
 
     def admit(self, client: _Client, address: Any) -> bool:
-        if self.open >= self.limit + self.headroom:
-            return False
+        """Count ``client`` in (accepted once ``room`` said so), making room at the limit; False: close it."""
         if self.open - self.closing >= self.limit and not self.make_room():
             return False
         client.gate, client.address, client.requests = self, address[:2], set()

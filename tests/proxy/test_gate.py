@@ -184,6 +184,13 @@ def test_the_caps_follow_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) ->
         gate_module.fit_to_file_limit(config)
 
 
+def _raw_completion(extra_headers: bytes = b"") -> bytes:
+    """COMPLETION as the bytes of a whole HTTP/1.1 request."""
+    body = json.dumps(COMPLETION).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra_headers
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 def _answer_status(sock: socket.socket) -> bytes:
     """The status line of the answer ``sock`` gets (b"" if the proxy closed it first)."""
     sock.settimeout(10)
@@ -211,9 +218,7 @@ def test_a_new_connection_keeps_its_place_until_its_request_is_read() -> None:
             sock.sendall(SLOW_BODY)
         await wait_until(lambda: gate.open == 32 and sum(c.in_flight for c in gate.clients.values()) == 32)
         await asyncio.sleep(NEW_GRACE + 0.2)  # they are no longer new
-        body = json.dumps(COMPLETION).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close"
-                   b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        request = _raw_completion(b"Connection: close\r\n")
 
         def burst() -> bytes:
             others = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]  # not accepted: silent
@@ -245,9 +250,7 @@ def test_a_big_head_that_never_ends_goes_before_idle_clients() -> None:
     before any connection waited, so it closed one as the last place was taken.)"""
     async def test(env: Environment) -> None:
         port, gate = int(env.url.rsplit(":", 1)[1]), env.proxy.gate
-        body = json.dumps(COMPLETION).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        request = _raw_completion()
 
         def fill() -> tuple[list[socket.socket], list[socket.socket]]:
             idle = []
