@@ -336,7 +336,7 @@ def test_evict_makes_room_without_waiting(cfg):
         left = producer.result()
     assert all(same(a, b) for a, b in zip(newest, entries[-1], strict=True)) and oldest == [None] * 5
     assert left["stats"]["evicted"] == 100 and left["entries"] == 99
-    assert left["insert_seconds"] < 0.5
+    assert left["insert_seconds"] < cfg["timeout"] / 2  # none waited for room (that wait ends at the timeout)
 
 
 def test_a_request_that_times_out_does_not_disturb_later_ones(cfg):

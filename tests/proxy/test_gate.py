@@ -63,7 +63,7 @@ def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> 
         assert err.count(b"Too many open files") == 0 and err.count(b"accept") < 10, err[-2000:]
         assert b"the open-file limit is 256" in err, err[-2000:]
 
-    run(test)
+    run(test, limit=90)  # 300 clients connecting again and again: slow on a loaded machine, not stuck
 
 
 def test_answers_longer_than_the_client_timeout_are_not_cut() -> None:

@@ -284,12 +284,12 @@ async def environment(n_prefill: int = 1, n_decode: int = 1, *, prefill_urls: li
             await upstream.stop()
 
 
-def run(test: Callable[..., Awaitable[None]], *args: Any, **options: Any) -> None:
-    """Run ``test(env)`` in a fresh event loop with ``environment(*args, **options)``."""
+def run(test: Callable[..., Awaitable[None]], *args: Any, limit: float = 30.0, **options: Any) -> None:
+    """Run ``test(env)`` in a fresh event loop with ``environment(*args, **options)``; it fails after ``limit`` s."""
 
     async def body() -> None:
         async with environment(*args, **options) as env:
-            await asyncio.wait_for(test(env), 30)
+            await asyncio.wait_for(test(env), limit)
 
     asyncio.run(body())
 
