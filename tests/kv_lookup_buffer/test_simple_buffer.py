@@ -373,7 +373,7 @@ def test_a_producer_stalled_mid_answer_fails_the_request_and_the_link_recovers()
         start = time.monotonic()
         with pytest.raises(PipeError, match="the answer to drop_select request 1 broke off"):
             buf.drop_select(entry[0], None, timeout=30)
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 15.0  # the pipe's timeout ended it, not drop_select's 30 s
         assert ready.wait(30)
         got = buf.drop_select(entry[0], None, timeout=30)
         assert same(got[0], entry[0]) and same(got[2], entry[2])
