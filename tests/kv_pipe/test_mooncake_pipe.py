@@ -273,7 +273,7 @@ def test_a_short_poll_never_cuts_a_tensor_whose_bytes_come_late():
             start = time.monotonic()
             with pytest.raises(PipeStalled, match="broke off"):
                 poll(pipe, 0.2)
-            assert frozen.is_set() and time.monotonic() - start < 3.0 + 2.0
+            assert frozen.is_set() and time.monotonic() - start < 3 * 3.0  # by the pipe's timeout (plus a loaded box's delays)
             with pytest.raises(PipeTimeout) as idle:  # the connection it came on is gone: nothing more arrives
                 pipe.recv_tensor(timeout=0.2)
             assert not isinstance(idle.value, PipeStalled)
