@@ -364,9 +364,12 @@ def test_the_estimate_learns_what_work_costs_and_skips_by_load() -> None:
         async def learned(role: str, cost: str) -> float:
             return await proxy_metric(env, "mooncake_proxy_estimated_cost_seconds", role=role, instance="0", cost=cost)
 
-        assert await learned("prefill", "prefill_per_token") > 0  # a prefill's time grows with its prompt here
-        assert 0.015 < await learned("decode", "load_base") < 0.5  # a load's does not (20 ms, plus HTTP)
-        assert await learned("decode", "load_per_token") * 1200 < 0.01  # flat, but for noise
+        prefill_per_token = await learned("prefill", "prefill_per_token")
+        assert prefill_per_token > 0  # a prefill's time grows with its prompt here
+        # a load's does not (20 ms, plus HTTP): its line is flat but for noise, which on a loaded machine can tilt a
+        # line fitted to three samples (even through the origin), so the load of a 1200-token prompt is checked
+        base, per_token = await learned("decode", "load_base"), await learned("decode", "load_per_token")
+        assert 0.015 < base + per_token * 1200 < 0.5 and per_token < prefill_per_token / 2, (base, per_token)
         await stream(env, text_of(23, 1200))
         assert env.decode[0].received[-1].body["kv_transfer_params"] == NO_LOAD
         assert len(env.prefill[0].completions()) == 3
