@@ -63,6 +63,20 @@ class Connection:
     def alive(self) -> bool:
         return not self._dead.is_set()
 
+    def probe_alive(self) -> bool:
+        """Whether the peer still holds the connection open: it may have closed it (or died) with nobody reading
+        since, e.g. a link it closed idle while our reply was on its way; a frame sent then would be lost unseen."""
+        if self._dead.is_set():
+            return False
+        try:
+            state = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return False
+        if state != _TCP_ESTABLISHED:
+            self.fail(PeerDisconnected(f"peer {self.peer} disconnected"))
+            return False
+        return True
+
     def send(self, frame: bytes) -> None:
         if self._dead.is_set():
             raise self.error or PeerDisconnected(f"connection to {self.peer} is closed")
@@ -89,8 +103,8 @@ class Connection:
         self.sock.close()
         self._on_dead()
 
-    def close(self) -> None:
-        """Say BYE (best effort), then die with PipeClosed."""
+    def close(self, join: bool = True) -> None:
+        """Say BYE (best effort), then die with PipeClosed. ``join``: also wait for a reader thread to end."""
         if not self._dead.is_set():
             try:
                 with self._send_lock:
@@ -125,9 +139,9 @@ class Outbound(Connection):
         self._reader = threading.Thread(target=self._read_loop, name=f"kv-pipe-acks-{peer}", daemon=True)
         self._reader.start()
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
         super().close()
-        if self._reader is not threading.current_thread():
+        if join and self._reader is not threading.current_thread():
             self._reader.join(timeout=2.0)
 
     def _read_loop(self) -> None:
@@ -247,19 +261,6 @@ class Inbound(Connection):
         self.consumed = 0  # absolute ring position up to which data was copied out
         self.tensor_seq = -1  # TENSOR frames received, counted like the sender does
         self.reported = False  # its error was raised to a caller already
-
-    def probe_alive(self) -> bool:
-        """Whether the peer still holds the connection open (it may have died without anyone reading since)."""
-        if self._dead.is_set():
-            return False
-        try:
-            state = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
-        except OSError:
-            return False
-        if state != _TCP_ESTABLISHED:
-            self.fail(PeerDisconnected(f"peer {self.peer} disconnected"))
-            return False
-        return True
 
     def next_frame(self, timeout: float, rest: float | None = None) -> tuple[Kind, Any]:
         """Read the next frame and validate it; ``PipeTimeout`` if none starts within ``timeout`` (the connection

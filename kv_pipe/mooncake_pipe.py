@@ -101,6 +101,7 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
         self._owns_endpoint = owns_endpoint
         self._engine = endpoint.engine
         self._closed = threading.Event()
+        self._closing = False  # close() began
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._state = threading.Condition()  # guards _inbound / _outbound replacement and the ring
@@ -168,16 +169,23 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
 
     # ------------------------------------------------------------------ closing
     def _check_open(self) -> None:
-        if self._closed.is_set():
+        if self._closing or self._closed.is_set():
             raise PipeClosed("the pipe is closed")
 
     def close(self) -> None:
         """Close this link (and the endpoint, if the pipe made its own). Idempotent."""
-        if self._closed.is_set():
-            return
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+            conns = [c for c in (self._outbound, self._inbound) if c is not None]
+        # Their ends reach the peer before this link shows as closed: a new link to the peer is made only then, and
+        # the peer, seeing them ended, answers on the new one (an answer sent on an old one would be lost unseen).
+        for conn in conns:
+            conn.close(join=False)
         self._closed.set()
         with self._state:
-            conns = [c for c in (self._outbound, self._inbound) if c is not None]
+            conns += [c for c in (self._outbound, self._inbound) if c is not None and c not in conns]
             self._state.notify_all()
         for conn in conns:
             conn.close()

@@ -267,7 +267,10 @@ class Node(Generic[L]):
                     logger.info("closing the idle link %s -> %s (%s; unused for %.0f s%s)", self.address, pipe.peer,
                                 pipe.channel, time.monotonic() - pipe.last_used,
                                 "; memory is short" if idle < self.link_idle else "")
-                    pipe.close()
+                    try:
+                        pipe.close()
+                    except Exception:  # one link's failure must not end the reaping of the others
+                        logger.exception("closing the idle link %s -> %s failed", self.address, pipe.peer)
 
     # ------------------------------------------------------------------ receive budget
     def reserve(self, nbytes: int, peer: str) -> None:

@@ -66,7 +66,7 @@ class Sender:
                 raise ValueError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {wire.MAX_NDIM}")
         with self._send_lock:
             self._check_open()
-            out = self._outbound if self._outbound is not None and self._outbound.alive else self._connect(timeout)
+            out = self._outbound if self._outbound is not None and self._outbound.probe_alive() else self._connect(timeout)
             try:
                 if tensor is None:
                     out.send(wire.encode(Kind.NONE))

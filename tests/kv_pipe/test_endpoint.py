@@ -76,6 +76,37 @@ def test_an_idle_link_is_closed_and_made_again_on_next_use(cfg):
     assert producer.result() == 2  # both on the producer's one link: the consumer came back to it
 
 
+def test_an_answer_on_a_new_link_is_not_lost_while_the_old_link_closes(cfg, monkeypatch):
+    """The idle-link test failed under load: the old link showed closed (and a new one was made and used) while its
+    connections were still open, so the producer answered on the old one, where nobody read, and the consumer waited
+    for an answer that never came. A slow close (its reader threads ending late) makes that window wide here."""
+    from kv_pipe.channel import Outbound
+
+    server = free_address()
+    producer = Peer(peers.endpoint_server, cfg, server, 1)
+    close = Outbound.close
+
+    def slow_close(self, join: bool = True) -> None:
+        close(self, join=join)
+        if join:
+            time.sleep(1.0)
+
+    monkeypatch.setattr(Outbound, "close", slow_close)
+    with open_endpoint(cfg, 1, free_address(), link_idle=2.0) as endpoint:
+        first = endpoint.link(server)
+        first.send_tensor(torch.tensor([1.0]))
+        assert float(first.recv_tensor()[0]) == 2.0
+        deadline = time.monotonic() + 15
+        while not first.closed:
+            assert time.monotonic() < deadline, "the idle link was not closed"
+            time.sleep(0.02)
+        again = endpoint.link(server)  # while the old link's close still runs
+        again.send_tensor(torch.tensor([5.0]))
+        assert float(again.recv_tensor(timeout=5.0)[0]) == 6.0
+        again.send_tensor(None)
+    assert producer.result() == 2
+
+
 def test_links_only_to_admitted_peers_and_never_to_itself(cfg):
     allowed = free_address()
     with open_endpoint(cfg, 1, free_address(), peers={allowed}) as endpoint:
