@@ -41,25 +41,30 @@ def test_slow_clients_under_a_low_open_file_limit_do_not_starve_the_others() -> 
             await asyncio.sleep(3.0)  # past BODY_GRACE: the dribbled bodies are being cut and opened again
             fds = len(os.listdir(f"/proc/{process.pid}/fd"))
             assert fds < 256, f"the proxy holds {fds} files"
-            took = []
+            took: list[str] = []
             for _ in range(5):
                 start = time.monotonic()
                 # a new connection each, as a new client's: an idle keep-alive connection may be closed to make room
                 # (the race every HTTP/1.1 server has with a client reusing one)
-                async with env.client.post(url + "/v1/completions", json=COMPLETION, headers={"Connection": "close"},
-                                           timeout=aiohttp.ClientTimeout(total=10)) as response:
-                    assert response.status == 200
-                took.append(time.monotonic() - start)
+                try:
+                    async with env.client.post(url + "/v1/completions", json=COMPLETION,
+                                               headers={"Connection": "close"},
+                                               timeout=aiohttp.ClientTimeout(total=10)) as response:
+                        took.append(f"{time.monotonic() - start:.3f} s: {response.status}")
+                except (TimeoutError, aiohttp.ClientError) as e:  # reported with the proxy's log below
+                    took.append(f"{time.monotonic() - start:.3f} s: {type(e).__name__}")
                 await asyncio.sleep(0.5)
-            print(f"normal requests under 300 slow clients: {', '.join(f'{t:.3f}' for t in took)} s; "
+            print(f"normal requests under 300 slow clients: {'; '.join(took)}; "
                   f"{attack.reopened} slow connections closed and opened again")
-            assert max(took) < 5.0, took  # answered, not starved (benchmarks/bench_slow_clients.py times it)
-            assert attack.reopened > 0
         finally:
             await asyncio.to_thread(attack.stop)
             if process.returncode is None:
                 process.terminate()
         _, err = await process.communicate()
+        # answered, not starved (benchmarks/bench_slow_clients.py times it)
+        assert all(t.endswith(": 200") and float(t.split(" ")[0]) < 5.0 for t in took), \
+            f"{took}; the proxy logged: {err[-3000:].decode(errors='replace')}"
+        assert attack.reopened > 0
         assert err.count(b"Too many open files") == 0 and err.count(b"accept") < 10, err[-2000:]
         assert b"the open-file limit is 256" in err, err[-2000:]
 
@@ -150,6 +155,9 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut() -> None:
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             gate = env.proxy.gate
             await wait_until(lambda: gate.cut >= 1, timeout=15.0)
+        # the proxy still serves; a short answer: 26 MB read by this test's loop, which the proxy shares, could
+        # itself look unread for the 2 s client timeout on a loaded machine
+        env.decode[0].chunks = ["Hello"]
         assert (await env.post("/v1/completions", COMPLETION))[0] == 200
 
     run(test, client_timeout=2.0)
