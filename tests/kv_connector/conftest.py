@@ -84,6 +84,52 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     consumer.stop()
 
 
+@pytest.fixture(scope="session")
+def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A consumer under ``kv_load_failure_policy`` fail (test_load_failure_policy.py); its mooncake.json names a
+    producer nobody runs (its loads come from params). Spawned early (``spawn_early``): its tests wait for it."""
+    work = tmp_path_factory.mktemp("fail-policy")
+    consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", failure_policy="fail", kv_digest="always",
+                                           allow_test_corruption=True), mooncake_json(work / "mooncake.json"),
+                          SERVE_ARGS, worker_process=False)
+    yield consumer
+    consumer.stop()
+
+
+BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say)
+    "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
+}
+
+
+@pytest.fixture(scope="session")
+def refused_starts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+    """``vllm serve`` with each of ``BAD_STARTS``' connector mistakes (test_options.py), which it must refuse: spawned
+    early (``spawn_early``); its test waits for each to exit."""
+    work = tmp_path_factory.mktemp("bad-options")
+    config = mooncake_json(work / "mooncake.json")
+    servers = {name: VllmServer(f"bad-option-{name}", tiny_model, free_port(), 0, work,
+                                connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args],
+                                worker_process=False)
+               for name, (extra, args, _) in BAD_STARTS.items()}
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+EARLY = ("fail_consumer", "refused_starts")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spawn_early(request: pytest.FixtureRequest) -> None:
+    """Spawn the instances of ``EARLY`` that selected tests take beside the session's first ones. Started alone in
+    its module, each kept one core busy for ~20 s and left the other idle (the suite is bound by CPU); here its
+    start-up fills time the others leave idle, and it then waits at ~1% of a core."""
+    for name in EARLY:
+        if any(name in item.fixturenames for item in request.session.items):
+            request.getfixturevalue(name)
+
+
 PUSH_PAIR_SECRET = "push-pair-secret-" + "7" * 32
 
 

@@ -8,36 +8,19 @@ from __future__ import annotations
 
 import time
 import urllib.error
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from harness.ports import free_port
-from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
+from harness.vllm import start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS, diff, kv_stats, log_mark, settled_stats, warnings_since
+from tests.kv_connector.conftest import diff, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 from tests.kv_connector.test_tensor_parallel import prefill
 
 
-@pytest.fixture(scope="module")
-def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A consumer under ``fail``; its mooncake.json names a producer nobody runs (loads come from params here)."""
-    work = tmp_path_factory.mktemp("fail-policy")
-    config = mooncake_json(work / "mooncake.json")
-    consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", failure_policy="fail", kv_digest="always",
-                                           allow_test_corruption=True), config, SERVE_ARGS, worker_process=False)
-    try:
-        start_vllm(consumer)
-        yield consumer
-    finally:
-        consumer.stop()
-
-
 def test_a_failed_load_ends_its_request_with_an_error_under_fail(fail_consumer, pd_pair, reference):
     producer, _ = pd_pair
+    start_vllm(fail_consumer)
     said = fail_consumer.log_text()
     assert "kv_load_failure_policy=fail: a KV load that fails ends its request with an error" in said
     # params of prompt a, sent with prompt b: the producer they name holds no KV of b, so its load fails
@@ -72,6 +55,7 @@ def test_a_kv_digest_mismatch_fails_the_load_recomputed_or_refused(fail_consumer
     reference's (recomputed), under ``fail`` the client gets an error, never text computed from the bad KV; both
     log the request's mismatch and count it on /metrics."""
     producer, consumer = pd_pair
+    start_vllm(fail_consumer)
     for server, tokens in ((consumer, prompt(9110, 500)), (fail_consumer, prompt(9111, 500))):
         params = {**prefill(producer, tokens), CORRUPT_PARAM: "flip_byte"}
         before, mark = kv_stats(server), log_mark(server)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from harness.ports import free_port
-from harness.vllm import VllmServer, connector_config, mooncake_json
+from harness.vllm import VllmServer
 from kv_connector.options import ConnectorOptions, check_kv_cache_dtype
 from kv_pipe import ConfigError
-from tests.kv_connector.conftest import SERVE_ARGS
+from tests.kv_connector.conftest import BAD_STARTS
 
 
 def test_defaults():
@@ -42,11 +40,6 @@ def test_bad_options(extra, message):
         ConnectorOptions.from_extra_config(extra)
 
 
-BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say)
-    "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
-}
-
-
 @pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_kv_cache_dtypes_moved_as_bytes_are_accepted(cache_dtype):
     check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype)))
@@ -59,23 +52,14 @@ def test_other_quantized_kv_caches_are_refused_with_what_to_use(cache_dtype):
         check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype)))
 
 
-def test_vllm_refuses_to_start_with_a_bad_option(tiny_model: Path, tmp_path: Path):
-    """Each on a core of its own, at once (a refused start-up still imports vLLM: ~30 s). (An fp8 KV cache, once
-    refused here, is served: test_fp8.py.)"""
-    config = mooncake_json(tmp_path / "mooncake.json")
-    servers = {name: VllmServer(f"bad-option-{name}", tiny_model, free_port(), core, tmp_path,
-                                connector_config("kv_consumer", **extra), config, [*SERVE_ARGS, *args],
-                                worker_process=False)
-               for core, (name, (extra, args, _)) in enumerate(BAD_STARTS.items())}
-    try:
-        for name, server in servers.items():
-            try:
-                server.proc.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{name}: vLLM kept running with a connector configuration it must refuse")
-    finally:
-        for server in servers.values():
-            server.stop()
-    for name, server in servers.items():
+def test_vllm_refuses_to_start_with_a_bad_option(refused_starts: dict[str, VllmServer]):
+    """Spawned early (conftest ``refused_starts``: a refused start-up still imports vLLM, ~20 s of a core). (An fp8
+    KV cache, once refused here, is served: test_fp8.py.)"""
+    for name, server in refused_starts.items():
+        try:
+            server.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name}: vLLM kept running with a connector configuration it must refuse")
+    for name, server in refused_starts.items():
         assert server.proc.returncode != 0, name
         assert BAD_STARTS[name][2] in server.log_text(), name
