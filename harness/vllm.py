@@ -98,6 +98,7 @@ class VllmServer(OpenAIClient):
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
         self.env = env
         self.ready = False
+        self.stopped = False
         self.proc = spawn(self.cmd, self.log, env)
 
     def wait_ready(self) -> None:
@@ -117,12 +118,16 @@ class VllmServer(OpenAIClient):
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        stop(self.proc)
+        """Stop the instance (its whole process group); a second call does nothing (its process id may be reused)."""
+        if not self.stopped:
+            stop(self.proc)
+            self.stopped = True
 
     def restart(self) -> None:
         """Start the same command again (after a stop or a kill), and wait until it serves."""
         stop(self.proc)  # requests meanwhile fail as they would against a restarting server (ready stays True)
         self.proc = spawn(self.cmd, self.log, self.env)
+        self.stopped = False
         self.wait_ready()
 
 

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import time
 import urllib.error
+from collections.abc import Iterator
 
 import pytest
 
-from harness.vllm import start_vllm
+from harness.vllm import VllmServer, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import diff, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 from tests.kv_connector.test_tensor_parallel import prefill
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fail_consumer_stops_with_the_module(fail_consumer: VllmServer) -> Iterator[None]:
+    """The consumer is spawned early, for the session (conftest ``spawn_early``), but serves only this module."""
+    yield
+    fail_consumer.stop()
 
 
 def test_a_failed_load_ends_its_request_with_an_error_under_fail(fail_consumer, pd_pair, reference):
