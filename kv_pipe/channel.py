@@ -51,6 +51,7 @@ class Connection:
         self._send_lock = threading.Lock()
         self._dead = threading.Event()
         self._error: PipeError | None = None
+        self._ending = False  # close() began: whatever ends the connection now, it was closed here
 
     @property
     def error(self) -> PipeError | None:
@@ -68,10 +69,12 @@ class Connection:
         since, e.g. a link it closed idle while our reply was on its way; a frame sent then would be lost unseen."""
         if self._dead.is_set():
             return False
+        if not hasattr(socket, "TCP_INFO"):  # Linux only; elsewhere a dead peer shows on the next read or write
+            return True
         try:
             state = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
         except OSError:
-            return False
+            state = -1
         if state != _TCP_ESTABLISHED:
             self.fail(PeerDisconnected(f"peer {self.peer} disconnected"))
             return False
@@ -94,6 +97,8 @@ class Connection:
         """Mark the connection dead with ``error`` (the first error wins) and close the socket."""
         if self._dead.is_set():
             return
+        if self._ending and not isinstance(error, PipeClosed):  # e.g. the peer's FIN answering our BYE
+            error = PipeClosed("the pipe was closed")
         self._error = copy.copy(error)  # a copy: ``error`` itself goes on with its traceback
         self._dead.set()
         try:
@@ -105,6 +110,7 @@ class Connection:
 
     def close(self, join: bool = True) -> None:
         """Say BYE (best effort), then die with PipeClosed. ``join``: also wait for a reader thread to end."""
+        self._ending = True
         if not self._dead.is_set():
             try:
                 with self._send_lock:

@@ -168,6 +168,14 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
                        self.endpoint.address, self.peer, self.channel, reason)
 
     # ------------------------------------------------------------------ closing
+    @property
+    def closing(self) -> bool:
+        """``close()`` began (the link shows ``closed`` once its connections are ended)."""
+        return self._closing
+
+    def wait_closed(self, timeout: float) -> bool:
+        return self._closed.wait(timeout)
+
     def _check_open(self) -> None:
         if self._closing or self._closed.is_set():
             raise PipeClosed("the pipe is closed")
@@ -181,14 +189,16 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
             conns = [c for c in (self._outbound, self._inbound) if c is not None]
         # Their ends reach the peer before this link shows as closed: a new link to the peer is made only then, and
         # the peer, seeing them ended, answers on the new one (an answer sent on an old one would be lost unseen).
-        for conn in conns:
-            conn.close(join=False)
-        self._closed.set()
-        with self._state:
-            conns += [c for c in (self._outbound, self._inbound) if c is not None and c not in conns]
-            self._state.notify_all()
-        for conn in conns:
-            conn.close()
+        try:
+            for conn in conns:
+                conn.close(join=False)
+        finally:
+            self._closed.set()
+            with self._state:
+                conns += [c for c in (self._outbound, self._inbound) if c is not None and c not in conns]
+                self._state.notify_all()
+            for conn in conns:
+                conn.close()
         self.endpoint.forget(self)
         if self._owns_endpoint:
             self.endpoint.close()

@@ -52,6 +52,11 @@ class Link(Protocol):
     def closed(self) -> bool: ...
 
     @property
+    def closing(self) -> bool: ...
+
+    def wait_closed(self, timeout: float) -> bool: ...
+
+    @property
     def has_ring(self) -> bool: ...
 
     @property
@@ -143,10 +148,21 @@ class Node(Generic[L]):
                               f"{', '.join(sorted(self.peers))})")
         if peer == self.address:
             raise ConfigError(f"{peer} is this endpoint's own address: a pipe links two endpoints")
-        with self._lock:
-            if self.closed.is_set():
-                raise PipeError("the pipe endpoint is closed")
-            return self._link_locked(peer, channel)[0]
+        return self._live_link(peer, channel)[0]
+
+    def _live_link(self, peer: str, channel: str) -> tuple[L, bool]:
+        """(the link, whether it was made now). A link whose close is under way is waited for (up to the timeout),
+        then made again: it shows closed only once its connections are ended, and a new link made before that
+        could have its answers sent on them (``MooncakePipe.close``)."""
+        for _ in range(2):
+            with self._lock:
+                if self.closed.is_set():
+                    raise PipeError("the pipe endpoint is closed")
+                pipe, new = self._link_locked(peer, channel)
+            if not pipe.closing:
+                break
+            pipe.wait_closed(self.config.timeout)
+        return pipe, new
 
     def _link_locked(self, peer: str, channel: str) -> tuple[L, bool]:
         """(the link, whether it was made now); under the lock."""
@@ -243,10 +259,7 @@ class Node(Generic[L]):
         try:
             hello, peer, session = handshake.authenticate(sock, source, self)
             self._acceptor.ended(sock, source)  # proved: its place is free for the next one
-            with self._lock:
-                if self.closed.is_set():
-                    raise PipeError("the endpoint is closing")
-                pipe, new = self._link_locked(peer, hello["channel"])
+            pipe, new = self._live_link(peer, hello["channel"])
             if new and self._on_link is not None:
                 self._on_link(pipe)
             pipe.attach_inbound(sock, who, session)

@@ -48,6 +48,7 @@ class Sender:
     last_used: float
     _engine: MooncakeEngine
     _closed: threading.Event
+    _closing: bool
     _send_lock: threading.Lock
     _state: threading.Condition
     _outbound: Outbound | None
@@ -202,7 +203,12 @@ class Sender:
                        ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max,
                        offers_direct=welcome["direct_recv"])
         with self._state:
-            self._outbound = out
+            closing = self._closing  # closed during the handshake: close() does not see this connection
+            if not closing:
+                self._outbound = out
+        if closing:
+            out.close()
+            self._check_open()  # raises PipeClosed
         self._peer_was_up = True
         logger.info("pipe %s -> %s (%s) connected (peer engine %s, ring %d bytes, chunk %d bytes)",
                     self.endpoint.address, self.peer, self.channel, out.session, ring_size, chunk_size)

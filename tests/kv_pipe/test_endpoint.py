@@ -107,6 +107,43 @@ def test_an_answer_on_a_new_link_is_not_lost_while_the_old_link_closes(cfg, monk
     assert producer.result() == 2
 
 
+def test_a_link_asked_for_while_the_old_one_closes_is_a_new_one_that_works(cfg, monkeypatch):
+    """While a link's close ends its connections (a BYE may wait on a busy socket), ``link()`` waits for it to
+    show closed and makes a new one, rather than handing out the closing link (whose sends fail)."""
+    import threading
+
+    from kv_pipe.channel import Outbound
+
+    server = free_address()
+    producer = Peer(peers.endpoint_server, cfg, server, 1)
+    close = Outbound.close
+
+    def slow_end(self, join: bool = True) -> None:
+        if not join:
+            time.sleep(1.0)
+        close(self, join=join)
+
+    with open_endpoint(cfg, 1, free_address()) as endpoint:
+        first = endpoint.link(server)
+        first.send_tensor(torch.tensor([1.0]))
+        assert float(first.recv_tensor()[0]) == 2.0
+        monkeypatch.setattr(Outbound, "close", slow_end)
+        closer = threading.Thread(target=first.close)
+        closer.start()
+        deadline = time.monotonic() + 5
+        while not first.closing:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not first.closed
+        again = endpoint.link(server)
+        assert again is not first and first.closed
+        closer.join()
+        again.send_tensor(torch.tensor([5.0]))
+        assert float(again.recv_tensor(timeout=5.0)[0]) == 6.0
+        again.send_tensor(None)
+    assert producer.result() == 2
+
+
 def test_links_only_to_admitted_peers_and_never_to_itself(cfg):
     allowed = free_address()
     with open_endpoint(cfg, 1, free_address(), peers={allowed}) as endpoint:
