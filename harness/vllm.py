@@ -125,7 +125,7 @@ class VllmServer(OpenAIClient):
 
     def restart(self) -> None:
         """Start the same command again (after a stop or a kill), and wait until it serves."""
-        stop(self.proc)  # requests meanwhile fail as they would against a restarting server (ready stays True)
+        self.stop()  # requests meanwhile fail as they would against a restarting server (ready stays True)
         self.proc = spawn(self.cmd, self.log, self.env)
         self.stopped = False
         self.wait_ready()
