@@ -58,8 +58,15 @@ class Peer:
         self.proc.join(timeout=10)
 
 
-def echo(cfg: dict[str, Any], kv_rank: int, count: int) -> int:
-    """Receive ``count`` items and send each straight back; returns how many were tensors."""
+def echo(cfg: dict[str, Any], kv_rank: int, count: int, offer_wait: float | None = None) -> int:
+    """Receive ``count`` items and send each straight back; returns how many were tensors. ``offer_wait``: how long
+    a large tensor's send waits for the receiver's zero-copy offer before it fills the ring (the pipe's default, a few
+    ms, is a tuning choice: a test that asserts the offer is taken gives a receiver on a loaded machine time to make
+    it)."""
+    if offer_wait is not None:
+        from kv_pipe import sending
+
+        sending.OFFER_WAIT = offer_wait
     tensors = 0
     with open_pipe(cfg, kv_rank) as pipe:
         for _ in range(count):

@@ -39,9 +39,10 @@ def echoed(cfg, items: list, stats: dict | None = None, lockstep: bool = False, 
     """Send ``items`` to a peer process that sends each back; returns what came back and how many tensors it saw
     (and fills ``stats`` with this end's receive counters). ``lockstep``: wait for each echo before sending the
     next item, so this end is already receiving when an echo starts (else the echoes of large items may fill the
-    ring before this end reads them, and rightly go without a direct offer). ``device``: this end's pipe and the
+    ring before this end reads them, and rightly go without a direct offer), and the peer waits up to 2 s for this
+    end's offer (on a loaded machine its answer can take longer than the pipe's default wait). ``device``: this end's pipe and the
     tensors it sends are there (the peer's are on the host)."""
-    peer = Peer(peers.echo, cfg, 0, len(items))
+    peer = Peer(peers.echo, cfg, 0, len(items), 2.0 if lockstep else None)
     with open_pipe(cfg, 1, device=device) as pipe:
         back = []
         for item in items:
