@@ -64,6 +64,7 @@ alias.mkdir(exist_ok=True)
 (alias / "RECORD").write_text("")
 PY
     echo "$want" >"$stamp"
+    installed=1
 else
     log "Python environment up to date"
 fi
@@ -74,7 +75,12 @@ fi
 # 5. Smoke checks, so that a broken environment fails here and not deep inside a test.
 .venv/bin/python -c 'from mooncake.engine import TransferEngine' \
     || { echo "[setup] the Mooncake Transfer Engine does not import (see above)" >&2; exit 1; }
-# (the vllm command takes seconds to start, importing torch and vLLM: it is the one check that does)
-vllm_version=$(.venv/bin/vllm --version 2>/dev/null | tail -1) && [ -n "$vllm_version" ] \
+# Right after an install, the vllm command itself (seconds: it imports torch and vLLM); later runs read the alias only
+if [ "${installed:-0}" = 1 ]; then
+    vllm_version=$(.venv/bin/vllm --version 2>/dev/null | tail -1) || true
+else
+    vllm_version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)  || true
+fi
+[ -x .venv/bin/vllm ] && [[ $vllm_version == *cpu ]] \
     || { echo "[setup] .venv/bin/vllm does not run: try 'rm .venv/.setup-stamp' and run this again" >&2; exit 1; }
 log "ready: torch $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))'), vllm $vllm_version"
