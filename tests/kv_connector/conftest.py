@@ -6,6 +6,7 @@ Float32, eager, a small KV cache, a batch budget of 512 tokens (prompts up to 10
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import urllib.request
@@ -17,7 +18,7 @@ import pytest
 from harness.netns import Host
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
-from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, fork_starts, mooncake_json, start_vllm
 from kv_connector.protocol import PUSH_PROOF
 from proxy.discovery import push_target
 from tests import servers
@@ -121,7 +122,20 @@ EARLY = ("fail_consumer", "refused_starts")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def spawn_early(request: pytest.FixtureRequest) -> None:
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The session's instances are forked by a fork server that has imported vLLM once (harness/vllm_fork.py): a
+    start-up costs about a third less CPU, and the suite is bound by CPU. It starts with the first instance, so a
+    run without vLLM instances (the quick tier's unit tests) starts none. ``MKV_TEST_FORK_VLLM=0``: every instance
+    a plain ``vllm serve`` process."""
+    if os.environ.get("MKV_TEST_FORK_VLLM", "1") == "0":
+        yield
+        return
+    with fork_starts(tmp_path_factory.mktemp("fork-server")):
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spawn_early(request: pytest.FixtureRequest, fork_server: None) -> None:
     """Spawn the instances of ``EARLY`` that selected tests take beside the session's first ones. Started alone in
     its module, each kept one core busy for ~20 s and left the other idle (the suite is bound by CPU); here its
     start-up fills time the others leave idle, and it then waits at ~1% of a core."""
