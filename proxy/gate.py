@@ -33,6 +33,7 @@ MAX_FILES = 1 << 20  # the most it raises its soft limit to
 MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
 BODY_GRACE = 5.0
 NEW_GRACE = 1.0  # seconds a connection keeps its place while its first request is on its way to the app
+HEAD_GRACE = 10.0  # ... and once a whole head of it was read: only the app is late (a loaded machine)
 
 
 def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
@@ -89,6 +90,8 @@ class _Client(socket.socket):
     sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
     read = 0  # bytes the transport read from it (a head not parsed yet included)
     dispatched = False  # the app has seen a request of it
+    head_read = False  # before that: a whole head (up to its blank line) was read from it
+    _tail = b""  # the last bytes read before that, for a blank line split between two reads
     requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
 
     @property
@@ -98,12 +101,23 @@ class _Client(socket.socket):
     def recv(self, size: int, flags: int = 0) -> bytes:
         data = super().recv(size, flags)
         self.read += len(data)
+        self._look(data)
         return data
 
     def recv_into(self, buffer: Any, size: int = 0, flags: int = 0) -> int:
         count = super().recv_into(buffer, size, flags)
         self.read += count
+        if not (self.head_read or self.dispatched):
+            self._look(bytes(memoryview(buffer)[:count]))
         return count
+
+    def _look(self, data: bytes) -> None:
+        """Note a whole head among the first bytes read (until the app sees a request, which ends the looking)."""
+        if self.head_read or self.dispatched or not data:
+            return
+        seen = self._tail + data
+        self.head_read = b"\r\n\r\n" in seen
+        self._tail = seen[-3:]
 
     def evictable(self) -> bool:
         """No request under way, or only requests whose bodies are still coming (pipelined or HTTP/2 streams
@@ -115,10 +129,17 @@ class _Client(socket.socket):
         return self.sent / max(now - self.accepted, 1.0)
 
     def new(self, now: float) -> bool:
-        """Accepted under NEW_GRACE seconds ago, no request of it seen by the app yet, and bytes sent: its request,
-        read or waiting to be, not parsed and handed to the app yet (a few loop turns), so none of it counts in
-        ``sent``. A silent connection is not new: it waits for nothing."""
-        return not self.dispatched and now - self.accepted < NEW_GRACE and (self.read > 0 or self.waiting() > 0)
+        """No request of it seen by the app yet, and bytes sent, accepted under NEW_GRACE seconds ago (its request,
+        read or waiting to be, not parsed and handed to the app yet: a few loop turns), or under HEAD_GRACE if a
+        whole head of it was read (the app is late: a busy process on a loaded machine); none of it counts in
+        ``sent`` yet. A silent connection is not new: it waits for nothing. A head that never ends is new only
+        for NEW_GRACE."""
+        if self.dispatched:
+            return False
+        age = now - self.accepted
+        if self.head_read:
+            return age < HEAD_GRACE
+        return age < NEW_GRACE and (self.read > 0 or self.waiting() > 0)
 
     def waiting(self) -> int:
         """Bytes received and not read yet."""

@@ -16,7 +16,7 @@ import pytest
 
 from harness.slow_clients import SLOW_BODY, SlowClients, closed
 from proxy.config import ProxyConfig
-from proxy.gate import NEW_GRACE, ClientGate
+from proxy.gate import HEAD_GRACE, NEW_GRACE, ClientGate, _Client
 from tests.proxy.upstreams import COMPLETION, Environment, run, start_main, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -248,6 +248,38 @@ def test_a_new_connection_keeps_its_place_until_its_request_is_read() -> None:
                 sock.close()
 
     run(test, max_clients=32)
+
+
+@pytest.mark.parametrize("read", ["recv", "recv_into"])
+def test_a_whole_head_the_app_has_not_taken_keeps_its_place_longer(read: str) -> None:
+    """A full-suite failure of the slow-clients test above (a normal request closed with "Server disconnected"
+    after 2 s, 891 slow connections reopened meanwhile): on a loaded machine the proxy can read a new connection's
+    whole head and take longer than NEW_GRACE to hand it to the app, and its place then went to the next new
+    connection. A whole head read keeps its connection new for HEAD_GRACE; a head that never ends, only for
+    NEW_GRACE; a request the app has seen, not at all (its place is then the request's)."""
+    ours, peer = socket.socketpair()
+    client = _Client(fileno=ours.detach())
+    try:
+        def take() -> None:
+            if read == "recv":
+                client.recv(4096)
+            else:
+                client.recv_into(bytearray(4096))
+
+        now = time.monotonic()
+        client.accepted = now - 2 * NEW_GRACE
+        peer.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r")
+        take()
+        assert not client.new(now)  # no blank line yet: the grace of an unfinished head is over
+        peer.sendall(b"\n{}")  # the blank line ends across two reads
+        take()
+        assert client.new(now)
+        assert not client.new(client.accepted + HEAD_GRACE)
+        client.dispatched = True
+        assert not client.new(now)
+    finally:
+        client.close()
+        peer.close()
 
 
 def test_a_big_head_that_never_ends_goes_before_idle_clients() -> None:
