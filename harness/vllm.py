@@ -73,18 +73,19 @@ def base_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "WARNING"}
 
 
-_fork: dict[str, ForkServers | None] = {"servers": None}  # fork_starts' fork servers, while it is active
+_fork_servers: ForkServers | None = None  # fork_starts' fork servers, while it is active
 
 
 @contextlib.contextmanager
 def fork_starts(work: Path) -> Iterator[None]:
     """Within: instances are forked by fork servers (harness/vllm_fork.py), each started with the first instance it
     may fork, their logs in ``work``; ended on exit (after the instances, which their fixtures stop)."""
-    servers = _fork["servers"] = ForkServers(work)
+    global _fork_servers
+    servers = _fork_servers = ForkServers(work)
     try:
         yield
     finally:
-        _fork["servers"] = None
+        _fork_servers = None
         servers.stop()
 
 
@@ -128,7 +129,7 @@ class VllmServer(OpenAIClient):
 
     def _spawn(self) -> subprocess.Popen | ForkedProcess:
         """Forked by the fork server where one runs and may start this instance (``fork_starts``), else spawned."""
-        servers = _fork["servers"]
+        servers = _fork_servers
         if servers is None or self.own_host:
             return spawn(self.cmd, self.log, self.env)
         server, why = servers.server_for(self.env)
