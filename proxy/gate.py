@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import fcntl
 import logging
+import re
 import resource
 import socket
 import struct
@@ -33,7 +34,9 @@ MAX_FILES = 1 << 20  # the most it raises its soft limit to
 MIN_BODY_RATE = 1024  # bytes per second a request body must average once it has had BODY_GRACE seconds
 BODY_GRACE = 5.0
 NEW_GRACE = 1.0  # seconds a connection keeps its place while its first request is on its way to the app
-HEAD_GRACE = 10.0  # ... and once a whole head of it was read: only the app is late (a loaded machine)
+HEAD_GRACE = 10.0  # ... and once a whole HTTP/1 request head of it was read: only the app is late (a loaded machine)
+REQUEST_LINE = re.compile(rb"[A-Z]{1,20} [!-~]+ HTTP/1\.[01]\r?\n")
+MAX_REQUEST_LINE = 8192  # a first line longer than this is not looked at further
 
 
 def fit_to_file_limit(config: ProxyConfig) -> ProxyConfig:
@@ -90,8 +93,10 @@ class _Client(socket.socket):
     sent = 0  # bytes of requests it sent (heads as the app saw them, bodies as they came)
     read = 0  # bytes the transport read from it (a head not parsed yet included)
     dispatched = False  # the app has seen a request of it
-    head_read = False  # before that: a whole head (up to its blank line) was read from it
-    _tail = b""  # the last bytes read before that, for a blank line split between two reads
+    head_read = False  # before that: a whole HTTP/1 request head (request line to blank line) was read from it
+    _looking = True  # the bytes read are looked at for that (until the app sees a request, or they cannot be one)
+    _first: bytes | None = b""  # the first line as it comes; None once it ended and is a request line
+    _tail = b""  # the last bytes read after it, for a blank line split between two reads
     requests: set[_Request] | None = None  # the app is handling them (a streamed answer counts until its end)
 
     @property
@@ -100,23 +105,37 @@ class _Client(socket.socket):
 
     def recv(self, size: int, flags: int = 0) -> bytes:
         data = super().recv(size, flags)
-        self.read += len(data)
-        self._look(data)
+        if not flags & socket.MSG_PEEK:
+            self.read += len(data)
+            if self._looking and not self.dispatched:
+                self._look(data)
         return data
 
     def recv_into(self, buffer: Any, size: int = 0, flags: int = 0) -> int:
         count = super().recv_into(buffer, size, flags)
-        self.read += count
-        if not (self.head_read or self.dispatched):
-            self._look(bytes(memoryview(buffer)[:count]))
+        if not flags & socket.MSG_PEEK:
+            self.read += count
+            if self._looking and not self.dispatched:
+                self._look(bytes(memoryview(buffer)[:count]))
         return count
 
     def _look(self, data: bytes) -> None:
-        """Note a whole head among the first bytes read (until the app sees a request, which ends the looking)."""
-        if self.head_read or self.dispatched or not data:
-            return
+        """Note a whole HTTP/1 request head among the first bytes read: a request line (HTTP/2's preface is not
+        one), then a blank line, also when either is split between reads."""
+        if self._first is not None:
+            first = self._first + data
+            end = first.find(b"\n")
+            if end < 0:
+                self._first = first
+                self._looking = len(first) <= MAX_REQUEST_LINE
+                return
+            if not REQUEST_LINE.fullmatch(first[:end + 1]):
+                self._looking = False
+                return
+            self._first, self._tail, data = None, first[max(end - 2, 0):end + 1], first[end + 1:]
         seen = self._tail + data
-        self.head_read = b"\r\n\r\n" in seen
+        if b"\r\n\r\n" in seen or b"\n\n" in seen:
+            self.head_read, self._looking = True, False
         self._tail = seen[-3:]
 
     def evictable(self) -> bool:
@@ -131,9 +150,9 @@ class _Client(socket.socket):
     def new(self, now: float) -> bool:
         """No request of it seen by the app yet, and bytes sent, accepted under NEW_GRACE seconds ago (its request,
         read or waiting to be, not parsed and handed to the app yet: a few loop turns), or under HEAD_GRACE if a
-        whole head of it was read (the app is late: a busy process on a loaded machine); none of it counts in
-        ``sent`` yet. A silent connection is not new: it waits for nothing. A head that never ends is new only
-        for NEW_GRACE."""
+        whole HTTP/1 request head of it was read (the app is late: a busy process on a loaded machine); none of it
+        counts in ``sent`` yet. A silent connection is not new: it waits for nothing. A head that never ends, or
+        bytes that are no HTTP/1 request (HTTP/2's preface with no stream after it), are new only for NEW_GRACE."""
         if self.dispatched:
             return False
         age = now - self.accepted

@@ -251,29 +251,37 @@ def test_a_new_connection_keeps_its_place_until_its_request_is_read() -> None:
 
 
 @pytest.mark.parametrize("read", ["recv", "recv_into"])
-def test_a_whole_head_the_app_has_not_taken_keeps_its_place_longer(read: str) -> None:
+@pytest.mark.parametrize(("sent", "protected"), [
+    ([b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r", b"\n\r", b"\n{}"], True),
+    ([b"GET /hea", b"lth HTTP/1.1\r\n", b"\r\n"], True),  # the request line split, no header
+    ([b"GET /health HTTP/1.1\nHost: x\n\n"], True),  # bare line feeds, as h11 takes them
+    ([b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"], False),  # HTTP/2's preface: no stream may ever come
+    ([b"\r\n\r\n"], False),
+    ([b"GET / HTTP/1.1\r\nX-Pad: " + b"a" * 12288], False),  # a head that never ends
+    ([b"G" * (9 << 10), b" / HTTP/1.1\r\n\r\n"], False),  # a first line too long to be looked at
+], ids=["split-blank-line", "split-request-line", "bare-lf", "h2-preface", "blank", "endless", "long-line"])
+def test_a_whole_head_the_app_has_not_taken_keeps_its_place_longer(read: str, sent: list[bytes],
+                                                                    protected: bool) -> None:
     """A full-suite failure of the slow-clients test above (a normal request closed with "Server disconnected"
     after 2 s, 891 slow connections reopened meanwhile): on a loaded machine the proxy can read a new connection's
     whole head and take longer than NEW_GRACE to hand it to the app, and its place then went to the next new
-    connection. A whole head read keeps its connection new for HEAD_GRACE; a head that never ends, only for
-    NEW_GRACE; a request the app has seen, not at all (its place is then the request's)."""
+    connection. A whole HTTP/1 request head read keeps its connection new for HEAD_GRACE; bytes that are no such
+    head (HTTP/2's preface, a blank line, a head that never ends), only for NEW_GRACE; a request the app has seen,
+    not at all (its place is then the request's)."""
     ours, peer = socket.socketpair()
     client = _Client(fileno=ours.detach())
     try:
-        def take() -> None:
-            if read == "recv":
-                client.recv(4096)
-            else:
-                client.recv_into(bytearray(4096))
-
         now = time.monotonic()
         client.accepted = now - 2 * NEW_GRACE
-        peer.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r")
-        take()
-        assert not client.new(now)  # no blank line yet: the grace of an unfinished head is over
-        peer.sendall(b"\n{}")  # the blank line ends across two reads
-        take()
-        assert client.new(now)
+        for part in sent:
+            peer.sendall(part)
+            while client.waiting() < len(part):
+                time.sleep(0.001)
+            if read == "recv":
+                client.recv(1 << 16)
+            else:
+                client.recv_into(bytearray(1 << 16))
+        assert client.new(now) == protected
         assert not client.new(client.accepted + HEAD_GRACE)
         client.dispatched = True
         assert not client.new(now)
