@@ -128,9 +128,11 @@ class Outbound(Connection):
     """Sender side: ring reservations, and a thread reading the ACKs that release them."""
 
     def __init__(self, sock: socket.socket, peer: str, closed: threading.Event, *, session: str,
-                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int, offers_direct: bool = False) -> None:
+                 ring_addr: int, ring_size: int, chunk_size: int, inline_max: int, offers_direct: bool = False,
+                 peer_link: str = "") -> None:
         super().__init__(sock, peer, closed)
         self.session = session
+        self.peer_link = peer_link  # the id of the peer's link that took this connection (WELCOME)
         self.offers_direct = offers_direct  # the receiver answers large tensors with DIRECT (WELCOME)
         self.inline_max = inline_max  # tensors up to this size travel inside their frame
         self.ring_addr = ring_addr

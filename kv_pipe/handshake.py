@@ -29,10 +29,13 @@ HELLO_TIMEOUT = 3.0  # a peer sends its HELLO as soon as it connected: a silent 
 DEFAULT_CHANNEL = "kv"
 _CHANNEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 MAX_PEER_RANKS = 1024
-HELLO = {"kv_rank": int, "local_rank": int, "address": str, "to": str, "channel": str, "nonce": str}
+# "link": the id of the link (one pair of connections, ``MooncakePipe``) that sends the HELLO / the WELCOME: a peer
+# that made a new link to us is told from one reconnecting its old one (``MooncakePipe.attach_inbound``)
+HELLO = {"kv_rank": int, "local_rank": int, "address": str, "to": str, "channel": str, "nonce": str, "link": str}
 CHALLENGE = {"nonce": str, "proof": str}
 AUTH = {"session": str, "proof": str}
-WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int, "direct_recv": bool}
+WELCOME = {"session": str, "ring_addr": int, "ring_size": int, "max_chunk": int, "inline_max": int, "direct_recv": bool,
+           "link": str}
 
 T = TypeVar("T")
 
@@ -48,7 +51,7 @@ def connect(peer_host: str, peer_port: int, hello: dict[str, Any], *, source_hos
             timeout: float, peer_was_up: bool, check_open: Callable[[], None],
             use: Callable[[socket.socket, dict[str, Any]], T]) -> T:
     """Open the side channel to the peer endpoint (retrying while it starts up) and handshake: ``hello`` is what
-    this side says of itself (kv_rank, local_rank, address, to, channel; each attempt adds a fresh nonce),
+    this side says of itself (kv_rank, local_rank, address, to, channel, link; each attempt adds a fresh nonce),
     ``session`` its engine session. ``use(sock, welcome)`` makes the connection of the checked WELCOME; what it
     raises counts as a failed handshake. ``peer_was_up``: the peer answered before, so a refused connection means
     that it is down, not starting. ``check_open`` raises once the pipe is closed."""
@@ -115,6 +118,7 @@ def _introduce(sock: socket.socket, peer: str, hello: dict[str, Any], secret: by
     welcome = wire.decode_json(payload, WELCOME)
     if welcome["ring_size"] <= 0 or welcome["max_chunk"] <= 0 or welcome["ring_addr"] <= 0:
         raise ProtocolError(f"WELCOME announces an unusable ring: {welcome}")
+    auth.check_nonce(welcome["link"], "WELCOME: the link id")
     return welcome
 
 
@@ -160,6 +164,7 @@ def authenticate(sock: socket.socket, source: str, me: Listening) -> tuple[dict[
     if not names(me, *to):
         raise ProtocolError(f"the HELLO is meant for the pipe at {hello['to']}, not this one (a relayed handshake?)")
     auth.check_nonce(hello["nonce"], "HELLO")
+    auth.check_nonce(hello["link"], "HELLO: the link id")
     address = join_host_port(host, port)
     if not same_host(host, source):
         raise ProtocolError(f"the peer says it listens on {address} but connects from {source}")
@@ -202,13 +207,13 @@ def _unwelcome(hello: dict[str, Any], address: str, source: str, me: Listening) 
 
 
 def welcome(sock: socket.socket, timeout: float, *, session: str, ring_addr: int, ring_size: int, max_chunk: int,
-            inline_max: int, direct_recv: bool) -> None:
-    """Tell an authenticated peer where to write (our engine session and staging ring), then give the connection the
-    pipe's ``timeout``."""
+            inline_max: int, direct_recv: bool, link: str) -> None:
+    """Tell an authenticated peer where to write (our engine session and staging ring) and which of our links took
+    its connection, then give the connection the pipe's ``timeout``."""
     sock.settimeout(min(HANDSHAKE_TIMEOUT, timeout))
     sock.sendall(wire.encode_json(Kind.WELCOME, {
         "session": session, "ring_addr": ring_addr, "ring_size": ring_size, "max_chunk": max_chunk,
-        "inline_max": inline_max, "direct_recv": direct_recv}))
+        "inline_max": inline_max, "direct_recv": direct_recv, "link": link}))
     sock.settimeout(timeout)
 
 

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from kv_pipe import handshake
+from kv_pipe import auth, handshake
 from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
@@ -102,6 +102,7 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
         self._engine = endpoint.engine
         self._closed = threading.Event()
         self._closing = False  # close() began
+        self.link_id = auth.nonce()  # this link among all this endpoint makes to the peer: HELLO and WELCOME name it
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._state = threading.Condition()  # guards _inbound / _outbound replacement and the ring
@@ -131,11 +132,19 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
         return self._send_lock.locked() or self._receiving
 
     # ---------------------------------------------------------------- accepting
-    def attach_inbound(self, sock: socket.socket, who: str, session: str) -> None:
-        """The peer connected to send to us (its HELLO was checked by the endpoint): welcome it, telling it where our
-        ring is (registered on its first connection), and make it this link's inbound connection."""
+    def attach_inbound(self, sock: socket.socket, who: str, session: str, link: str) -> None:
+        """The peer connected to send to us (its HELLO, naming the peer's ``link``, was checked by the endpoint):
+        welcome it, telling it where our ring is (registered on its first connection), and make it this link's
+        inbound connection. If the peer's link is not the one our outbound connection reaches, the peer made a new
+        link (it closed the old one): our outbound connection is ended, as the peer's end of it is or soon will be,
+        and our next send connects to the new link (an answer sent before that peer's FIN arrived would be lost)."""
         with self._state:
             self._check_open()
+            out = self._outbound
+            if out is not None and out.alive and out.peer_link != link:
+                logger.info("pipe %s -> %s (%s): the peer made a new link; the connection to its old one is ended",
+                            self.endpoint.address, self.peer, self.channel)
+                out.fail(PeerDisconnected(f"peer {self.peer} made a new link: the connection to its old one ended"))
             old = self._inbound
             if old is not None and old.probe_alive():
                 # The new connection proved what the old one did (the peer's address and host, the secret): the old
@@ -148,7 +157,8 @@ class MooncakePipe(Sender, Receiver, KVPipeBase):
                 self._ring = self.endpoint.take_ring(self)
             handshake.welcome(sock, self.config.timeout, session=self._engine.session, ring_addr=self._ring.data_ptr(),
                               ring_size=self._ring.numel(), max_chunk=self.config.chunk_size,
-                              inline_max=self.config.inline_max, direct_recv=self.endpoint.offers)
+                              inline_max=self.config.inline_max, direct_recv=self.endpoint.offers,
+                              link=self.link_id)
             self._inbound = Inbound(sock, who, self._closed, max_tensor_size=self.config.max_tensor_size,
                                     inline_max=self.config.inline_max)
             self._state.notify_all()

@@ -62,7 +62,7 @@ class Link(Protocol):
     @property
     def busy(self) -> bool: ...
 
-    def attach_inbound(self, sock: socket.socket, who: str, session: str) -> None: ...
+    def attach_inbound(self, sock: socket.socket, who: str, session: str, link: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -262,7 +262,7 @@ class Node(Generic[L]):
             pipe, new = self._live_link(peer, hello["channel"])
             if new and self._on_link is not None:
                 self._on_link(pipe)
-            pipe.attach_inbound(sock, who, session)
+            pipe.attach_inbound(sock, who, session, hello["link"])
         except Exception as e:  # whatever a stranger sends, this connection ends and we go on
             handshake.refuse(sock, who, e)
         finally:

@@ -54,6 +54,7 @@ class Sender:
     _outbound: Outbound | None
     _stage: torch.Tensor | None
     _peer_was_up: bool
+    link_id: str
     _check_open: Callable[[], None]
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
@@ -187,7 +188,7 @@ class Sender:
     def _connect(self, timeout: float) -> Outbound:
         """Open the side channel to the peer (retrying while it starts up) and handshake."""
         hello = {"kv_rank": self.kv_rank, "local_rank": self.local_rank, "address": self.endpoint.address,
-                 "to": self.peer, "channel": self.channel}
+                 "to": self.peer, "channel": self.channel, "link": self.link_id}
         return handshake.connect(self.peer_host, self.peer_port, hello, source_host=self.host,
                                  secret=self.config.secret, session=self._engine.session, timeout=timeout,
                                  peer_was_up=self._peer_was_up, check_open=self._check_open,
@@ -201,7 +202,7 @@ class Sender:
         inline_max = min(self.config.inline_max, welcome["inline_max"])
         out = Outbound(sock, self.peer, self._closed, session=welcome["session"], ring_addr=welcome["ring_addr"],
                        ring_size=ring_size, chunk_size=chunk_size, inline_max=inline_max,
-                       offers_direct=welcome["direct_recv"])
+                       offers_direct=welcome["direct_recv"], peer_link=welcome["link"])
         with self._state:
             closing = self._closing  # closed during the handshake: close() does not see this connection
             if not closing:

@@ -338,15 +338,37 @@ def endpoint_server(cfg: dict[str, Any], address: str, clients: int) -> int:
     return answered
 
 
+def late_bye_server(cfg: dict[str, Any], address: str, clients: int, late: float) -> int:
+    """``endpoint_server`` on a network that delivers the end of a connection ``late`` seconds after it was sent:
+    a BYE on a connection this side sends on is acted on only then, and the TCP state probe does not see the FIN
+    (a lossy link retransmitting it)."""
+    import time
+
+    from kv_pipe import channel
+    from kv_pipe.wire import Kind
+
+    handle = channel.Outbound._handle
+
+    def late_handle(self: Any, kind: Any, payload: bytes) -> None:
+        if kind == Kind.BYE:
+            time.sleep(late)
+        handle(self, kind, payload)
+
+    channel.Outbound._handle = late_handle  # type: ignore[method-assign]
+    channel.Connection.probe_alive = channel.Connection.alive.fget  # type: ignore[method-assign,attr-defined]
+    return endpoint_server(cfg, address, clients)
+
+
 def raw_handshake(sock: Any, hello: dict[str, Any], secret: bytes = b"", session: str = "fake:1") -> tuple[Any, bytes]:
-    """Speak the side channel's handshake by hand: HELLO (``hello`` plus a nonce), then AUTH under ``secret`` if the
-    endpoint sends its CHALLENGE; returns the last frame (kind, payload): WELCOME, or ERROR."""
+    """Speak the side channel's handshake by hand: HELLO (``hello`` plus a nonce and a link id, unless it names one),
+    then AUTH under ``secret`` if the endpoint sends its CHALLENGE; returns the last frame (kind, payload): WELCOME,
+    or ERROR."""
     import json
 
     from kv_pipe import auth, wire
     from kv_pipe.wire import Kind
 
-    frame = wire.encode_json(Kind.HELLO, {"nonce": auth.nonce(), **hello})
+    frame = wire.encode_json(Kind.HELLO, {"nonce": auth.nonce(), "link": auth.nonce(), **hello})
     sock.sendall(frame)
     kind, payload = wire.recv_frame(sock)
     if kind != Kind.CHALLENGE:

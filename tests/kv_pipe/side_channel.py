@@ -22,7 +22,7 @@ def free_address() -> str:
 def hello_frame(endpoint, **fields) -> bytes:
     """A HELLO frame to ``endpoint`` from 127.0.0.1:1 as a producer, with ``fields`` changed."""
     hello = {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "to": endpoint.address, "channel": "kv",
-             "nonce": auth.nonce(), **fields}
+             "nonce": auth.nonce(), "link": auth.nonce(), **fields}
     return wire.encode_json(Kind.HELLO, hello)
 
 

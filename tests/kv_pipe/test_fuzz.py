@@ -94,7 +94,7 @@ def test_mutated_handshakes_against_a_live_pipe_then_its_real_peer_is_served(cap
     cfg = make_config(timeout=5.0)
     with open_pipe(cfg, 1) as pipe:
         hello = {"kv_rank": 0, "local_rank": 0, "address": pipe.peer, "to": pipe.endpoint.address,
-                 "channel": "kv", "nonce": auth.nonce()}
+                 "channel": "kv", "nonce": auth.nonce(), "link": auth.nonce()}
         seeds = [wire.encode_json(Kind.HELLO, hello), wire.encode_json(Kind.AUTH, {"session": "x:1", "proof": "0" * 64}),
                  wire.encode_json(Kind.HELLO, {**hello, "kv_rank": 10 ** 30}), wire.encode(Kind.HELLO, b"[" * 64)]
         ended = {"error": 0, "closed": 0, "challenged": 0}

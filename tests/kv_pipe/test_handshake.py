@@ -61,7 +61,8 @@ def test_an_endpoint_for_any_peer_rank_admits_another_tp_rank(cfg):
 def _hello(endpoint, **fields) -> dict:
     """HELLO fields to ``endpoint`` from 127.0.0.1:1 as a producer, with ``fields`` changed (raw_handshake adds a
     nonce)."""
-    return {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "to": endpoint.address, "channel": "kv", **fields}
+    return {"kv_rank": 0, "local_rank": 0, "address": "127.0.0.1:1", "to": endpoint.address, "channel": "kv",
+            "link": auth.nonce(), **fields}
 
 
 def _answers(endpoint, fields: dict, secret: bytes) -> tuple[list, bytes]:
