@@ -37,6 +37,8 @@ def test_channel_names_and_host_names():
     ({"address": "127.0.0.2:4000"}, b"connects from 127.0.0.1"),
     ({"address": "no port"}, b"HELLO"),
     ({"channel": "../etc"}, b"channel must be"),
+    ({"link": "not hex"}, b"the link id"),
+    ({"link": 7}, b"'link' has the wrong type"),
 ])
 def test_a_hello_that_lies_or_is_malformed_is_refused(cfg, fields, message):
     with open_endpoint(cfg, 1, free_address()) as endpoint:
