@@ -109,9 +109,8 @@ class VllmServer(OpenAIClient):
                      str(port), *extra_args]
         if kv_transfer_config is not None:
             self.argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        self.prefix = [*(prefix or []), *(["taskset", "-c", str(core)] if confine else [])]
         self.cpus = [core] if confine else None
-        self.cmd = [*self.prefix, *self.argv]
+        self.cmd = [*(prefix or []), *(["taskset", "-c", str(core)] if confine else []), *self.argv]
         # the connector is found through the installed package, as for users; ``env`` adds or overrides variables
         env = {**base_env(), "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
         if not worker_process:
@@ -130,13 +129,14 @@ class VllmServer(OpenAIClient):
     def _spawn(self) -> subprocess.Popen | ForkedProcess:
         """Forked by the fork server where one runs and may start this instance (``fork_starts``), else spawned."""
         servers = _fork_servers
-        if servers is None or self.own_host:
-            return spawn(self.cmd, self.log, self.env)
-        server, why = servers.server_for(self.env)
-        with self.log.open("a") as out:
-            out.write(f"[harness] {'forked by ' + server.name if server else 'spawned, not forked: ' + why}: "
-                      f"{' '.join(self.cmd)}\n")
-        return server.spawn(self.argv, self.env, self.log, self.cpus) if server else spawn(self.cmd, self.log, self.env)
+        if servers is not None and not self.own_host:
+            server, why = servers.server_for(self.env)
+            with self.log.open("a") as out:
+                out.write(f"[harness] {'forked by ' + server.name if server else 'spawned, not forked: ' + why}: "
+                          f"{' '.join(self.cmd)}\n")
+            if server is not None:
+                return server.spawn(self.argv, self.env, self.log, self.cpus)
+        return spawn(self.cmd, self.log, self.env)
 
     def wait_ready(self) -> None:
         wait_ready(self.proc, self.cmd, self.log, http_ok(f"{self.url}/health"), f"vLLM {self.name}", VLLM_START_TIMEOUT)

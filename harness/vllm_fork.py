@@ -103,7 +103,6 @@ class ForkServer:
     finished its imports: the request waits in the pipe."""
 
     def __init__(self, env: dict[str, str], work: Path, name: str) -> None:
-        self.env = env
         self.log = work / f"{name}.log"
         self.work = work
         self.name = name
