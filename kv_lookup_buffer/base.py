@@ -16,6 +16,10 @@ class BufferClosed(RuntimeError):
     """The buffer, or the other side of it, was closed."""
 
 
+class BufferFull(ValueError):
+    """An evicting buffer cannot take an entry: what it holds is held for consumers (leases), none may be evicted."""
+
+
 class AnswerAbandoned(TimeoutError):
     """``drop_select`` gave up at its deadline while the answer was still being received: its bytes may go on
     landing in ``key_out`` until ``landed`` is set (the receive ended, and no write the producer started can land any

@@ -13,10 +13,11 @@ Requests are validated by the producer; a malformed one is answered with MISS (o
 carry an op and a seq) and logged, and the serving thread goes on.
 
 Extensions to vLLM v0's contract (all off by default): ``max_age`` drops entries nobody took within that many seconds,
-``evict`` makes ``insert`` drop the oldest entries to make room instead of waiting for a consumer, and
+``evict`` makes ``insert`` drop the oldest entries to make room instead of waiting for a consumer,
 ``drop_select(..., key_rows=..., key_part=..., shares=...)`` fetches only some rows of the entry's key, only a range
 of its third dimension (some KV heads), and lets several consumers (the TP ranks of one instance) each take a part of
-one entry.
+one entry; and ``lookup`` asks how much of a query the producer holds and has it hold that entry for a lease, which
+``drop_select(..., lease=...)`` then takes (find before you claim).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from kv_lookup_buffer.base import BufferClosed, Counts, KVLookupBufferBase
 from kv_lookup_buffer.simple_consumer import BufferConsumer, died_error
 from kv_lookup_buffer.simple_producer import BufferProducer
-from kv_lookup_buffer.simple_wire import MAX_SHARES, masked_tokens
+from kv_lookup_buffer.simple_wire import MAX_LEASE_MS, MAX_SHARES, masked_tokens
 from kv_pipe import KVPipeBase
 from kv_pipe.scatter import Scatter
 
@@ -80,7 +81,7 @@ class SimpleBuffer(KVLookupBufferBase):
         # requests_lost (producer) / answers_lost (consumer): requests / answers that broke off mid-way (their
         # sender froze or died after they had begun to arrive); logged too
         self.stats = Counts(("hits", "misses", "malformed", "late_hits_dropped", "abandoned_hits_dropped", "stray_frames",
-                             "expired", "evicted",
+                             "expired", "evicted", "lookups", "leases", "leases_expired",
                              "hit_bytes", "hit_key_bytes", "requests_lost", "answers_lost"), on_count)
         self.producer = BufferProducer(signal_pipe, data_pipe, buffer_size_thresh, self.timeout, max_age, evict,
                                        self._closed, self.stats, self._thread_died)
@@ -127,7 +128,8 @@ class SimpleBuffer(KVLookupBufferBase):
     def drop_select(self, input_tokens: torch.Tensor | None, roi: torch.Tensor | None, *,
                     key_out: torch.Tensor | Scatter | None = None, key_rows: tuple[int, int] | None = None,
                     key_part: tuple[int, int] | None = None, shares: int = 1,
-                    timeout: float | None = None, deadline: float | None = None) -> list[torch.Tensor | None]:
+                    timeout: float | None = None, deadline: float | None = None,
+                    lease: int = 0) -> list[torch.Tensor | None]:
         """See ``KVLookupBufferBase.drop_select``. Extensions:
 
         - ``key_rows=(start, stop)``: only rows [start, stop) of the entry's key are sent (its first dimension,
@@ -147,6 +149,8 @@ class SimpleBuffer(KVLookupBufferBase):
         - ``deadline`` (a ``time.monotonic()`` value) comes first: the call then raises ``AnswerAbandoned`` while the
           entry is still arriving; bytes may go on landing in ``key_out`` until its ``landed`` event is set (the
           answer is received to its end in the background and dropped).
+        - ``lease``: the lease a ``lookup`` was given; the entry it holds is taken (an entry held under another lease
+          that has not ended is never taken, with or without one).
 
         Several threads may call this at once: their requests are in flight together.
         """
@@ -165,7 +169,29 @@ class SimpleBuffer(KVLookupBufferBase):
         if isinstance(shares, bool) or not isinstance(shares, int) or not 1 <= shares <= MAX_SHARES:
             raise ValueError(f"shares must be an integer from 1 to {MAX_SHARES}, got {shares!r}")
         wait = self.timeout if timeout is None else timeout
-        return self.consumer.drop_select(query, key_out, key_rows, key_part, shares, wait, deadline)
+        return self.consumer.drop_select(query, key_out, key_rows, key_part, shares, wait, deadline, _lease(lease))
+
+    def lookup(self, input_tokens: torch.Tensor, roi: torch.Tensor | None = None, *, lease: int, lease_seconds: float,
+               timeout: float | None = None) -> tuple[int, int]:
+        """Consumer (an extension): how much of these tokens the producer holds, without taking anything: ``(agree,
+        held)``, the best entry ``drop_select`` would take agrees with the query on its first ``agree`` tokens and
+        holds ``held`` tokens ((0, 0): none). That entry is held for ``lease`` (a non-zero id the caller picks, e.g.
+        at random) for ``lease_seconds`` (the producer caps it at 600 s): no expiry, eviction or request under
+        another lease takes it until a ``drop_select(..., lease=lease)`` does or the lease ends (counted by the
+        producer as ``leases_expired``). ``TimeoutError`` if no answer comes within ``timeout`` (default: the
+        buffer's)."""
+        self._check_usable("lookup")
+        self._take_role("consumer")
+        assert self.consumer is not None
+        if not _lease(lease):
+            raise ValueError("lookup needs a non-zero lease")
+        if not 0 < lease_seconds <= MAX_LEASE_MS / 1e3:
+            raise ValueError(f"lease_seconds must be in (0, {MAX_LEASE_MS / 1e3:g}], got {lease_seconds!r}")
+        query = masked_tokens(input_tokens, roi)
+        if not query.numel():
+            raise ValueError("lookup needs at least one token")
+        wait = self.timeout if timeout is None else timeout
+        return self.consumer.lookup(query, lease, max(1, round(lease_seconds * 1e3)), wait)
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, op: str) -> None:
@@ -195,3 +221,10 @@ class SimpleBuffer(KVLookupBufferBase):
         if self.consumer is not None:
             self.consumer.close(tell=self.role == "consumer")
         self.producer.close(tell=self.role == "producer")
+
+
+def _lease(lease: int) -> int:
+    """``lease`` if a valid lease id (an int64; 0: none), else ``ValueError``."""
+    if isinstance(lease, bool) or not isinstance(lease, int) or not -(1 << 63) <= lease < 1 << 63:
+        raise ValueError(f"lease must be an int64 (0: none), got {lease!r}")
+    return lease

@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_lookup_buffer.base import AnswerAbandoned, BufferClosed, Counts
-from kv_lookup_buffer.simple_wire import CLOSED, HIT, MISS, OP_CLOSE, OP_DROP_SELECT, read_answer, request_frame
+from kv_lookup_buffer.simple_wire import (
+    CLOSED,
+    HIT,
+    LOOKED,
+    MISS,
+    OP_CLOSE,
+    OP_DROP_SELECT,
+    OP_LOOKUP,
+    read_answer,
+    request_frame,
+)
 from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
 from kv_pipe.scatter import Scatter
 
@@ -36,6 +46,7 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     landed: threading.Event = field(default_factory=threading.Event)  # nothing more can be written into key_out
     result: list[torch.Tensor | None] | None = None
+    looked: tuple[int, int] | None = None  # a lookup's answer: (tokens that agree, tokens held)
     error: BaseException | None = None
 
 
@@ -65,9 +76,25 @@ class BufferConsumer:
 
     def drop_select(self, query: torch.Tensor | None, key_out: torch.Tensor | Scatter | None,
                     key_rows: tuple[int, int] | None, key_part: tuple[int, int] | None, shares: int,
-                    wait: float, deadline: float | None = None) -> list[torch.Tensor | None]:
+                    wait: float, deadline: float | None = None, lease: int = 0) -> list[torch.Tensor | None]:
         """``SimpleBuffer.drop_select`` with its arguments checked (``query``: the roi-masked tokens)."""
-        pending = _Pending(key_out)
+        pending = self._ask(lambda seq: request_frame(OP_DROP_SELECT, seq, query, key_rows, key_part, shares, lease),
+                            _Pending(key_out), wait, deadline, "drop_select")
+        assert pending.result is not None
+        return pending.result
+
+    def lookup(self, query: torch.Tensor, lease: int, lease_ms: int, wait: float) -> tuple[int, int]:
+        """``SimpleBuffer.lookup`` with its arguments checked."""
+        pending = self._ask(lambda seq: request_frame(OP_LOOKUP, seq, query, lease=lease, lease_ms=lease_ms),
+                            _Pending(None), wait, None, "lookup")
+        if pending.looked is None:
+            raise ValueError("the producer answered a lookup with an entry: it runs another version of this project")
+        return pending.looked
+
+    def _ask(self, frame: Callable[[int], torch.Tensor], pending: _Pending, wait: float,
+             deadline: float | None, what: str) -> _Pending:
+        """Send the request ``frame(seq)`` and wait for its answer (see ``SimpleBuffer.drop_select`` for ``wait`` and
+        ``deadline``); ``pending`` holds it once it came."""
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -76,15 +103,14 @@ class BufferConsumer:
                 self._thread = threading.Thread(target=self._receive_guarded, name="kv-buffer-receiver", daemon=True)
                 self._thread.start()
         try:
-            self.signal_pipe.send_tensor(request_frame(OP_DROP_SELECT, seq, query, key_rows, key_part, shares),
-                                         timeout=wait)
+            self.signal_pipe.send_tensor(frame(seq), timeout=wait)
             if not pending.done.wait(wait):
                 with self._lock:
                     receiving = pending.receiving
                     if not receiving:
                         self._pending.pop(seq, None)  # a late answer is dropped, never received into key_out
                 if not receiving:
-                    raise TimeoutError(f"no answer to drop_select request {seq} within {wait:.1f} s")
+                    raise TimeoutError(f"no answer to {what} request {seq} within {wait:.1f} s")
                 if deadline is None:
                     pending.done.wait()
                 elif not pending.done.wait(max(deadline - time.monotonic(), 0.0)):
@@ -98,8 +124,7 @@ class BufferConsumer:
                 self._pending.pop(seq, None)
         if pending.error is not None:
             raise pending.error
-        assert pending.result is not None
-        return pending.result
+        return pending
 
     def _receive_guarded(self) -> None:
         """``_receive_loop``, and if it ever ends while the buffer is open (only something like SystemExit can end
@@ -118,7 +143,7 @@ class BufferConsumer:
             try:
                 frame = self.data_pipe.recv_tensor(timeout=_POLL)  # _POLL: the wait for an answer to start only
                 try:
-                    status, seq = read_answer(frame, (HIT, MISS, CLOSED), "drop_select answer")
+                    status, seq, looked = read_answer(frame, (HIT, MISS, CLOSED, LOOKED), "answer")
                 except ValueError as e:  # e.g. the rest of an answer that broke off, resent on a new connection
                     self.stats.add("stray_frames")
                     logger.warning("skipped a frame that starts no answer: %s", e)
@@ -130,8 +155,12 @@ class BufferConsumer:
                     pending = self._pending.get(seq)
                     if pending is not None and status == HIT:
                         pending.receiving = True
-                if status == MISS:
+                if status == LOOKED:
+                    if pending is not None:
+                        pending.looked = looked
                     result: list[torch.Tensor | None] = [None] * 5
+                elif status == MISS:
+                    result = [None] * 5
                 else:
                     try:
                         result = self._receive_entry(pending.key_out if pending is not None else None)

@@ -11,15 +11,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_lookup_buffer.base import BufferClosed, Counts
+from kv_lookup_buffer.base import BufferClosed, BufferFull, Counts
 from kv_lookup_buffer.simple_wire import (
     CLOSED,
     HIT,
     MISS,
     OP_CLOSE,
+    OP_LOOKUP,
     BadRequest,
     Request,
     answer_frame,
+    looked_frame,
     masked_tokens,
     read_request,
 )
@@ -40,6 +42,16 @@ class _Entry:
     ready: Callable[[], None] | None = None  # its tensors are being filled: returns once they are
     created: float = field(default_factory=time.monotonic)
     taken: int = 0  # requests that took a part of it (a shared entry leaves with the last share)
+    lease: int = 0  # held for the consumer's requests under this lease (a lookup found it); 0: none
+    lease_until: float = 0.0  # time.monotonic() when the lease ends
+
+    def open_to(self, lease: int) -> bool:
+        """May a request under ``lease`` (0: none) see it? (Leases past their end are swept by ``_expire`` first.)"""
+        return self.lease == 0 or self.lease == lease
+
+
+def _unleased(entry: _Entry) -> bool:
+    return entry.lease == 0
 
 
 def nbytes_of(tensors: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> int:
@@ -107,6 +119,7 @@ class BufferProducer:
         self._consumer_closes = 0  # bumped when a consumer says goodbye: wakes blocked inserts
         self._thread: threading.Thread | None = None  # serving the constructor's pipes
         self._links: list[tuple[KVPipeBase, KVPipeBase, threading.Thread]] = []  # every link given to serve_link
+        self._leased: dict[int, _Entry] = {}  # id -> entry, of the entries held under a lease
 
     def __len__(self) -> int:
         with self._cv:
@@ -129,9 +142,11 @@ class BufferProducer:
             self._expire()
             closes = self._consumer_closes
             while self.buffer_size + nbytes > self.thresh:
-                if self.evict and len(self._index):
-                    self._drop_oldest("evicted", f"to make room for an entry of {len(tokens)} tokens")
+                if self.evict and self._drop_oldest("evicted", f"to make room for an entry of {len(tokens)} tokens"):
                     continue
+                if self.evict and self._leased:  # a lease is a promise to a consumer: the new entry gives way
+                    raise BufferFull(f"no room for an entry of {nbytes} bytes: the buffer's other entries are held "
+                                     f"for consumers that found them ({len(self._leased)} lease(s))")
                 if self.evict:
                     break  # only entries being sent are left: they leave in a moment
                 if self._closed.is_set():
@@ -160,25 +175,36 @@ class BufferProducer:
             self._index.add(tokens, _Entry(tensors, nbytes, copy, ready), hashes)
         self.start_serving()
 
-    def _drop_oldest(self, why: str, detail: str) -> None:
-        """Forget the oldest entry (under the lock), counted under ``why`` and logged."""
-        ident = self._index.find(None)
-        assert ident is not None
+    def _drop_oldest(self, why: str, detail: str) -> bool:
+        """Forget the oldest entry no lease holds (under the lock), counted under ``why`` and logged; False if there
+        is none."""
+        ident = self._index.find(None, accept=_unleased)
+        if ident is None:
+            return False
         entry = self._index.remove(ident)
         self._release(entry)
         self.stats.add(why)
         logger.info("%s an entry of %d tokens (%.1f MiB) nobody took in %.1f s, %s", why, entry.tensors[0].numel(),
                     entry.nbytes / 2**20, time.monotonic() - entry.created, detail)
+        return True
 
     def _expire(self) -> None:
-        """Drop entries older than ``max_age`` (under the lock). The index is in insertion order: oldest first."""
+        """End the leases past their end, then drop entries older than ``max_age`` no lease holds (under the lock).
+        The index is in insertion order: oldest first."""
+        now = time.monotonic()
+        for key, entry in list(self._leased.items()):
+            if entry.lease_until <= now:
+                del self._leased[key]
+                entry.lease = 0
+                self.stats.add("leases_expired")
+                logger.info("the lease on an entry of %d tokens ended unused (the consumer that found it did not come "
+                            "for it)", entry.tensors[0].numel())
         if self.max_age is None:
             return
-        limit = time.monotonic() - self.max_age
+        limit = now - self.max_age
         while len(self._index):
-            oldest = self._index.find(None)
-            assert oldest is not None
-            if self._index.peek(oldest).created > limit:
+            oldest = self._index.find(None, accept=_unleased)
+            if oldest is None or self._index.peek(oldest).created > limit:
                 return
             self._drop_oldest("expired", f"older than max_age={self.max_age:g} s")
 
@@ -292,14 +318,37 @@ class BufferProducer:
                 self._consumer_closes += 1
                 self._cv.notify_all()
             return
+        if request.op == OP_LOOKUP:
+            self._look(request, data_pipe)
+            return
         self._answer(request, data_pipe)
+
+    def _look(self, request: Request, data_pipe: KVPipeBase) -> None:
+        """A lookup: how much of the query the best entry open to its lease holds, and that entry held for the lease
+        (kept from expiry, eviction and other requests) until a request under it takes it or the lease ends."""
+        query = request.query
+        assert query is not None
+        hashes = prefix_hashes(query)
+        with self._cv:
+            self._expire()
+            ident = self._index.find(query, hashes, accept=lambda e: e.open_to(request.lease))
+            agree = held = 0
+            if ident is not None:
+                entry = self._index.peek(ident)
+                held = len(self._index.tokens(ident))
+                agree = min(held, len(query))  # the index matches only where one is a prefix of the other
+                entry.lease, entry.lease_until = request.lease, time.monotonic() + request.lease_ms / 1e3
+                self._leased[id(entry)] = entry
+                self.stats.add("leases")
+            self.stats.add("lookups")
+        data_pipe.send_tensor(looked_frame(request.seq, agree, held))
 
     def _answer(self, request: Request, data_pipe: KVPipeBase) -> None:
         query = request.query
         hashes = None if query is None else prefix_hashes(query)  # outside the lock, away from the inserting thread
         with self._cv:
             self._expire()
-            ident = self._index.find(query, hashes)
+            ident = self._index.find(query, hashes, accept=lambda e: e.open_to(request.lease))
             entry = None if ident is None else self._index.peek(ident)
             if entry is not None:
                 entry.taken += 1
@@ -308,6 +357,7 @@ class BufferProducer:
                     entry.copied = False  # other threads may send it too: its memory is never recycled
                 if last:
                     self._index.remove(ident)
+                    self._leased.pop(id(entry), None)
         if entry is None:
             self._count("misses")
             data_pipe.send_tensor(answer_frame(MISS, request.seq))
@@ -335,6 +385,8 @@ class BufferProducer:
                 if last:
                     assert tokens is not None
                     self._index.add(masked_tokens(tokens, roi).tolist(), entry)
+                    if entry.lease:
+                        self._leased[id(entry)] = entry
             raise
         with self._cv:
             self.stats.add("hits")

@@ -3,16 +3,19 @@
 The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
 
 - consumer -> producer, signal pipe: one int64 tensor per request,
-  ``[op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]``:
+  ``[op, seq, kind, row_start, row_stop, part_start, part_stop, shares, lease, lease_ms, *tokens]``:
   ``OP_DROP_SELECT`` with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi;
   only the masked tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None,
   None)``); ``row_start``/``row_stop`` ask for rows [start, stop) of the entry's key (its first dimension), ``stop``
   -1 for all of them; ``part_start``/``part_stop`` a range of its third dimension (-1: all); ``shares``: how many
-  requests take parts of this entry (it leaves the buffer with the last of them). Or ``OP_CLOSE`` (the consumer is
-  going away).
+  requests take parts of this entry (it leaves the buffer with the last of them); ``lease``: the lease (0: none)
+  under which a lookup found the entry (an entry under another live lease is not taken). ``OP_LOOKUP``, the same
+  fields with ``kind`` ``QUERY``: say how much of the query the best entry holds, and hold that entry for ``lease``
+  (non-zero) for ``lease_ms`` milliseconds. Or ``OP_CLOSE`` (the consumer is going away).
 - producer -> consumer, data pipe: an int64 tensor ``[ANSWER_MAGIC, status, seq]`` echoing the request's ``seq``:
   ``HIT`` followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going
-  away; ``seq`` -1).
+  away; ``seq`` -1); or, answering a lookup, ``[ANSWER_MAGIC, LOOKED, seq, agree, held]``: the entry held for the
+  lease agrees with the query on its first ``agree`` tokens and holds ``held`` tokens (0 and 0: none).
 
 Every frame is parsed and validated field by field (nothing on the wire is executed); a malformed one raises
 ``BadRequest`` (requests) or ``ValueError`` (answers) with a message saying what was expected.
@@ -24,13 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-OP_DROP_SELECT, OP_CLOSE = 3, 4  # 1 and 2 were the ops of the 5-field request of older versions
+OP_CLOSE, OP_DROP_SELECT, OP_LOOKUP = 4, 5, 6
+OLDER_OPS = (1, 2, 3)  # the drop_select ops of older versions (5- and 8-field requests)
 ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
-HIT, MISS, CLOSED = 0, 1, 2
+HIT, MISS, CLOSED, LOOKED = 0, 1, 2, 3
 ANSWER_MAGIC = 0x4D4B5641  # "MKVA": starts every answer, so that leftovers of an answer that broke off are told apart
 ALL_ROWS = -1
-REQUEST_HEAD = 8  # op, seq, kind, row_start, row_stop, part_start, part_stop, shares
+REQUEST_HEAD = 10  # op, seq, kind, row_start, row_stop, part_start, part_stop, shares, lease, lease_ms
 MAX_SHARES = 1024
+MAX_LEASE_MS = 600_000  # the longest a lookup may hold an entry for (what a consumer asks is capped at this)
 
 
 class BadRequest(ValueError):
@@ -49,6 +54,8 @@ class Request:
     rows: tuple[int, int] | None = None  # rows [start, stop) of the key; None: all
     part: tuple[int, int] | None = None  # a range of the key's third dimension; None: all
     shares: int = 1
+    lease: int = 0  # drop_select: the lease it takes the entry under (0: none); lookup: the lease to grant
+    lease_ms: int = 0  # lookup: how long the lease lasts
 
 
 def as_mask(roi: torch.Tensor) -> torch.Tensor:
@@ -68,12 +75,13 @@ def masked_tokens(tokens: torch.Tensor, roi: torch.Tensor | None) -> torch.Tenso
 
 
 def request_frame(op: int, seq: int, query: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
-                  part: tuple[int, int] | None = None, shares: int = 1) -> torch.Tensor:
+                  part: tuple[int, int] | None = None, shares: int = 1, lease: int = 0,
+                  lease_ms: int = 0) -> torch.Tensor:
     """The frame of a request (``query``: the roi-masked tokens, None: any entry)."""
     start, stop = rows if rows is not None else (0, ALL_ROWS)
     part_start, part_stop = part if part is not None else (0, ALL_ROWS)
-    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop, part_start, part_stop, shares],
-                        dtype=torch.int64)
+    head = torch.tensor([op, seq, ANY if query is None else QUERY, start, stop, part_start, part_stop, shares, lease,
+                         lease_ms], dtype=torch.int64)
     return head if query is None else torch.cat((head, query))
 
 
@@ -82,10 +90,10 @@ def read_request(t: torch.Tensor | None) -> Request:
     if t is None or t.dtype != torch.int64 or t.dim() != 1 or t.numel() < REQUEST_HEAD:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
         raise BadRequest("expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, part_start, part_stop, "
-                         f"shares, *tokens], got {desc}")
-    op, seq, kind, start, stop, part_start, part_stop, shares, *query = t.tolist()
-    if op not in (OP_DROP_SELECT, OP_CLOSE):
-        if op in (1, 2):  # its answers have the same form: a MISS tells it at once
+                         f"shares, lease, lease_ms, *tokens], got {desc}")
+    op, seq, kind, start, stop, part_start, part_stop, shares, lease, lease_ms, *query = t.tolist()
+    if op not in (OP_DROP_SELECT, OP_LOOKUP, OP_CLOSE):
+        if op in OLDER_OPS:  # its answers have the same form: a MISS tells it at once
             raise BadRequest(f"unknown op {op}: the consumer runs an older version of this project", seq)
         raise BadRequest(f"unknown op {op}")
     if op == OP_CLOSE:
@@ -98,10 +106,14 @@ def read_request(t: torch.Tensor | None) -> Request:
     part = None if part_stop == ALL_ROWS else (part_start, part_stop)
     if not 1 <= shares <= MAX_SHARES:
         raise BadRequest(f"request {seq}: shares must be 1..{MAX_SHARES}, got {shares}", seq)
+    if op == OP_LOOKUP and (lease == 0 or kind != QUERY or not 0 < lease_ms):
+        raise BadRequest(f"request {seq}: a lookup needs tokens, a lease and lease_ms > 0 (got kind {kind}, lease "
+                         f"{lease}, lease_ms {lease_ms})", seq)
+    lease_ms = min(lease_ms, MAX_LEASE_MS)
     if kind == ANY and not query:
-        return Request(op, seq, None, rows, part, shares)
+        return Request(op, seq, None, rows, part, shares, lease, lease_ms)
     if kind == QUERY:
-        return Request(op, seq, query, rows, part, shares)
+        return Request(op, seq, query, rows, part, shares, lease, lease_ms)
     raise BadRequest(f"request {seq}: kind must be {QUERY} (tokens follow) or {ANY} (nothing follows), "
                      f"got {kind} with {len(query)} tokens", seq)
 
@@ -111,10 +123,23 @@ def answer_frame(status: int, seq: int) -> torch.Tensor:
     return torch.tensor([ANSWER_MAGIC, status, seq], dtype=torch.int64)
 
 
-def read_answer(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int]:
-    """(status, seq) of an answer's first frame; ``ValueError`` if it is not one with a status in ``allowed``."""
-    if t is None or t.dtype != torch.int64 or t.shape != (3,) or int(t[0]) != ANSWER_MAGIC or int(t[1]) not in allowed:
+def looked_frame(seq: int, agree: int, held: int) -> torch.Tensor:
+    """A lookup's whole answer: the entry held for it agrees with the query on ``agree`` tokens, of ``held``."""
+    return torch.tensor([ANSWER_MAGIC, LOOKED, seq, agree, held], dtype=torch.int64)
+
+
+def read_answer(t: torch.Tensor | None, allowed: tuple[int, ...], what: str) -> tuple[int, int, tuple[int, int]]:
+    """(status, seq, (agree, held)) of an answer's first frame ((0, 0) unless ``LOOKED``); ``ValueError`` if it is not
+    one with a status in ``allowed``."""
+    size = 5 if t is not None and t.dim() == 1 and t.numel() >= 2 and int(t[1]) == LOOKED else 3
+    if t is None or t.dtype != torch.int64 or t.shape != (size,) or int(t[0]) != ANSWER_MAGIC or \
+            int(t[1]) not in allowed:
         desc = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-        raise ValueError(f"malformed {what}: expected an int64 tensor [{ANSWER_MAGIC:#x}, one of {allowed}, seq], "
-                         f"got {desc}")
-    return int(t[1]), int(t[2])
+        raise ValueError(f"malformed {what}: expected an int64 tensor [{ANSWER_MAGIC:#x}, one of {allowed}, seq] "
+                         f"([{ANSWER_MAGIC:#x}, {LOOKED}, seq, agree, held] for a lookup), got {desc}")
+    if size == 3:
+        return int(t[1]), int(t[2]), (0, 0)
+    agree, held = int(t[3]), int(t[4])
+    if not 0 <= agree <= held:
+        raise ValueError(f"malformed {what}: a lookup's answer says {agree} tokens agree of {held} held")
+    return LOOKED, int(t[2]), (agree, held)

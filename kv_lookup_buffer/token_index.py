@@ -9,7 +9,7 @@ The index costs one dictionary slot per held token; the KV those tokens stand fo
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -122,15 +122,20 @@ class TokenIndex(Generic[T]):
     def values(self) -> list[T]:
         return [item.value for item in self._items.values()]
 
-    def find(self, query: Sequence[int] | None, hashes: list[int] | None = None) -> int | None:
-        """The id of the best match, or None (``hashes``: ``prefix_hashes(query)`` if computed beforehand).
+    def find(self, query: Sequence[int] | None, hashes: list[int] | None = None,
+             accept: Callable[[T], bool] | None = None) -> int | None:
+        """The id of the best match, or None (``hashes``: ``prefix_hashes(query)`` if computed beforehand;
+        ``accept``: only entries whose value it accepts take part).
 
         ``None`` matches the oldest entry. Otherwise, in this order: an entry with exactly these tokens; the longest
         entry whose tokens are a prefix of the query; the oldest entry that the query is a prefix of.
         Among equals, the oldest wins.
         """
+        def ok(ident: int) -> bool:
+            return accept is None or accept(self._items[ident].value)
+
         if query is None:
-            return next(iter(self._items), None)
+            return next((ident for ident in self._items if ok(ident)), None)
         query = tuple(query)
         m = len(query)
         if hashes is None:
@@ -138,14 +143,18 @@ class TokenIndex(Generic[T]):
         for length in sorted((n for n in self._lengths if n <= m), reverse=True):
             key = (length, hashes[length - 1] if length else 0)
             for ident in self._full.get(key, ()):
-                if self._items[ident].tokens == query[:length]:
+                if self._items[ident].tokens == query[:length] and ok(ident):
                     return ident
         if m:
             ids = self._prefix.get(hashes[-1], ())
             for ident in (ids,) if isinstance(ids, int) else ids:
-                if len(self._items[ident].tokens) > m and self._items[ident].tokens[:m] == query:
+                if len(self._items[ident].tokens) > m and self._items[ident].tokens[:m] == query and ok(ident):
                     return ident
         return None
+
+    def tokens(self, ident: int) -> tuple[int, ...]:
+        """The tokens ``ident`` is indexed under."""
+        return self._items[ident].tokens
 
 
 def _discard(index: dict[tuple[int, int], dict[int, None]], key: tuple[int, int], ident: int) -> None:

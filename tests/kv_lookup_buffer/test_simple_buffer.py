@@ -246,15 +246,15 @@ def test_malformed_requests_do_not_kill_the_producer(cfg):
         pipe.send_tensor(torch.tensor([9, 8, 1], dtype=torch.int64))  # unknown op: skipped
         pipe.send_tensor(torch.tensor([1, 8], dtype=torch.int64))  # too short to be a request: skipped
         pipe.send_tensor(None)  # not a request at all: skipped
-        # [op, seq, kind, row_start, row_stop, part_start, part_stop, shares, *tokens]
+        # [op, seq, kind, row_start, row_stop, part_start, part_stop, shares, lease, lease_ms, *tokens]
         op = OP_DROP_SELECT
-        pipe.send_tensor(torch.tensor([op, 7, 5, 0, -1, 0, -1, 1, 1, 2], dtype=torch.int64))  # unknown kind
-        pipe.send_tensor(torch.tensor([op, 8, 0, 0, -1, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens
-        pipe.send_tensor(torch.tensor([op, 9, 1, 5, 2, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # rows [5, 2)
-        pipe.send_tensor(torch.tensor([op, 10, 1, 0, -1, 3, 1, 1, 1, 2, 3], dtype=torch.int64))  # part [3, 1)
-        pipe.send_tensor(torch.tensor([op, 11, 1, 0, -1, 0, -1, 0, 1, 2, 3], dtype=torch.int64))  # 0 shares
-        pipe.send_tensor(torch.tensor([op, 12, 1, 0, -1, 0, -1, 1 << 40, 1, 2, 3], dtype=torch.int64))  # 2**40 shares
-        pipe.send_tensor(torch.tensor([1, 13, 1, 0, -1, 1, 2, 3], dtype=torch.int64))  # an older version's request
+        pipe.send_tensor(torch.tensor([op, 7, 5, 0, -1, 0, -1, 1, 0, 0, 1, 2], dtype=torch.int64))  # unknown kind
+        pipe.send_tensor(torch.tensor([op, 8, 0, 0, -1, 0, -1, 1, 0, 0, 1, 2, 3], dtype=torch.int64))  # "take any" with tokens
+        pipe.send_tensor(torch.tensor([op, 9, 1, 5, 2, 0, -1, 1, 0, 0, 1, 2, 3], dtype=torch.int64))  # rows [5, 2)
+        pipe.send_tensor(torch.tensor([op, 10, 1, 0, -1, 3, 1, 1, 0, 0, 1, 2, 3], dtype=torch.int64))  # part [3, 1)
+        pipe.send_tensor(torch.tensor([op, 11, 1, 0, -1, 0, -1, 0, 0, 0, 1, 2, 3], dtype=torch.int64))  # 0 shares
+        pipe.send_tensor(torch.tensor([op, 12, 1, 0, -1, 0, -1, 1 << 40, 0, 0, 1, 2, 3], dtype=torch.int64))  # 2**40 shares
+        pipe.send_tensor(torch.tensor([3, 13, 1, 0, -1, 0, -1, 1, 1, 2, 3], dtype=torch.int64))  # an older version's request
         for seq in range(7, 14):
             assert pipe.recv_tensor().tolist() == [ANSWER_MAGIC, 1, seq]  # MISS for each
         got = buf.drop_select(torch.tensor([1, 2, 3]), None)

@@ -10,8 +10,18 @@ import time
 import pytest
 import torch
 
-from kv_lookup_buffer import BufferClosed, SimpleBuffer, simple_consumer, simple_producer
-from kv_lookup_buffer.simple_wire import ANSWER_MAGIC, MISS, OP_DROP_SELECT, answer_frame, request_frame
+from kv_lookup_buffer import BufferClosed, BufferFull, SimpleBuffer, simple_consumer, simple_producer
+from kv_lookup_buffer.simple_wire import (
+    ANSWER_MAGIC,
+    LOOKED,
+    MISS,
+    OP_DROP_SELECT,
+    OP_LOOKUP,
+    answer_frame,
+    looked_frame,
+    read_answer,
+    request_frame,
+)
 from kv_pipe.local_pipe import local_pipe_pair
 from kv_pipe.memory import RECYCLE_MIN, RecyclePool
 from tests.kv_lookup_buffer import programs
@@ -179,23 +189,27 @@ def test_malformed_requests_are_answered_or_skipped_and_serving_goes_on():
     op = OP_DROP_SELECT
     skipped = [torch.tensor([3.0, 1.0, 0.0]), torch.tensor([9, 8, 1]), torch.tensor([1, 8]), None]
     answered = [
-        torch.tensor([op, 7, 5, 0, -1, 0, -1, 1, 1, 2]),  # unknown kind
-        torch.tensor([op, 8, 0, 0, -1, 0, -1, 1, 1, 2, 3]),  # "take any" with tokens
-        torch.tensor([op, 9, 1, 5, 2, 0, -1, 1, 1, 2, 3]),  # rows [5, 2)
-        torch.tensor([op, 10, 1, 0, -1, 3, 1, 1, 1, 2, 3]),  # part [3, 1)
-        torch.tensor([op, 11, 1, 0, -1, 0, -1, 0, 1, 2, 3]),  # 0 shares
-        torch.tensor([op, 12, 1, 0, -1, 0, -1, 1 << 40, 1, 2, 3]),  # 2**40 shares
-        torch.tensor([1, 13, 1, 0, -1, 1, 2, 3]),  # an older version's request
+        torch.tensor([op, 7, 5, 0, -1, 0, -1, 1, 0, 0, 1, 2]),  # unknown kind
+        torch.tensor([op, 8, 0, 0, -1, 0, -1, 1, 0, 0, 1, 2, 3]),  # "take any" with tokens
+        torch.tensor([op, 9, 1, 5, 2, 0, -1, 1, 0, 0, 1, 2, 3]),  # rows [5, 2)
+        torch.tensor([op, 10, 1, 0, -1, 3, 1, 1, 0, 0, 1, 2, 3]),  # part [3, 1)
+        torch.tensor([op, 11, 1, 0, -1, 0, -1, 0, 0, 0, 1, 2, 3]),  # 0 shares
+        torch.tensor([op, 12, 1, 0, -1, 0, -1, 1 << 40, 0, 0, 1, 2, 3]),  # 2**40 shares
+        torch.tensor([3, 13, 1, 0, -1, 0, -1, 1, 1, 2, 3]),  # an older version's request
+        torch.tensor([OP_LOOKUP, 14, 1, 0, -1, 0, -1, 1, 0, 1000, 1, 2, 3]),  # a lookup without a lease
+        torch.tensor([OP_LOOKUP, 15, 0, 0, -1, 0, -1, 1, 9, 1000]),  # a lookup without tokens
+        torch.tensor([OP_LOOKUP, 16, 1, 0, -1, 0, -1, 1, 9, 0, 1, 2, 3]),  # a lease of no time
     ]
     try:
         for frame in skipped + answered:
             b.send_tensor(frame)
-        for seq in range(7, 14):
+        for seq in range(7, 17):
             assert b.recv_tensor(timeout=5).tolist() == [ANSWER_MAGIC, MISS, seq]
         consumer = SimpleBuffer(b, b, 1 << 30, role="consumer")  # the same link, now spoken properly
         assert same_entry(consumer.drop_select(entry[0], None), entry)
         assert consumer.drop_select(entry[0], None) == MISSED  # answered once the hit before it was counted
-        assert producer.healthy and producer.stats["malformed"] == 11 and producer.stats["hits"] == 1
+        assert producer.healthy and producer.stats["malformed"] == 14 and producer.stats["hits"] == 1
+        assert producer.stats["leases"] == 0
         consumer.close()
     finally:
         producer.close()
@@ -334,12 +348,99 @@ def test_recycle_pool_keeps_large_host_buffers_up_to_its_limit():
     assert pool.take(RECYCLE_MIN + 1) is None
 
 
-def test_the_request_frame_is_unchanged():
-    """The frames' bytes, spelled out: a consumer of an older build must still understand them."""
-    frame = request_frame(OP_DROP_SELECT, 5, torch.tensor([7, 8]), (1, 3), None, 2)
-    assert frame.dtype == torch.int64 and frame.tolist() == [3, 5, 1, 1, 3, 0, -1, 2, 7, 8]
-    assert request_frame(4, -1).tolist() == [4, -1, 0, 0, -1, 0, -1, 1]
+def test_the_frames_are_as_documented():
+    """The frames' bytes, spelled out (simple_wire's docstring): a peer of another build reads them so."""
+    frame = request_frame(OP_DROP_SELECT, 5, torch.tensor([7, 8]), (1, 3), None, 2, lease=9)
+    assert frame.dtype == torch.int64 and frame.tolist() == [5, 5, 1, 1, 3, 0, -1, 2, 9, 0, 7, 8]
+    assert request_frame(OP_LOOKUP, 6, torch.tensor([7]), lease=-3, lease_ms=250).tolist() == \
+        [6, 6, 1, 0, -1, 0, -1, 1, -3, 250, 7]
+    assert request_frame(4, -1).tolist() == [4, -1, 0, 0, -1, 0, -1, 1, 0, 0]
     assert answer_frame(0, 5).tolist() == [0x4D4B5641, 0, 5]
+    assert looked_frame(5, 300, 400).tolist() == [0x4D4B5641, LOOKED, 5, 300, 400]
+    assert read_answer(looked_frame(5, 300, 400), (LOOKED,), "x") == (LOOKED, 5, (300, 400))
+    with pytest.raises(ValueError, match="400 tokens agree of 300"):
+        read_answer(looked_frame(5, 400, 300), (LOOKED,), "x")
+
+
+# ---------------------------------------------------------------- lookups and leases (find before you claim)
+def test_a_lookup_says_how_much_of_the_query_is_held_and_takes_nothing(link):
+    producer, consumer = link()
+    tokens = torch.arange(100, 140)
+    producer.insert(tokens, None, torch.ones(5, 2), None, None)
+    assert consumer.lookup(tokens, lease=7, lease_seconds=5) == (40, 40)  # the whole prompt
+    assert consumer.lookup(torch.arange(100, 160), lease=8, lease_seconds=5) == (0, 0)  # held under lease 7 now
+    got = consumer.drop_select(torch.arange(100, 160), None, lease=7)  # a longer prompt: the entry is its prefix
+    assert same(got[2], torch.ones(5, 2)) and len(producer) == 0
+    assert consumer.lookup(tokens, lease=9, lease_seconds=5) == (0, 0)  # taken: nothing held
+    producer.insert(torch.arange(100, 200), None, torch.ones(3), None, None)
+    assert consumer.lookup(tokens, lease=10, lease_seconds=5) == (40, 100)  # the query is a prefix of the entry
+    assert producer.stats["lookups"] == 4 and producer.stats["leases"] == 2 and producer.stats["hits"] == 1
+
+
+def test_a_leased_entry_is_kept_from_other_requests_expiry_and_eviction_until_taken(link):
+    """What was found stays found: no other request, no max_age, no eviction takes it while the lease lasts; the
+    request under the lease does."""
+    producer, consumer = link(thresh=2000, max_age=0.3, evict=True)
+    held = torch.arange(10, 20)
+    producer.insert(held, None, torch.zeros(100, dtype=torch.float64), None, None)  # 800 bytes + 80 of tokens
+    assert consumer.lookup(held, lease=42, lease_seconds=10) == (10, 10)
+    assert consumer.drop_select(held, None) == MISSED  # no lease: not for it
+    assert consumer.drop_select(held, None, lease=41) == MISSED  # another lease
+    time.sleep(0.5)  # past max_age
+    producer.insert(torch.arange(30, 40), None, torch.zeros(100, dtype=torch.float64), None, None)  # fits beside
+    assert producer.stats["expired"] == 0 and len(producer) == 2
+    with pytest.raises(BufferFull, match="held for consumers"):  # room only by evicting the held entry: refused
+        producer.insert(torch.arange(50, 60), None, torch.zeros(150, dtype=torch.float64), None, None)
+    assert producer.stats["evicted"] == 1  # the unheld one made way first
+    got = consumer.drop_select(held, None, lease=42)
+    assert same(got[0], held) and len(producer) == 0 and producer.stats["leases_expired"] == 0
+
+
+def test_a_lease_that_ends_unused_is_counted_and_the_entry_is_open_again(link):
+    producer, consumer = link()
+    tokens = torch.arange(5, 25)
+    producer.insert(tokens, None, torch.ones(4), None, None)
+    assert consumer.lookup(tokens, lease=1, lease_seconds=0.2) == (20, 20)
+    assert consumer.drop_select(tokens, None) == MISSED
+    time.sleep(0.4)
+    got = consumer.drop_select(tokens, None)  # the lease ended: anyone's again
+    assert same(got[0], tokens) and producer.stats["leases_expired"] == 1
+
+
+def test_shares_of_a_leased_entry_go_to_requests_under_its_lease(link):
+    """TP: every consumer rank takes its part of one entry under the lease its instance's lookup got."""
+    producer, consumer = link()
+    tokens = torch.arange(64)
+    producer.insert(tokens, None, torch.arange(24.0).view(2, 3, 4), None, None)
+    assert consumer.lookup(tokens, lease=5, lease_seconds=5) == (64, 64)
+    assert consumer.lookup(tokens, lease=5, lease_seconds=5) == (64, 64)  # the other rank, the same lease
+    first = consumer.drop_select(tokens, None, key_part=(0, 2), shares=2, lease=5)
+    second = consumer.drop_select(tokens, None, key_part=(2, 4), shares=2, lease=5)
+    assert first[2].shape == (2, 3, 2) and second[2].shape == (2, 3, 2) and len(producer) == 0
+
+
+def test_lookup_arguments_are_checked_before_anything_is_sent(link):
+    _, consumer = link()
+    for kwargs, what in (({"lease": 0, "lease_seconds": 1}, "non-zero lease"),
+                         ({"lease": 1, "lease_seconds": 0}, "lease_seconds"),
+                         ({"lease": 1, "lease_seconds": 601}, "lease_seconds"),
+                         ({"lease": 1 << 70, "lease_seconds": 1}, "int64")):
+        with pytest.raises(ValueError, match=what):
+            consumer.lookup(torch.tensor([1, 2]), **kwargs)
+    with pytest.raises(ValueError, match="at least one token"):
+        consumer.lookup(torch.tensor([], dtype=torch.int64), lease=1, lease_seconds=1)
+
+
+def test_a_lookup_nobody_answers_times_out():
+    a, b = local_pipe_pair(timeout=5.0)
+    consumer = SimpleBuffer(b, b, 1 << 30, role="consumer")
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            consumer.lookup(torch.tensor([1, 2]), lease=3, lease_seconds=1, timeout=0.3)
+        assert time.monotonic() - start < 2
+    finally:
+        consumer.close()
 
 
 def test_device_tensors_are_inserted_and_selected_exactly(device):
