@@ -20,11 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
 
 from kv_connector.config import ConnectorConfig
-from kv_connector.metadata import MooncakeConnectorMetadata
+from kv_connector.metadata import MooncakeConnectorMetadata, MooncakeWorkerMetadata
 from kv_connector.metrics import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.options import check_kv_cache_dtype, recompute_tokens
 from kv_connector.scheduler_consumer import ConsumerScheduler
@@ -38,10 +39,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers and level apply
-KVConnectorMetadata.register(MooncakeConnectorMetadata)  # a plain dataclass, so that the worker needs no vLLM
+KVConnectorMetadata.register(MooncakeConnectorMetadata)  # plain dataclasses, so that the worker needs no vLLM
+KVConnectorWorkerMetadata.register(MooncakeWorkerMetadata)
 
 
 def route_stack_logs() -> None:
@@ -84,10 +87,11 @@ class MooncakeConnector(KVConnectorBase_V1):
                         "(recompute_tokens%s)", recompute, "" if config.options.recompute_tokens else
                         ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
         fail = config.fail_loads
-        logger.info("MooncakeConnector: kv_load_failure_policy=%s: %s", "fail" if fail else "recompute",
-                    "a KV load that fails ends its request with an error (set kv_load_failure_policy to recompute in "
-                    "--kv-transfer-config to recompute the prompt instead); requests whose params name no producer "
-                    "are computed here" if fail else "a KV load that fails is recomputed here")
+        logger.info("MooncakeConnector: kv_load_failure_policy=%s: each request asks its producer how much of its "
+                    "prompt it holds and claims only that (found nothing: computed here); %s", "fail" if fail else
+                    "recompute", "a KV load that was found and then fails ends its request with an error (set "
+                    "kv_load_failure_policy to recompute in --kv-transfer-config to recompute the prompt instead)"
+                    if fail else "a KV load that fails is recomputed here")
         return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute)
 
     # ------------------------------------------------------------------ scheduler side (EngineCore process)
@@ -99,6 +103,11 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, MooncakeWorkerMetadata) and isinstance(self._scheduler, ConsumerScheduler):
+            self._scheduler.answered(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # a save completes within its step (wait_for_save): blocks can be freed at once
@@ -132,6 +141,10 @@ class MooncakeConnector(KVConnectorBase_V1):
         finished = self._worker.transfer_results(idle)
         self._bad_blocks |= finished.bad_blocks
         return KVConnectorTransferResults(finished_recving=finished.done, failed_recving=finished.failed)
+
+    def build_connector_worker_meta(self) -> MooncakeWorkerMetadata | None:
+        answers = self._worker.lookup_answers()
+        return MooncakeWorkerMetadata(answers) if answers else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()

@@ -106,11 +106,14 @@ class Loads:
                     result.loaded_bytes / 2**20, seconds * 1e3, rate, result.detail)
         return result
 
+    def pending(self) -> list[Future[LoadResult | None]]:
+        return [f for _, f in self._running.values()]
+
     def collect(self, wait: float = 0.0) -> Finished:
         """Loads finished since the last call. ``wait``: block up to that long for one to finish (when the step had
         nothing to compute: vLLM would otherwise spin its engine loop, taking the CPU and the GIL from the load)."""
         if wait and self._running:
-            futures_wait([f for _, f in self._running.values()], timeout=wait, return_when=FIRST_COMPLETED)
+            futures_wait(self.pending(), timeout=wait, return_when=FIRST_COMPLETED)
         out = Finished()
         for req_id, (req, future) in list(self._running.items()):
             if not future.done():

@@ -1,6 +1,7 @@
-"""What the scheduler-side connector tells the worker-side connector each step (pickled by vLLM between its own
-processes; nothing here crosses to another instance). Plain dataclasses: the worker's data path runs without vLLM
-(``connector.py`` registers ``MooncakeConnectorMetadata`` as vLLM's ``KVConnectorMetadata``, an empty ABC)."""
+"""What the scheduler-side connector tells the worker-side connector each step, and what the workers answer (pickled
+by vLLM between its own processes; nothing here crosses to another instance). Plain dataclasses: the worker's data
+path runs without vLLM (``connector.py`` registers ``MooncakeConnectorMetadata`` as vLLM's ``KVConnectorMetadata``
+and ``MooncakeWorkerMetadata`` as its ``KVConnectorWorkerMetadata``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,43 @@ class LoadRequest:
     corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
     fault: str = ""  # test-only, one of TEST_FAULTS: flip a byte of what arrived, write two blocks into each other's
     # places, or write nothing (the blocks keep what they held)
+    lease: int = 0  # the lease under which the lookup found the producer's entry (0: none, e.g. an awaited push)
+
+
+@dataclass
+class LookupRequest:
+    """Consumer: ask the producer(s) ``source`` names how much of this prompt they hold, and have them hold it for
+    ``lease`` for ``lease_seconds`` (find before you claim: ``scheduler_consumer``). Every TP rank asks the producer
+    ranks it would load from."""
+
+    req_id: str
+    lease: int
+    token_ids: list[int]
+    source: LoadSource
+    lease_seconds: float
+
+
+@dataclass
+class LookupAnswer:
+    """Worker -> scheduler: what one TP rank's lookup found: the producer holds ``tokens`` of the prompt's tokens
+    for it (0: nothing, or the lookup failed: ``error`` says why)."""
+
+    req_id: str
+    lease: int
+    rank: int
+    tokens: int
+    error: str = ""
+
+
+@dataclass
+class MooncakeWorkerMetadata:
+    """What the workers tell the scheduler-side connector each step (vLLM's ``KVConnectorWorkerMetadata``, which
+    ``connector.py`` registers this as): the answers of lookups that ended. vLLM adds up every rank's."""
+
+    lookups: list[LookupAnswer] = field(default_factory=list)
+
+    def aggregate(self, other: MooncakeWorkerMetadata) -> MooncakeWorkerMetadata:
+        return MooncakeWorkerMetadata(self.lookups + other.lookups)
 
 
 @dataclass
@@ -57,6 +95,7 @@ class PushStep:
 class MooncakeConnectorMetadata:
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
+    lookups: list[LookupRequest] = field(default_factory=list)
     pushes: list[PushStep] = field(default_factory=list)
     # producer, push mode: requests that ended before their prompt was complete (aborted mid-prefill): their pushes
     # end (the consumer frees what it staged)

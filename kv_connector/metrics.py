@@ -36,7 +36,7 @@ def endpoint_info(config: ConnectorConfig) -> dict[str, str]:
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
     """``vllm:mooncake_kv_<counter>_total``, ``vllm:mooncake_kv_loads_in_flight``, histograms of the time and size
-    of loads and saves, and ``vllm:mooncake_kv_endpoint_info`` (1, labelled with ``endpoint_info``)."""
+    of loads and saves and of the time of lookups, and ``vllm:mooncake_kv_endpoint_info`` (1, labelled with ``endpoint_info``)."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -61,6 +61,10 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
             self.histograms[f"{kind}s", 1] = self._per_engine(self._histogram_cls(
                 name=f"vllm:mooncake_kv_{kind}_bytes", documentation=f"KV bytes moved by {what}.", buckets=sizes,
                 labelnames=labelnames))
+
+        self.histograms["lookups", 2] = self._per_engine(self._histogram_cls(
+            name="vllm:mooncake_kv_lookup_seconds", documentation="Duration of the consumer's lookups that got an "
+            "answer (the question to the producer and its answer).", buckets=seconds, labelnames=labelnames))
 
         try:
             # built in vLLM's front-end process, where no connector exists to hand its parsed config over

@@ -29,6 +29,10 @@ class ConnectorOptions:
     - ``load_timeout``: consumer: seconds one load may take (request, transfer, copy) before it is given up and the
       prompt recomputed.
     - ``load_concurrency``: consumer: loads in flight at once (the fetch of one overlaps the copy of another).
+    - ``lookup_timeout``: consumer: seconds a lookup (how much of a prompt the producer holds, asked before the
+      prompt is claimed) may take; past it the prompt is computed here. It covers a lookup queued behind a few large
+      loads on a busy link; a producer that failed to answer is then not asked for 2 s, so a dead or frozen one costs
+      the first request at most this much.
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
     - ``transfer_mode``: "pull" (the consumer fetches a request's KV once the prefill is done) or "push" (the producer
       streams each layer's KV to the consumer while the prefill runs). Both instances must use the same mode.
@@ -64,6 +68,7 @@ class ConnectorOptions:
     entry_ttl: float = 30.0
     load_timeout: float = 10.0
     load_concurrency: int = 4
+    lookup_timeout: float = 2.0
     mooncake_config_path: str | None = None
     transfer_mode: str = "pull"
     link_idle: float = 300.0
@@ -94,7 +99,7 @@ class ConnectorOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 what = "a positive number of bytes" if name.endswith("_size") else "a positive integer"
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected {what}, got {value!r}")
-        for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait", "link_idle"):
+        for name in ("entry_ttl", "load_timeout", "push_ttl", "push_wait", "link_idle", "lookup_timeout"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected seconds > 0 (and < 1e6), got {value!r}")

@@ -38,7 +38,8 @@ from kv_connector.digest import DigestMismatch, Sampler
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
-from kv_connector.metadata import LoadRequest, SaveRequest
+from kv_connector.metadata import LoadRequest, LookupRequest, SaveRequest
+from kv_connector.source import LoadSource
 from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
@@ -150,13 +151,34 @@ class PullTransfer(KVTransfer):
                     hashed * 1e3)
 
     # ---------------------------------------------------------------- consumer
+    def _plan(self, source: LoadSource) -> list[Piece]:
+        """The pieces of each block this rank reads from which producer rank of ``source``."""
+        if self.rank_to_rank and source.same_tp:
+            return [Piece(self.rank, (0, self.split.span[1] - self.split.span[0]), 0, 1, True)]
+        return self.split.plan(len(source.pipes))
+
+    def producers(self, source: LoadSource) -> list[str]:
+        """The producer ranks' addresses this rank reads from."""
+        return sorted({source.pipes[piece.producer] for piece in self._plan(source)})
+
+    def lookup(self, req: LookupRequest, deadline: float) -> int:
+        """How many of the prompt's tokens every producer rank this rank reads from holds (each holds its entry for
+        ``req.lease``); raises if one cannot tell by ``deadline``."""
+        query = torch.tensor(req.token_ids, dtype=torch.int64)
+        held = len(req.token_ids)
+        for producer in self.producers(req.source):  # one, unless the two instances run different TP sizes
+            agree, _ = self.links.pull_buffer(producer).lookup(query, lease=req.lease,
+                                                               lease_seconds=req.lease_seconds,
+                                                               timeout=max(deadline - time.monotonic(), 0.001))
+            held = min(held, agree)
+            if not held:
+                break
+        return held
+
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()
         producers = req.source.pipes
-        if self.rank_to_rank and req.source.same_tp:
-            pieces = [Piece(self.rank, (0, self.split.span[1] - self.split.span[0]), 0, 1, True)]
-        else:
-            pieces = self.split.plan(len(producers))
+        pieces = self._plan(req.source)
         check = self.checks.due()  # once per load, however many pieces
         if len(pieces) == 1:
             results = [self._load_piece(req, pieces[0], producers, deadline, check)]
@@ -207,7 +229,7 @@ class PullTransfer(KVTransfer):
             tokens, _, kv, descriptor, sums = buffer.drop_select(
                 query, None, key_rows=rows, key_part=None if piece.whole else piece.part, shares=piece.shares,
                 key_out=target, timeout=max(deadline - time.monotonic(), 0.001),
-                deadline=None if buf is None else deadline)
+                deadline=None if buf is None else deadline, lease=req.lease)
         except AnswerAbandoned as e:
             with self._lock:
                 self._quarantined.append((e.landed, buf))

@@ -32,9 +32,9 @@ from kv_connector import blocks, digest
 from kv_connector.digest import BlockHasher
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
-from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.metadata import LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
-from kv_connector.source import push_link_source
+from kv_connector.source import LoadSource, push_link_source
 from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
@@ -147,6 +147,18 @@ class PushTransfer(KVTransfer):
             target.notify_pull(state.key if state else entry_key(save.token_ids))
 
     # ---------------------------------------------------------------- consumer
+    def lookup(self, req: LookupRequest, deadline: float) -> int:
+        """A prompt pushed here (staged on the link of the producer its load takes pushes from) is held in full, for
+        the lease; else what that producer holds for pull."""
+        peer = req.source.peer(self.rank)
+        push = None if peer is None else self.links.push_buffer(peer)
+        if push is not None and push.hold(entry_key(req.token_ids), req.lease_seconds):
+            return len(req.token_ids)
+        return self.pull.lookup(req, deadline)
+
+    def producers(self, source: LoadSource) -> list[str]:
+        return self.pull.producers(source)
+
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         if req.source.await_push:
             return self._load_awaited(req, deadline)

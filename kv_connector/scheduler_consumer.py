@@ -1,22 +1,40 @@
 """The consumer's scheduler side (vLLM's EngineCore process of the decode instance): decides what to load; knows
 requests and block ids, never touches KV.
 
-A request claims its prompt, except the blocks this instance already holds in its own prefix cache and its last
-``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly the blocks
-it lacks, from the producer ``source.load_source`` picks (none: a request whose params say
-``do_remote_prefill: false`` claims nothing). A request gets one load attempt: a failed one is recomputed, not
-retried.
+Find before you claim (vLLM's contract for ``get_num_new_matched_tokens``: claim only KV that is available). A
+request's first ask sends a lookup to the workers (``lookups.py``): each TP rank asks the producer ranks it would load
+from - the producer the request's params name, else mooncake.json's - how much of the prompt they hold, and has them
+hold that entry for a lease. Until every rank answered, vLLM is told ``None`` ("ask again next step"); the engine
+loop never waits on the network. Then the request claims the blocks found beyond its own prefix-cache hit, except its
+last ``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly the
+blocks it lacks, under the lease; found nothing (or no answer within ``lookup_timeout`` plus a margin): it claims
+nothing and is computed here. So vLLM's ``kv_load_failure_policy`` means what vLLM says: only a load of KV that was
+found and then broke fails (``fail``: its request ends with an error; ``recompute``: it is recomputed).
+
+Not looked up: a request whose params say ``do_remote_prefill: false`` (claims nothing), and one whose producer
+pushes its prompt here (``mooncake_await_push``, ``mooncake_pushed``: it claims at once and waits for the push, as
+the push protocol says). A request gets one load attempt: a failed one is not retried.
 """
 
 from __future__ import annotations
 
+import secrets
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from kv_connector import blocks
 from kv_connector import params as kv_params
-from kv_connector.metadata import CORRUPT_PARAM, TEST_FAULTS, LoadRequest, MooncakeConnectorMetadata
+from kv_connector.metadata import (
+    CORRUPT_PARAM,
+    TEST_FAULTS,
+    LoadRequest,
+    LookupRequest,
+    MooncakeConnectorMetadata,
+    MooncakeWorkerMetadata,
+)
 from kv_connector.source import LoadSource, load_source
 
 if TYPE_CHECKING:
@@ -29,59 +47,121 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 
+CLAIM_WINDOW = 5.0  # seconds after a lookup was asked that its answer may be claimed (then it is asked again)
+ANSWER_MARGIN = 1.0  # seconds past lookup_timeout the scheduler waits for the workers' answers before giving up
+
+
+@dataclass
+class _Lookup:
+    lease: int
+    asked: float  # time.monotonic() when it was sent to the workers
+    answers: dict[int, int] = field(default_factory=dict)  # TP rank -> tokens its producers hold
+
+
 class ConsumerScheduler:
     """``recompute``: how many of a prompt's last tokens this instance computes itself (at least the last one).
-    Under vLLM's ``kv_load_failure_policy`` ``fail`` (``config.fail_loads``: a failed load ends its request with an
-    error) only a request whose params name its producer (or await its push) loads; one without params, which would
-    load from mooncake.json's producer whether or not that holds its prompt, is computed here instead."""
+    A lease lasts ``CLAIM_WINDOW`` (the answer claimed by then) plus ``load_timeout`` (the load, from the claim) plus
+    ``CLAIM_WINDOW`` again (the load's request reaching the producer), so it never ends before the load it was for."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1) -> None:
         self.config = config
         self.block_size = block_size
         self.recompute = max(recompute, 1)
-        self.claims: dict[str, tuple[LoadSource, int]] = {}  # claimed, not allocated yet: (source, local hit tokens)
+        self.tp = config.tp_size
+        self.answer_wait = config.options.lookup_timeout + ANSWER_MARGIN
+        self.lease_seconds = config.options.load_timeout + 2 * CLAIM_WINDOW
+        self.lookups: dict[str, _Lookup] = {}  # asked, not claimed yet
+        self.to_look: list[LookupRequest] = []  # lookups to send in the next step
+        self.claims: dict[str, tuple[LoadSource, int, int]] = {}  # claimed, not allocated: (source, local hit, lease)
         self.claimed: set[str] = set()  # one load attempt per request
         self.loads: list[LoadRequest] = []  # loads to start in the next step
 
-    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``num_computed_tokens``: this instance's own prefix-cache hit, block aligned (vLLM passes it so)."""
-        claim = blocks.claim_tokens(len(request.prompt_token_ids or ()), num_computed_tokens, self.recompute)
-        if claim <= 0 or request.request_id in self.claimed:
+        req_id = request.request_id
+        prompt_len = len(request.prompt_token_ids or ())
+        if blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute) <= 0 or req_id in self.claimed:
             return 0, False
         try:
             source = load_source(request.kv_transfer_params, self.config)
         except kv_params.ParamsError as e:
             logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): recomputing its prompt",
-                         request.request_id, e)
-            self.claimed.add(request.request_id)
+                         req_id, e)
+            self.claimed.add(req_id)
             return 0, False
-        if source is None or (self.config.fail_loads and not source.from_params and not source.await_push):
-            # its params ask for no load, or a guess under the fail policy: computed here
-            self.claimed.add(request.request_id)
+        if source is None:  # its params ask for no load
+            self.claimed.add(req_id)
             return 0, False
-        self.claims[request.request_id] = (source, num_computed_tokens)
+        if source.await_push or source.pushed:  # its producer pushes it here: claimed now, the load waits for it
+            self.claims[req_id] = (source, num_computed_tokens, 0)
+            return blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute), True
+        found = self._found(request, source)
+        if found is None:
+            return None, False
+        lookup = self.lookups.pop(req_id)
+        end = min(found, prompt_len - self.recompute)
+        if end < prompt_len - self.recompute:  # a prefix of the prompt: whole blocks of it only
+            end -= end % self.block_size
+        claim = end - num_computed_tokens
+        logger.debug("MooncakeConnector: request %s: the producer holds %d of its %d tokens, %d in the prefix cache: "
+                     "claims %d", req_id, found, prompt_len, num_computed_tokens, max(claim, 0))
+        if claim <= 0:
+            self.claimed.add(req_id)
+            return 0, False
+        self.claims[req_id] = (source, num_computed_tokens, lookup.lease)
         return claim, True
+
+    def _found(self, request: Request, source: LoadSource) -> int | None:
+        """Tokens of the prompt the producers hold for this request (every rank's answer); None while that is not
+        known yet (a lookup is sent, or on its way)."""
+        req_id = request.request_id
+        now = time.monotonic()
+        lookup = self.lookups.get(req_id)
+        if lookup is not None and len(lookup.answers) >= self.tp:
+            if now - lookup.asked <= CLAIM_WINDOW:
+                return min(lookup.answers.values())
+            lookup = None  # answered too long ago (vLLM could not schedule it): its lease may end before the load
+        elif lookup is not None and now - lookup.asked > self.answer_wait:
+            logger.warning("MooncakeConnector: request %s: no answer to its lookup within %.1f s (%d of %d TP ranks "
+                           "answered): computing its prompt here", req_id, self.answer_wait, len(lookup.answers),
+                           self.tp)
+            return 0
+        if lookup is None:
+            lease = secrets.randbits(62) + 1
+            self.lookups[req_id] = _Lookup(lease, now)
+            self.to_look.append(LookupRequest(req_id, lease, list(request.prompt_token_ids or ()), source,
+                                              self.lease_seconds))
+        return None
+
+    def answered(self, meta: MooncakeWorkerMetadata) -> None:
+        """The workers' answers to lookups (vLLM's ``update_connector_output``)."""
+        for answer in meta.lookups:
+            lookup = self.lookups.get(answer.req_id)
+            if lookup is not None and lookup.lease == answer.lease:  # else an earlier lookup's, or a forgotten one
+                lookup.answers[answer.rank] = answer.tokens
 
     def after_alloc(self, request: Request, kv_blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
         if claim is None or num_external_tokens <= 0:
             return
-        source, local = claim
+        source, local, lease = claim
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
         switch = request.kv_transfer_params.get(CORRUPT_PARAM) if request.kv_transfer_params else None
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source, switch is True,
-                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else ""))
+                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else "", lease))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(loads=self.loads, idle=out.total_num_scheduled_tokens == 0)
-        self.loads = []
+        meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look,
+                                         idle=out.total_num_scheduled_tokens == 0)
+        self.loads, self.to_look = [], []
         return meta
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         """A request ended: forget it (a consumer answers no params)."""
+        self.lookups.pop(request.request_id, None)
         self.claims.pop(request.request_id, None)
         self.claimed.discard(request.request_id)
         return None

@@ -42,6 +42,15 @@ COUNTERS = {  # name -> help text
     "digest_unchecked": "Checked loads of parts of blocks (producer and consumer of different TP sizes) whose "
                         "producer sent a digest per block, not per head: not checked.",
     "push_expired": "Pushed entries dropped on the consumer because no request took them within push_ttl.",
+    "lookups": "Consumer: lookups that asked the producer how much of a prompt it holds before claiming it (per TP "
+               "rank).",
+    "lookup_hits": "Consumer: lookups that found some of the prompt's KV (held for the request's load).",
+    "lookup_misses": "Consumer: lookups that found none of the prompt's KV (the prompt is computed here).",
+    "lookup_errors": "Consumer: lookups that could not tell (producer unreachable or backing off, no answer within "
+                     "lookup_timeout, malformed answer): the prompt is computed here.",
+    "lookup_hit_tokens": "Consumer: prompt tokens lookups found held by the producer.",
+    "leases": "Producer: entries a consumer's lookup found, held for that consumer's load.",
+    "leases_expired": "Producer: leases that ended unused (the consumer that found the entry never came for it).",
     "fetched_bytes": "KV bytes received from producers by pull loads.",
     "loaded_bytes": "KV bytes written into this instance's KV cache by loads.",
     "saved_bytes": "KV bytes the producer saved for consumers.",
@@ -49,14 +58,15 @@ COUNTERS = {  # name -> help text
     "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
-SAMPLES = ("loads", "push_loads", "saves")  # per completed operation: [tokens, bytes, seconds]
+SAMPLES = ("loads", "push_loads", "saves", "lookups")  # per completed operation: [tokens, bytes, seconds]
 
 
 @dataclass
 class TransferStats:
     """``data``: the counters, the gauges, and ``SAMPLES``: [tokens, bytes, seconds] per completed pull load, push
-    load or save (for the histograms and the log line's averages). A push load's seconds are not a transfer time:
-    the wait for the push's commit and the copy from the staging area (the KV moved during the prefill)."""
+    load, save or lookup (for the histograms and the log line's averages; a lookup moves no bytes). A push load's
+    seconds are not a transfer time: the wait for the push's commit and the copy from the staging area (the KV moved
+    during the prefill)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -87,7 +97,7 @@ class TransferStats:
             if samples:
                 nbytes, seconds = sum(s[1] for s in samples), sum(s[2] for s in samples)
                 out[f"{kind}_avg_ms"] = round(1e3 * seconds / len(samples), 2)
-                if kind != "push_loads":  # a wait, not a transfer: no rate
+                if kind not in ("push_loads", "lookups"):  # a wait, not a transfer: no rate
                     out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
         return out
 

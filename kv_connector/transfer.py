@@ -5,7 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.metadata import LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.source import LoadSource
 
 
 class KVMiss(Exception):
@@ -40,6 +41,15 @@ class KVTransfer(ABC):
     @abstractmethod
     def finish_prompt(self, save: SaveRequest) -> None:
         """Producer: the prompt of ``save`` is complete in the cache (all layers of its last step are written)."""
+
+    @abstractmethod
+    def lookup(self, req: LookupRequest, deadline: float) -> int:
+        """Consumer: how many of ``req``'s prompt tokens the producers this rank would load from hold for it (held
+        for ``req.lease``); raises if that cannot be told by ``deadline`` (``time.monotonic()``)."""
+
+    @abstractmethod
+    def producers(self, source: LoadSource) -> list[str]:
+        """Consumer: the producer addresses this rank reads from for a load from ``source``."""
 
     @abstractmethod
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,8 @@ from kv_connector.heads import HeadSplit
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.loads import Finished, Loads
-from kv_connector.metadata import MooncakeConnectorMetadata
+from kv_connector.lookups import Lookups
+from kv_connector.metadata import LookupAnswer, MooncakeConnectorMetadata
 from kv_connector.pull import PullTransfer
 from kv_connector.push import PushTransfer
 from kv_connector.staging import KVStaging
@@ -47,10 +50,12 @@ class WorkerSpec:
 
 
 # the buffers' own counts that are connector metrics too (see stats.COUNTERS): their name -> ours
-BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes"}
+BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes",
+                 "leases": "leases", "leases_expired": "leases_expired"}
 PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
 DRAIN_MARGIN = 5.0  # seconds past load_timeout that sleep mode waits for loads in flight (their copy into the cache)
-IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load (instead of spinning)
+IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load or lookup (not spin)
+LOOKUP_BACKOFF = 2.0  # seconds a producer that failed to answer a lookup is not asked again (see lookups.py)
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
@@ -63,6 +68,7 @@ class ConnectorWorker:
         self.staging: KVStaging | None = None
         self.transfer: KVTransfer | None = None
         self.loads: Loads | None = None
+        self.lookups: Lookups | None = None
         self.links: PeerLinks | None = None
         self.layout_checked = False
         self.suspended = False
@@ -80,7 +86,7 @@ class ConnectorWorker:
         peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
         self.staging = KVStaging(self.layout.layers, self.layout.block_dim)
         self.transfer = self._transfer(self.layout, self.links, split, spec.block_size, peer)
-        self._connect(peer)
+        self._connect(peer, spec.rank)
         self._log_ready(spec.rank, split, endpoint.address, peer)
 
     def _set_switch_interval(self) -> None:
@@ -132,16 +138,19 @@ class ConnectorWorker:
         return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,
                             opts.allow_test_corruption, staging=self.staging)
 
-    def _connect(self, peer: str) -> None:
+    def _connect(self, peer: str, rank: int) -> None:
         """Link to the peer mooncake.json names before the first request needs it; a consumer starts its loads."""
         assert self.links is not None
         if self.is_producer:
             if self.push_mode:  # its first credit is there before the first request
                 self.links.push_buffer(peer)
             return
-        assert self.staging is not None
+        assert self.staging is not None and self.transfer is not None
         self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
                            self.staging.bind_thread, fail=self.config.fail_loads)
+        transfer = self.transfer
+        self.lookups = Lookups(transfer.lookup, lambda req: transfer.producers(req.source), rank,
+                               self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF)
         self.links.warm_up(peer, self.options.load_timeout)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:
@@ -171,6 +180,9 @@ class ConnectorWorker:
         if self.loads is not None:
             for load in meta.loads:
                 self.loads.start(load)
+        if self.lookups is not None:
+            for lookup in meta.lookups:
+                self.lookups.start(lookup)
         if meta.pushes:
             self.transfer.begin_step(meta)
         if meta.abandoned:
@@ -189,10 +201,20 @@ class ConnectorWorker:
             self.transfer.finish_prompt(save)
 
     def transfer_results(self, idle: bool) -> Finished:
-        """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed."""
+        """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed. ``idle``: the
+        step had nothing to compute: wait a moment for a load or a lookup to end (vLLM would spin its engine loop,
+        taking the CPU and the GIL from them)."""
         if self.loads is None:
             return Finished()
-        return self.loads.collect(IDLE_WAIT if idle else 0.0)
+        if idle:
+            pending = self.loads.pending() + (self.lookups.pending() if self.lookups is not None else [])
+            if pending:
+                futures_wait(pending, timeout=IDLE_WAIT, return_when=FIRST_COMPLETED)
+        return self.loads.collect()
+
+    def lookup_answers(self) -> list[LookupAnswer]:
+        """The answers of the lookups that ended since the last call (for the scheduler)."""
+        return [] if self.lookups is None else self.lookups.collect()
 
     # ---------------------------------------------------------------- sleep mode (vLLM >= 0.33)
     def suspend(self) -> None:
@@ -223,6 +245,8 @@ class ConnectorWorker:
         return self.stats.take()
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         if self.loads is not None:
             self.loads.close()
         if self.transfer is not None:

@@ -68,6 +68,7 @@ class PushedEntry:
     meta: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # what the producer's commit carried besides ``meta`` (e.g. KV digests)
     committed: bool = False
+    held_until: float = 0.0  # a lookup found it: kept from expiry until then (``hold``)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -139,6 +140,16 @@ class PushReceiver:
                 self._cv.wait(remaining)
         self._send_credit()
         return entry
+
+    def hold(self, key: bytes, seconds: float) -> bool:
+        """Keep the staged entry of ``key`` (a push of it began, not taken or dropped) from expiring for ``seconds``
+        (a lookup found it; its load comes next): True if there is one."""
+        with self._cv:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.held_until = max(entry.held_until, time.monotonic() + seconds)
+            return True
 
     def has_begun(self, key: bytes) -> bool:
         """A push of ``key`` has begun (its BEGIN arrived) and the entry was not taken or dropped."""
@@ -316,7 +327,7 @@ class PushReceiver:
     def _expire(self) -> None:
         now = time.monotonic()
         with self._cv:
-            old = [k for k, e in self._entries.items() if now - e.created > self.ttl]
+            old = [k for k, e in self._entries.items() if now - e.created > self.ttl and e.held_until <= now]
             for key in old:
                 self._drop(key)
                 self.stats.add("expired")

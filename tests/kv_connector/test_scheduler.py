@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from kv_connector import params as kv_params
-from kv_connector import source
-from kv_connector.metadata import CORRUPT_PARAM
+from kv_connector import scheduler_consumer, source
+from kv_connector.metadata import CORRUPT_PARAM, LookupAnswer, MooncakeWorkerMetadata
 from kv_connector.scheduler_consumer import ConsumerScheduler
 from kv_connector.scheduler_producer import ProducerScheduler
 from tests.kv_connector.units import DECODE, PREFILL, SECRET, config, kv_blocks, request, step
@@ -22,9 +22,23 @@ def _no_secret_from_the_environment(monkeypatch):
     monkeypatch.delenv("MOONCAKE_KV_SECRET", raising=False)
 
 
-def claim(sched: ConsumerScheduler, req, local: int, blocks: list[int]):
-    """vLLM's calls for one request: the match, then the allocation of every block of the prompt."""
+def answer(sched: ConsumerScheduler, held: int | None = None, ranks: range | None = None, error: str = "") -> int:
+    """What the workers do with the lookups of the last step (``lookups.py``): each TP rank (``ranks``, default all)
+    answers that the producer holds ``held`` tokens (default: the whole prompt); how many lookups were answered."""
+    sent, sched.to_look = sched.to_look, []  # what the next step's metadata would carry (its loads stay queued)
+    answers = [LookupAnswer(look.req_id, look.lease, rank, len(look.token_ids) if held is None else held, error)
+               for look in sent for rank in (ranks if ranks is not None else range(sched.tp))]
+    sched.answered(MooncakeWorkerMetadata(answers))
+    return len(sent)
+
+
+def claim(sched: ConsumerScheduler, req, local: int, blocks: list[int], held: int | None = None):
+    """vLLM's calls for one request: the match (asked again once the lookup it sent is answered: the producer holds
+    ``held`` tokens, default all), then the allocation of every block of the prompt."""
     tokens, is_async = sched.num_new_matched_tokens(req, local)
+    if tokens is None:
+        assert answer(sched, held) == 1
+        tokens, is_async = sched.num_new_matched_tokens(req, local)
     sched.after_alloc(req, kv_blocks(blocks), tokens)
     return tokens, is_async
 
@@ -72,17 +86,98 @@ def test_a_load_reads_from_the_producer_the_verified_params_name():
     assert load.source.peer(0) is None  # another TP size: no rank-to-rank push link to take it from
 
 
-def test_under_the_fail_policy_only_a_load_the_params_ask_for_is_claimed():
-    """vLLM's kv_load_failure_policy "fail" ends a request whose load fails with an error: a request without params
-    (which would load from mooncake.json's producer, holding its prompt or not) is computed here instead; one whose
-    params name its producer, or await its push, loads as under "recompute"."""
+def test_a_request_is_looked_up_before_it_claims_and_claims_only_what_was_found():
+    """vLLM's contract: claim only KV that is available. The first ask sends a lookup and answers None (ask again);
+    the claim is what the producer holds beyond the prefix cache: a prefix of the prompt claims whole blocks only."""
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 16) == (None, False)
+    assert sched.num_new_matched_tokens(req, 16) == (None, False)  # asked again: still waiting, no second lookup
+    (look,) = sched.build_meta(step()).lookups
+    assert look.token_ids == list(range(100)) and look.lease and look.source.pipes == [PREFILL]
+    assert look.lease_seconds == sched.config.options.load_timeout + 10
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 0, 70)]))
+    assert sched.num_new_matched_tokens(req, 16) == (48, True)  # blocks 1-3 of the 70 tokens held: up to token 64
+    sched.after_alloc(req, kv_blocks(list(range(7))), 48)
+    (load,) = sched.build_meta(step()).loads
+    assert (load.first_block, load.block_ids, load.num_tokens, load.lease) == (1, [1, 2, 3], 48, look.lease)
+
+
+@pytest.mark.parametrize("held, error", [(0, ""), (0, "TimeoutError: no answer"), (15, "")])
+def test_a_request_whose_producer_holds_nothing_it_lacks_claims_nothing(held, error):
+    """Found nothing, could not tell, or less than a block beyond the prefix cache: computed here, never a load
+    (under the fail policy a claimed load that misses would end the request with an error)."""
+    sched = ConsumerScheduler(dataclasses.replace(config(), fail_loads=True), BLOCK)
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    answer(sched, held, error=error)
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.num_new_matched_tokens(req, 0) == (0, False) and sched.build_meta(step()).lookups == []
+    assert sched.build_meta(step()).loads == []
+
+
+def test_every_tp_rank_must_answer_and_the_least_found_is_claimed():
+    sched = ConsumerScheduler(config(tp=2), BLOCK)
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    (look,) = sched.build_meta(step()).lookups
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 1, 100)]))
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)  # rank 0 has not answered yet
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease + 1, 0, 100)]))  # another lookup's: ignored
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 0, 40)]))
+    assert sched.num_new_matched_tokens(req, 0) == (32, True)
+
+
+def test_a_lookup_nobody_answers_in_time_is_computed_here(monkeypatch):
+    """The engine loop never waits on the network: past lookup_timeout (plus a margin) without every answer, the
+    request claims nothing; a late answer changes nothing."""
+    sched = ConsumerScheduler(config(), BLOCK)
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_consumer.time, "monotonic", lambda: clock[0])
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    (look,) = sched.build_meta(step()).lookups
+    clock[0] += sched.answer_wait - 0.1
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    clock[0] += 0.2
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 0, 100)]))
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_an_answer_too_old_to_claim_on_is_asked_again(monkeypatch):
+    """vLLM could not schedule the request for a while after its answer came: the lease may end before a load
+    started now, so a new lookup (a new lease) is sent."""
+    sched = ConsumerScheduler(config(), BLOCK)
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_consumer.time, "monotonic", lambda: clock[0])
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    first = answer(sched)
+    clock[0] += scheduler_consumer.CLAIM_WINDOW + 0.1
+    assert first == 1 and sched.num_new_matched_tokens(req, 0) == (None, False)
+    (again,) = sched.build_meta(step()).lookups
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", again.lease, 0, 100)]))
+    assert sched.num_new_matched_tokens(req, 0) == (99, True)
+
+
+def test_under_the_fail_policy_requests_without_params_load_what_was_found():
+    """The seed's flow (no params: mooncake.json's producer) claims what its lookup found, under either policy; a
+    pushed or awaited prompt is claimed at once, as before (its producer's push is on its way)."""
     sched = ConsumerScheduler(dataclasses.replace(config(mode="push", secret=SECRET), fail_loads=True), BLOCK)
-    assert claim(sched, request("plain", 40), 0, [1, 2, 3]) == (0, False)
+    assert claim(sched, request("plain", 40), 0, [1, 2, 3]) == (39, True)
     named = kv_params.producer_params(["10.9.9.9:7000"], "p", "named", SECRET.encode())
     assert claim(sched, request("named", 40, named), 0, [4, 5, 6]) == (39, True)
     awaited = {"do_remote_prefill": True, source.AWAIT_PUSH: True}
-    assert claim(sched, request("awaited", 40, awaited), 0, [7, 8, 9]) == (39, True)
-    assert [load.req_id for load in sched.build_meta(step()).loads] == ["named", "awaited"]
+    assert sched.num_new_matched_tokens(request("awaited", 40, awaited), 0) == (39, True)
+    sched.after_alloc(request("awaited", 40, awaited), kv_blocks([7, 8, 9]), 39)
+    pushed = kv_params.producer_params(["10.9.9.9:7000"], "p", "pushed", SECRET.encode(), pushed=True)
+    assert sched.num_new_matched_tokens(request("pushed", 40, pushed), 0) == (39, True)
+    loads = sched.build_meta(step()).loads
+    assert [(load.req_id, bool(load.lease)) for load in loads] == [("plain", True), ("named", True),
+                                                                  ("awaited", False)]
+    assert loads[0].source.pipes == [PREFILL] and loads[1].source.pipes == ["10.9.9.9:7000"]
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -154,16 +249,18 @@ def test_one_load_attempt_per_request():
     assert len(sched.build_meta(step()).loads) == 1
     assert sched.num_new_matched_tokens(req, 0) == (0, False)  # e.g. preempted after a failed load: recomputed
     sched.finished(req)
-    assert sched.num_new_matched_tokens(req, 0) == (39, True)  # a new request reusing the id may claim again
+    assert claim(sched, req, 0, [1, 2, 3]) == (39, True)  # a new request reusing the id may claim again
 
 
 def test_an_allocation_without_external_tokens_starts_no_load():
     sched = ConsumerScheduler(config(), BLOCK)
     req = request("r", 40)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    answer(sched)
     assert sched.num_new_matched_tokens(req, 0) == (39, True)
     sched.after_alloc(req, kv_blocks([1, 2, 3]), 0)  # vLLM allocated without the claim (e.g. no room)
     assert sched.build_meta(step()).loads == []
-    assert sched.num_new_matched_tokens(req, 0) == (39, True)  # and may claim at the next try
+    assert claim(sched, req, 0, [1, 2, 3]) == (39, True)  # and may claim at the next try (looked up afresh)
 
 
 def test_loads_go_out_once_and_an_empty_step_is_idle():
@@ -179,7 +276,7 @@ def test_a_consumer_answers_no_params():
     sched = ConsumerScheduler(config(), BLOCK)
     req = request("r", 40, {"do_remote_decode": True})
     claim(sched, req, 0, [1, 2, 3])
-    assert sched.finished(req) is None and not sched.claims and not sched.claimed
+    assert sched.finished(req) is None and not sched.claims and not sched.claimed and not sched.lookups
 
 
 # ---------------------------------------------------------------- producer
