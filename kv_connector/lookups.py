@@ -75,7 +75,7 @@ class Lookups:
         else:
             self.stats.count("lookup_hits" if tokens else "lookup_misses")
             self.stats.count("lookup_hit_tokens", tokens)
-            self.stats.sample("lookups", tokens, 0, seconds)
+            self.stats.sample("lookup_times", tokens, 0, seconds)
             logger.debug("MooncakeConnector: lookup of request %s: %d of %d tokens held (%.1f ms)", req.req_id,
                          tokens, len(req.token_ids), seconds * 1e3)
         return LookupAnswer(req.req_id, req.lease, self.rank, tokens, error)

@@ -62,7 +62,7 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:mooncake_kv_{kind}_bytes", documentation=f"KV bytes moved by {what}.", buckets=sizes,
                 labelnames=labelnames))
 
-        self.histograms["lookups", 2] = self._per_engine(self._histogram_cls(
+        self.histograms["lookup_times", 2] = self._per_engine(self._histogram_cls(
             name="vllm:mooncake_kv_lookup_seconds", documentation="Duration of the consumer's lookups that got an "
             "answer (the question to the producer and its answer).", buckets=seconds, labelnames=labelnames))
 

@@ -58,7 +58,7 @@ COUNTERS = {  # name -> help text
     "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
-SAMPLES = ("loads", "push_loads", "saves", "lookups")  # per completed operation: [tokens, bytes, seconds]
+SAMPLES = ("loads", "push_loads", "saves", "lookup_times")  # per completed operation: [tokens, bytes, seconds]
 
 
 @dataclass
@@ -97,7 +97,7 @@ class TransferStats:
             if samples:
                 nbytes, seconds = sum(s[1] for s in samples), sum(s[2] for s in samples)
                 out[f"{kind}_avg_ms"] = round(1e3 * seconds / len(samples), 2)
-                if kind not in ("push_loads", "lookups"):  # a wait, not a transfer: no rate
+                if kind not in ("push_loads", "lookup_times"):  # a wait, not a transfer: no rate
                     out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
         return out
 

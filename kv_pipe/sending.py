@@ -20,7 +20,7 @@ from kv_pipe import handshake, wire
 from kv_pipe.channel import DIRECT_MIN, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig
 from kv_pipe.devices import to_host
-from kv_pipe.errors import PipeError
+from kv_pipe.errors import PipeError, PipeTimeout
 from kv_pipe.memory import copy_bytes
 from kv_pipe.node import Node
 from kv_pipe.scatter import split
@@ -66,8 +66,13 @@ class Sender:
                 raise TypeError(f"dtype {tensor.dtype} cannot be sent through the pipe")
             if tensor.dim() > wire.MAX_NDIM:
                 raise ValueError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {wire.MAX_NDIM}")
-        with self._send_lock:
+        # the timeout covers the wait for another sender on this pipe too (e.g. one connecting to a peer that is down)
+        start = time.monotonic()
+        if not self._send_lock.acquire(timeout=max(timeout, 0.0)):
+            raise PipeTimeout(f"pipe to {self.peer}: another send held the pipe for the whole timeout ({timeout:.1f} s)")
+        try:
             self._check_open()
+            timeout = max(timeout - (time.monotonic() - start), 0.001)
             out = self._outbound if self._outbound is not None and self._outbound.probe_alive() else self._connect(timeout)
             try:
                 if tensor is None:
@@ -79,6 +84,8 @@ class Sender:
                 raise
             finally:
                 self.last_used = time.monotonic()
+        finally:
+            self._send_lock.release()
 
     def _staging(self) -> torch.Tensor:
         """The registered area chunks are copied into before they are written (RDMA, or zero_copy_send off);

@@ -305,3 +305,55 @@ def test_the_kv_digest_catches_a_byte_changed_in_a_part_of_each_block():
                          consumer_options={"options": {"kv_digest": "always", "allow_test_corruption": True}})
     stats = result["stats"]
     assert result["failed"] == ["a"] and stats["digest_mismatches"] >= 1 and stats["load_failures"] == 1, stats
+
+
+def test_what_a_lookup_found_is_still_there_when_its_load_comes_under_eviction_pressure():
+    """Find before you claim (#45 item 2), over real pipes: the consumer looks up two prompts the producer holds and
+    one it never saw; then the producer saves three more prompts into a buffer with room for two entries (each save
+    evicts the oldest entry no lease holds). The leased prompt's load still gets every block, bit for bit; the
+    unleased one was evicted (its load misses: under the fail policy it would never have been claimed); the unknown
+    prompt was found empty."""
+    layout = LAYOUTS["gqa-cpu"]
+    entry = 4 * row_bytes(layout) + 4096  # a 64-token prompt's KV, its tokens and digests
+    a, b, unknown = prompt(4 * BLOCK, 11), prompt(4 * BLOCK, 12), prompt(4 * BLOCK, 13)
+    first = [("a", a, [7, 3, 12, 20]), ("b", b, [9, 10, 11, 2])]
+    later = [(f"c{i}", prompt(4 * BLOCK, 20 + i), [1, 2, 3, 4]) for i in range(3)]
+    cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
+    producer = cfg["prefill_url"]
+    ready, cue, more, done = (ctx().Event() for _ in range(4))
+    loads = [load("a", a, 0, [14, 2, 21, 8]), load("b", b, 0, [15, 16, 23, 19])]
+    loads = [{**ld, "num_tokens": len(ld["token_ids"]) - 1} for ld in loads]
+    prod = Peer(worker_peers.produce_on_cue, cfg, "gqa-cpu", first, later, ready, cue, more, done,
+                {"buffer_size": int(2.5 * entry)})
+    cons = Peer(worker_peers.look_then_load, cfg, "gqa-cpu", [("a", a), ("unknown", unknown)], loads, producer,
+                ready, cue, more, [14, 2, 21, 8])
+    try:
+        result = cons.result(timeout=120)
+    finally:
+        done.set()
+    stats = prod.result(timeout=60)
+    assert result["answers"] == {"a": (len(a), ""), "unknown": (0, "")}, result["answers"]
+    assert result["done"] == ["a", "b"] and result["failed"] == ["b"], result  # b: evicted, a: held
+    expected = caches(layout, 1, 0, 1, "cpu")
+    for i, block in enumerate([14, 2, 21, 8]):
+        assert result["blocks"][block] == block_bytes(expected, layout, [7, 3, 12, 20][i]), f"block {i} differs"
+    assert result["stats"]["lookups"] == 2 and result["stats"]["lookup_hits"] == 1, result["stats"]
+    assert result["stats"]["lookup_misses"] == 1 and result["stats"]["lookup_hit_tokens"] == len(a)
+    assert result["stats"]["loaded_bytes"] == 4 * row_bytes(layout) and result["stats"]["load_misses"] == 1
+    assert stats["leases"] == 1 and stats["evicted"] >= 2 and not stats.get("leases_expired"), stats
+
+
+def test_a_lookup_at_a_producer_nobody_runs_answers_nothing_at_once_and_backs_off():
+    """No producer at the address: the lookup's link fails in milliseconds (an error answer: computed here), and
+    the next lookup within the back-off is not even sent."""
+    cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0)
+    ready, cue, more = ctx().Event(), ctx().Event(), ctx().Event()
+    ready.set()
+    more.set()
+    cons = Peer(worker_peers.look_then_load, cfg, "gqa-cpu", [("a", prompt(64, 1)), ("b", prompt(64, 2))], [],
+                cfg["prefill_url"], ready, cue, more, [])
+    result = cons.result(timeout=60)
+    errors = [error for _, error in result["answers"].values()]
+    assert [tokens for tokens, _ in result["answers"].values()] == [0, 0] and all(errors), result
+    assert result["looked"] < 5.0, result  # well within lookup_timeout's 2 s each, whatever the order
+    assert result["stats"]["lookup_errors"] == 2 and not result["stats"].get("lookup_hits"), result["stats"]

@@ -195,3 +195,62 @@ def consume(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str
                 "blocks": {b: block_bytes(cache, layout, b) for b in look_at}}
     finally:
         worker.close()
+
+
+def produce_on_cue(cfg: dict[str, Any], layout_name: str, first: list[tuple[str, list[int], list[int]]],
+                   later: list[tuple[str, list[int], list[int]]], ready: Any, cue: Any, more: Any, done: Any,
+                   options: dict[str, Any]) -> dict[str, Any]:
+    """A producer (TP 1, pull) that saves ``first``, sets ``ready``, waits for ``cue``, then saves ``later`` (e.g.
+    enough to evict what it holds), sets ``more`` and serves until ``done``; its stats."""
+    layout = LAYOUTS[layout_name]
+    worker, cache = _worker("kv_producer", cfg, layout, 1, 0, "pull", seed=1, device="cpu", **options)
+    try:
+        prefill_steps(worker, list(cache), first, "pull", 1 << 30)
+        ready.set()
+        if not cue.wait(60):
+            raise TimeoutError("no cue")
+        prefill_steps(worker, list(cache), later, "pull", 1 << 30)
+        more.set()
+        done.wait(60)
+        taken = worker.take_stats()
+        return {} if taken is None else taken.data
+    finally:
+        worker.close()
+
+
+def look_then_load(cfg: dict[str, Any], layout_name: str, lookups: list[tuple[str, list[int]]],
+                   loads: list[dict[str, Any]], producer: str, ready: Any, cue: Any, more: Any,
+                   look_at: list[int], lease_seconds: float = 30.0) -> dict[str, Any]:
+    """A consumer (TP 1, pull) that, once ``ready``, looks up ``lookups`` (request id, tokens) as its scheduler side
+    would ask it to (one step's metadata, then ``lookup_answers`` until all came), sets ``cue``, waits for ``more``,
+    then runs ``loads`` under the leases of the lookups of the same request ids. Its answers, load results, stats
+    and the bytes of blocks ``look_at``."""
+    from kv_connector.metadata import LookupRequest, MooncakeConnectorMetadata
+    from kv_connector.source import LoadSource
+
+    layout = LAYOUTS[layout_name]
+    worker, cache = _worker("kv_consumer", cfg, layout, 1, 0, "pull", seed=99, device="cpu", load_timeout=30.0)
+    try:
+        if not ready.wait(60):
+            raise TimeoutError("the producer never got ready")
+        source = LoadSource([producer], from_params=True, same_tp=True)
+        leases = {req_id: 1000 + i for i, (req_id, _) in enumerate(lookups)}
+        start = time.monotonic()
+        worker.start_step(MooncakeConnectorMetadata(lookups=[
+            LookupRequest(req_id, leases[req_id], tokens, source, lease_seconds) for req_id, tokens in lookups]))
+        answers: dict[str, Any] = {}
+        while len(answers) < len(lookups) and time.monotonic() - start < 30:
+            worker.transfer_results(idle=True)
+            answers.update({a.req_id: (a.tokens, a.error) for a in worker.lookup_answers()})
+        looked = time.monotonic() - start
+        cue.set()
+        if not more.wait(60):
+            raise TimeoutError("the producer never saved the rest")
+        done, failed, bad = run_loads(worker, [{**ld, "lease": leases.get(ld["req_id"], 0)} for ld in loads],
+                                      [producer], 1)
+        taken = worker.take_stats()
+        return {"answers": answers, "looked": looked, "done": sorted(done), "failed": sorted(failed),
+                "bad_blocks": sorted(bad), "stats": {} if taken is None else taken.data,
+                "blocks": {b: block_bytes(cache, layout, b) for b in look_at}}
+    finally:
+        worker.close()
