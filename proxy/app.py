@@ -30,7 +30,7 @@ from proxy.protocols import (
     loads_kv,
     prefill_payload,
 )
-from proxy.relay import SSE_CONTENT_TYPE, StreamRelay
+from proxy.relay import SSE_CONTENT_TYPE, StreamRelay, error_event, first_event
 from proxy.routing import Router, Trip
 from proxy.validate import parse_json_object, validate
 
@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+class _FailedBeforeFirstToken(Exception):
+    """A decode that loads KV failed before its first token (``reason``: for /metrics): sent again whole."""
+
+    def __init__(self, reason: str, upstream: str) -> None:
+        super().__init__(reason)
+        self.reason, self.upstream = reason, upstream
 
 
 def output_tokens(payload: dict[str, Any]) -> int | None:
@@ -77,6 +85,10 @@ class Proxy:
         self._fallbacks = Counter("mooncake_proxy_prefill_fallbacks", "Requests no prefill instance could take (all "
                                   "unreachable, timed out, or failed with a server error), computed whole on their "
                                   "decode instance instead (--no-fallback: refused).", ["reason"], registry=self.metrics)
+        self._retries = Counter("mooncake_proxy_decode_retries", "Decodes of a remote prefill that failed before their "
+                                "first token with a server error (under vLLM's default kv_load_failure_policy "
+                                "\"fail\" a KV load that broke ends its request so) and were sent again, once, whole "
+                                "to a decode instance (computed there).", ["reason"], registry=self.metrics)
         self._outage = False  # the last remote prefill failed for want of a prefill instance (logged once an outage)
         self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
@@ -212,7 +224,30 @@ class Proxy:
                              local: bool, balancer: Balancer | None = None) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
         cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load).
-        ``balancer``: the role ``reserved`` belongs to (the prefill instances', for a request served whole on one)."""
+        ``balancer``: the role ``reserved`` belongs to (the prefill instances', for a request served whole on one).
+
+        A decode that loads KV and fails before its first token with a server error (a 5xx answer, or a stream whose
+        first event is an error: under vLLM's default ``kv_load_failure_policy`` a KV load that broke ends its
+        request so) is sent again, once, whole (``NO_LOAD``) to a decode instance: the client gets the right text.
+        One that already streamed a token is not retried."""
+        may_load = kv_params is None or loads_kv(kv_params)  # without params a consumer loads what it finds
+        try:
+            return await self._decode_once(path, raw, payload, kv_params, headers, reserved, streaming, trip, local,
+                                           balancer, may_load)
+        except _FailedBeforeFirstToken as failed:
+            request_id = headers[REQUEST_ID_HEADER]
+            self._retries.labels(reason=failed.reason).inc()
+            log.warning("[%s] the decode on %s failed before its first token (%s): sending it again whole to a decode "
+                        "instance", request_id, failed.upstream, failed.reason)
+            trip = self.router.trip(trip.hint)
+            decode = self.router.reserve(self.decode_balancer, trip.hint, request_id, trip).upstream
+            return await self._decode_once(path, raw, payload, dict(NO_LOAD), headers, decode, streaming, trip, True)
+
+    async def _decode_once(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
+                           headers: dict[str, str], reserved: Upstream, streaming: bool, trip: Trip,
+                           local: bool, balancer: Balancer | None = None, retry: bool = False) -> Response:
+        """``forward_decode``'s one attempt; raises ``_FailedBeforeFirstToken`` where a retry is due (``retry``: the
+        decode may load KV)."""
         body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
         timeout = self.stream_timeout if streaming else self.whole_timeout
         balancer = balancer or self.decode_balancer
@@ -231,8 +266,25 @@ class Proxy:
                     balancer.release(upstream)
                     self.router.decode_ended(trip, False)
 
+                first = b""
+                if retry:  # whether its first event is an error (a load that broke) decides a retry
+                    reason = None
+                    try:
+                        first = await first_event(response)
+                        reason = error_event(first)
+                    except (TimeoutError, aiohttp.ClientError) as error:
+                        reason = "stream_timeout" if isinstance(error, TimeoutError) else "stream_broken"
+                    except BaseException:  # e.g. the client went away
+                        response.close()
+                        balancer.release(upstream)
+                        raise
+                    if reason is not None:
+                        response.close()
+                        balancer.release(upstream)
+                        raise _FailedBeforeFirstToken(reason, upstream.name)
                 relay = StreamRelay(response, release, headers[REQUEST_ID_HEADER],
-                                    lambda: self.router.answered(upstream, hint), lambda: self.router.chunk(trip))
+                                    lambda: self.router.answered(upstream, hint), lambda: self.router.chunk(trip),
+                                    first=first)
                 relaying = True
                 relayed = Response(relay, status=response.status, content_type=content_type)
                 relayed.headers["Cache-Control"] = "no-cache"
@@ -240,6 +292,8 @@ class Proxy:
                 relayed.timeout = None  # a stream lasts as long as the generation
                 return relayed
             data = await self.read_body(balancer, upstream, response)
+            if response.status >= 500 and retry:
+                raise _FailedBeforeFirstToken(f"status_{response.status}", upstream.name)
             if response.status < 400:
                 self.router.answered(upstream, hint)
                 answer = json_answer(data)

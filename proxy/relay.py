@@ -25,8 +25,10 @@ class StreamRelay:
     """
 
     def __init__(self, response: aiohttp.ClientResponse, release: Callable[[], None], request_id: str,
-                 on_end: Callable[[], None] | None = None, on_chunk: Callable[[], None] | None = None):
+                 on_end: Callable[[], None] | None = None, on_chunk: Callable[[], None] | None = None,
+                 first: bytes = b""):
         self._response = response
+        self._first = first  # what was read of the stream already (``first_event``): relayed first
         self._on_end = on_end  # called once the whole stream came through
         self._on_chunk = on_chunk  # called as each chunk comes
         self._release: Callable[[], None] | None = release
@@ -40,6 +42,11 @@ class StreamRelay:
         if self._done:
             self.close()
             raise StopAsyncIteration
+        if self._first:
+            chunk, self._first = self._first, b""
+            if self._on_chunk is not None:
+                self._on_chunk()
+            return chunk
         try:
             chunk = await self._response.content.readany()
         except (TimeoutError, aiohttp.ClientError) as error:
@@ -74,3 +81,38 @@ class StreamRelay:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # e.g. the event loop is already closed
             self.close()
+
+
+FIRST_EVENT_MAX = 64 << 10  # bytes of a stream read to find its first event (an error event is far smaller)
+
+
+async def first_event(response: aiohttp.ClientResponse) -> bytes:
+    """The start of an SSE body up to the end of its first event (or its end, or ``FIRST_EVENT_MAX`` bytes): what
+    ``error_event`` looks at; relayed first after that (``StreamRelay(first=...)``)."""
+    data = b""
+    while b"\n\n" not in data and b"\r\n\r\n" not in data and len(data) < FIRST_EVENT_MAX:
+        chunk = await response.content.readany()
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def error_event(data: bytes) -> str | None:
+    """If the SSE stream starting with ``data`` starts with an error event (``data: {"error": ...}``, as vLLM sends
+    one for a request that failed, e.g. its KV load) carrying a server error (a code of 500 or more, or none), the
+    reason to count it under; else None (a token, or a client error the retry would meet again)."""
+    line = data.split(b"\n", 1)[0].strip()
+    if not line.startswith(b"data:"):
+        return None
+    try:
+        event = json.loads(line[5:])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    error = event.get("error") if isinstance(event, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and code < 500:
+        return None
+    return f"stream_error_{code}" if isinstance(code, int) and not isinstance(code, bool) else "stream_error"

@@ -109,3 +109,50 @@ def test_no_fallback_keeps_the_502() -> None:
         assert await proxy_metric(env, FALLBACKS, reason="unreachable") == 0.0
 
     run(test, 0, 1, prefill_urls=[dead], fallback=False)
+
+
+# ---------------------------------------------------------------- a decode whose KV load broke (#45 item 6)
+RETRIES = "mooncake_proxy_decode_retries_total"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_decode_whose_load_failed_before_its_first_token_is_sent_again_whole(stream: bool, caplog) -> None:
+    """vLLM's default kv_load_failure_policy ("fail") ends a request whose KV load broke with a 500 answer (or a
+    stream whose first event is the error): the proxy sends it again, once, whole to a decode instance; the client
+    gets the text, never the error. Counted and logged."""
+    async def test(env: Environment) -> None:
+        env.prefill[0].kv_params = {"do_remote_prefill": True, "remote_pipe": ["127.0.0.1:9"]}  # a producer's answer
+        env.decode[0].failed_loads = 1
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": stream})
+        assert status == 200
+        if stream:
+            assert '"Hello"' in body and "error" not in body and body.endswith("data: [DONE]\n\n"), body
+        else:
+            assert body["choices"][0]["text"] == "Hello world!"
+        sent = whole(env)
+        assert len(sent) == 2 and sent[0].get("do_remote_prefill") and sent[1] == NO_LOAD, sent
+        reason = "stream_error_500" if stream else "status_500"
+        assert await proxy_metric(env, RETRIES, reason=reason) == 1.0
+        assert any("failed before its first token" in r.getMessage() for r in caplog.records)
+        await assert_idle(env)
+
+    run(test, 1, 1)
+
+
+def test_a_decode_computed_whole_or_failing_after_a_token_reaches_the_client_as_is() -> None:
+    """A decode computed whole (no KV to load: nothing a retry could change) that fails is relayed, not retried; so
+    is a stream that sent a token before its error: the client has text it cannot take back."""
+    async def test(env: Environment) -> None:
+        env.prefill[0].status = 500  # the prefill falls back: the decode goes whole
+        env.decode[0].status = 500
+        status, _, _ = await env.post("/v1/completions", COMPLETION)
+        assert status == 500 and whole(env) == [NO_LOAD]
+        env.prefill[0].status = env.decode[0].status = 200
+        env.decode[0].error_after = 1
+        status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200 and '"Hello"' in body and "Internal server error" in body, body
+        assert len(whole(env)) == 2 and await proxy_metric(env, RETRIES) == 0.0
+        await assert_idle(env)
+
+    run(test, 1, 1)

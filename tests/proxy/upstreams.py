@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 REMOTE_DECODE = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, PUSH_TO: []}  # what the proxy adds to every
 # prefill (no push target: these decode instances do not say they take pushed KV)
 COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
+# what vLLM answers (or streams as an event) for a request that failed inside the engine, e.g. its KV load under the
+# "fail" policy (vllm/entrypoints/generate/base/serving.py, GenerationError)
+VLLM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
 
@@ -69,6 +72,9 @@ class FakeUpstream:
     chars_per_token: float | None = None  # non-streaming answers say usage.prompt_tokens (a string prompt's length / it)
     compute_per_char: float = 0.0  # seconds per character of a prompt it computes, one prompt at a time (as an
     # engine's prefills are); a decode whose kv_transfer_params load the prompt's KV computes nothing
+    failed_loads: int = 0  # the next this many decodes that load KV fail as vLLM fails a broken load under its "fail"
+    # policy: a 500 answer, or a stream whose first event is the error
+    error_after: int | None = None  # a stream sends this many chunks, then vLLM's error event (a failure mid-stream)
     _computing: asyncio.Lock = field(default_factory=asyncio.Lock)
     received: list[Received] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,6 +124,15 @@ class FakeUpstream:
                     await asyncio.sleep(self.compute_per_char * len(body["prompt"]))
             if self.status >= 400:
                 return web.json_response(self.error_body or {"error": {"message": self.name}}, status=self.status)
+            if loads and self.failed_loads > 0:
+                self.failed_loads -= 1
+                if not body.get("stream"):
+                    return web.json_response(VLLM_ERROR, status=500)
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                await response.write(f"data: {json.dumps(VLLM_ERROR)}\n\ndata: [DONE]\n\n".encode())
+                await response.write_eof()
+                return response
             if body.get("stream"):
                 return await self._stream(request)
             answer: dict[str, Any] = {"id": f"{self.name}-1", "object": "text_completion", "served_by": self.name,
@@ -138,6 +153,9 @@ class FakeUpstream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for index, text in enumerate(self.chunks):
+            if index == self.error_after:
+                await response.write(f"data: {json.dumps(VLLM_ERROR)}\n\n".encode())
+                break
             if index == len(self.chunks) - 1 and self.hold_last is not None:
                 await self.hold_last.wait()
             if self.chunk_delay:
