@@ -30,13 +30,13 @@ def build_model(preset: str, quiet: bool = False) -> Path:
     return REPO / ".cache" / "models" / preset
 
 
-def connector_config(role: str, *, failure_policy: str = "recompute", **extra: object) -> dict:
+def connector_config(role: str, *, failure_policy: str | None = "recompute", **extra: object) -> dict:
     """``--kv-transfer-config`` for our connector in ``role`` (kv_producer, kv_consumer), with vLLM's
-    ``kv_load_failure_policy`` (``recompute`` unless given: the tests' fallbacks); ``extra`` goes to its
-    ``kv_connector_extra_config`` (a 512 MiB buffer unless overridden)."""
+    ``kv_load_failure_policy`` (``recompute`` unless given: the tests' fallbacks; None: not set, vLLM's default, as
+    users run it); ``extra`` goes to its ``kv_connector_extra_config`` (a 512 MiB buffer unless overridden)."""
+    policy = {} if failure_policy is None else {"kv_load_failure_policy": failure_policy}
     return {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
-            "kv_role": role, "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
+            "kv_role": role, **policy, "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
 
 
 def mooncake_json(path: Path, **extra: object) -> Path:

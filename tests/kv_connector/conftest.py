@@ -85,16 +85,24 @@ def pd_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     consumer.stop()
 
 
+DEFAULT_PAIR_BUFFER = 12 << 20  # the default pair's producer: room for three 700-token entries (3 MiB of KV each)
+
+
 @pytest.fixture(scope="session")
-def fail_consumer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A consumer under ``kv_load_failure_policy`` fail (test_load_failure_policy.py); its mooncake.json names a
-    producer nobody runs (its loads come from params). Spawned early (``spawn_early``): its tests wait for it."""
-    work = tmp_path_factory.mktemp("fail-policy")
-    consumer = VllmServer("fail-consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", failure_policy="fail", kv_digest="always",
-                                           allow_test_corruption=True), mooncake_json(work / "mooncake.json"),
-                          SERVE_ARGS, worker_process=False)
-    yield consumer
+def default_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A producer (a small buffer: ``DEFAULT_PAIR_BUFFER``) and a consumer under vLLM's default
+    ``kv_load_failure_policy`` (none set: ``fail``), paired through one mooncake.json, as a user starts them from the
+    README (test_lookups.py, test_load_failure_policy.py). Spawned early (``spawn_early``): its tests wait for it."""
+    work = tmp_path_factory.mktemp("default-policy")
+    config = mooncake_json(work / "mooncake.json")
+    producer = VllmServer("default-producer", tiny_model, free_port(), 0, work,
+                          connector_config("kv_producer", failure_policy=None, buffer_size=DEFAULT_PAIR_BUFFER),
+                          config, SERVE_ARGS, worker_process=False)
+    consumer = VllmServer("default-consumer", tiny_model, free_port(), 1, work,
+                          connector_config("kv_consumer", failure_policy=None, kv_digest="always",
+                                           allow_test_corruption=True), config, SERVE_ARGS, worker_process=False)
+    yield producer, consumer
+    producer.stop()
     consumer.stop()
 
 
@@ -118,7 +126,7 @@ def refused_starts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         server.stop()
 
 
-EARLY = ("fail_consumer", "refused_starts")
+EARLY = ("default_pair", "refused_starts")
 
 
 @pytest.fixture(scope="session", autouse=True)
