@@ -62,9 +62,10 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:mooncake_kv_{kind}_bytes", documentation=f"KV bytes moved by {what}.", buckets=sizes,
                 labelnames=labelnames))
 
+        fine = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]  # a lookup is a round trip
         self.histograms["lookup_times", 2] = self._per_engine(self._histogram_cls(
             name="vllm:mooncake_kv_lookup_seconds", documentation="Duration of the consumer's lookups that got an "
-            "answer (the question to the producer and its answer).", buckets=seconds, labelnames=labelnames))
+            "answer (the question to the producer and its answer).", buckets=fine, labelnames=labelnames))
 
         try:
             # built in vLLM's front-end process, where no connector exists to hand its parsed config over

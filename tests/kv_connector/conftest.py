@@ -38,13 +38,14 @@ def tiny_model() -> Path:
 def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None = None, producer_extra: dict | None = None,
                confine: bool = False, mode: str = "pull", serve_args: list[str] = SERVE_ARGS,
                hosts: tuple[Host, Host] | None = None, worker_process: bool = False, wait: bool = True,
-               **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
+               failure_policy: str | None = "recompute", **mooncake_extra: object) -> tuple[VllmServer, VllmServer]:
     """A producer (core 0) and a consumer (core 1, test corruption allowed) serving ``model`` in transfer ``mode``,
     paired through one mooncake.json in ``work``; both started. ``confine``: every process of an instance on its core
     (see ``VllmServer``). ``hosts``: the producer and the consumer each on a host of its own (harness/netns.py),
     their pipes on the hosts' KV link. ``worker_process``: see ``VllmServer`` (by default, vLLM's layout for one
     GPU: the connector's scheduler and worker sides in one engine core process). ``wait=False``: spawned only (the
-    caller waits with ``start_vllm`` later)."""
+    caller waits with ``start_vllm`` later). ``failure_policy``: the consumer's ``kv_load_failure_policy`` (None: not
+    set, vLLM's default)."""
     if hosts is not None:
         mooncake_extra = {"prefill_url": f"{hosts[0].kv}:{free_port()}", "decode_url": f"{hosts[1].kv}:{free_port()}",
                           **mooncake_extra}
@@ -56,6 +57,7 @@ def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None =
                           serve_args, confine=confine, **on[0])
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
+                                           failure_policy=failure_policy,
                                            **{"kv_digest": "always", **(consumer_extra or {})}), config, serve_args,
                           confine=confine, **on[1])
     if wait:

@@ -1,6 +1,8 @@
-"""Faults on real vLLM instances (pull mode, a pair of its own): prefills whose decode never comes filling the
-producer's buffer, entries expiring, the producer killed and restarted under traffic, the consumer killed and
-restarted. Every answer equals the colocated reference throughout.
+"""Faults on real vLLM instances (pull mode, a pair of its own, under vLLM's default ``kv_load_failure_policy``,
+``fail``, as users run it): prefills whose decode never comes filling the producer's buffer, entries expiring, the
+producer killed and restarted under traffic, the consumer killed and restarted. Every answer equals the colocated
+reference throughout: a prompt the producer no longer holds is found empty and computed on the consumer; a load that
+was found and then broke ends its request with an error, which the proxy answers by sending it again whole.
 
 Where the suite runs as root the pair is on two hosts (harness/netns.py): the producer and the consumer each in a
 network namespace of its own, the KV, the side channel and the Transfer Engine's metadata (etcd, on the producer's
@@ -16,6 +18,7 @@ import signal
 import statistics
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +30,10 @@ from harness import netns
 from harness.netns import Host, Wire
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer
+from proxy.protocols import NO_LOAD
 from tests import servers
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
+from tests.kv_connector.test_load_failure_policy import looked_up
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
@@ -78,7 +83,7 @@ def fault_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "metadata_server": f"etcd://{network.etcd}", "metadata_backend": "etcd"}
     producer, consumer = start_pair(tiny_model, tmp_path_factory.mktemp("faults"), "faults", confine=True,
                                     producer_extra={"buffer_size": BUFFER, "entry_ttl": TTL},
-                                    consumer_extra={"load_timeout": LOAD_TIMEOUT}, **where)
+                                    consumer_extra={"load_timeout": LOAD_TIMEOUT}, failure_policy=None, **where)
     yield producer, consumer
     producer.stop()
     consumer.stop()
@@ -126,7 +131,7 @@ def test_orphans_fill_the_buffer_without_stalling_the_producer(fault_pair, refer
     assert moved.get("loaded") == 1 and moved.get("fetched_bytes") == blocks(999) * ROW_BYTES
     before = kv_stats(consumer)
     assert consumer.complete(prompts[0], MAX_TOKENS) == reference.complete(prompts[0], MAX_TOKENS)  # evicted
-    assert settled_stats(consumer, before, 1).get("load_misses") == 1
+    assert looked_up(consumer, before, 1).get("lookup_misses") == 1  # found empty: computed here, no load
 
 
 def test_entries_nobody_takes_expire(fault_pair, reference):
@@ -138,7 +143,7 @@ def test_entries_nobody_takes_expire(fault_pair, reference):
     assert producer_stats(producer, before, "expired", 1).get("expired", 0) >= 1
     before = kv_stats(consumer)
     assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
-    assert settled_stats(consumer, before, 1).get("load_misses") == 1
+    assert looked_up(consumer, before, 1).get("lookup_misses") == 1
 
 
 def proxy_metric(proxy: OpenAIClient, name: str) -> float:
@@ -200,23 +205,28 @@ def test_delay_and_loss_on_the_wire(two_hosts, fault_pair, reference):
     assert moved.get("fetched_bytes") == sum(blocks(len(tokens) - 1) for tokens in prompts) * ROW_BYTES
 
 
-def test_a_partition_mid_load_ends_it_within_load_timeout_then_loads_resume(two_hosts, fault_pair, reference):
-    """The wire is cut once the first MiB of a 4 MiB load crossed, and stays cut: the load fails by load_timeout
-    (plus a small margin), the prompt is recomputed, the answer is right. Once healed, the next prompt loads."""
+def test_a_partition_mid_load_ends_it_within_load_timeout_then_loads_resume(two_hosts, fault_pair, proxy_for,
+                                                                            reference):
+    """Through the proxy, under the default policy: the wire is cut once the first MiB of a 4 MiB load crossed, and
+    stays cut. The load fails by load_timeout (plus a small margin), which ends the request with an error; the proxy
+    sends it again whole to the consumer, and the client gets the right answer. Once healed, the next prompt loads."""
     producer, consumer = fault_pair
+    proxy = proxy_for([producer], [consumer])
     tokens = prompt(2700, 1000)
-    producer.complete(tokens, 1)
-    before = kv_stats(consumer)
+    before, retried = kv_stats(consumer), proxy_metric(proxy, "mooncake_proxy_decode_retries_total")
     two_hosts.wire.cut_after(1 << 20)
     start = time.monotonic()
-    answer = consumer.complete(tokens, MAX_TOKENS, timeout=120)
+    answer = proxy.complete(tokens, MAX_TOKENS, timeout=120)
     seconds = time.monotonic() - start
     assert two_hosts.wire.is_cut, "the load finished before the wire was cut"
     change = settled_stats(consumer, before, 1)
-    print(f"partition mid-load: answered after {seconds:.2f} s (load_timeout {LOAD_TIMEOUT:g} s); stats change {change}")
+    retries = proxy_metric(proxy, "mooncake_proxy_decode_retries_total") - retried
+    print(f"partition mid-load: answered after {seconds:.2f} s through the proxy (load_timeout {LOAD_TIMEOUT:g} s), "
+          f"{retries:g} retried whole; stats change {change}")
     assert answer == reference.complete(tokens, MAX_TOKENS)
     assert change.get("load_failures") == 1 and not change.get("loaded"), change
-    assert seconds < LOAD_TIMEOUT + 3.0, f"the load held its request {seconds:.1f} s"
+    assert retries == 1
+    assert seconds < LOAD_TIMEOUT + 5.0, f"the request took {seconds:.1f} s"
     two_hosts.wire.heal()
     tokens = prompt(2701, 800)
     producer.complete(tokens, 1)
@@ -226,6 +236,47 @@ def test_a_partition_mid_load_ends_it_within_load_timeout_then_loads_resume(two_
     healed = settled_stats(consumer, before, 1)
     print(f"healed: the next decode took {time.monotonic() - start:.2f} s; stats change {healed}")
     assert healed.get("loaded") == 1 and healed.get("fetched_bytes") == blocks(799) * ROW_BYTES, healed
+
+
+def test_producer_killed_mid_load_through_the_proxy(two_hosts, fault_pair, proxy_for, reference):
+    """Under the default policy, through the proxy: the wire slowed (30 ms each way) so that a 4 MiB load takes a
+    while; once a quarter of it crossed, the producer is killed. The consumer's load fails as its connection dies,
+    the request ends with an error, the proxy sends it again whole, and the client gets the right answer within
+    load_timeout plus the retry. (``live_pair`` restarts the producer for the next test.)"""
+    producer, consumer = fault_pair
+    proxy = proxy_for([producer], [consumer])
+    tokens = prompt(2800, 1000)
+    two_hosts.wire.set(delay=0.03)
+    before, retried = kv_stats(consumer), proxy_metric(proxy, "mooncake_proxy_decode_retries_total")
+    outcome: dict[str, object] = {}
+
+    def request() -> None:
+        start = time.monotonic()
+        outcome["answer"] = proxy.complete(tokens, MAX_TOKENS, timeout=120)
+        outcome["seconds"] = time.monotonic() - start
+
+    crossed = two_hosts.wire.bytes_to_consumer
+    client = threading.Thread(target=request)
+    client.start()
+    try:
+        deadline = time.monotonic() + 60
+        while two_hosts.wire.bytes_to_consumer - crossed < 1 << 20 and "answer" not in outcome:
+            assert time.monotonic() < deadline, "the load never began"
+            time.sleep(0.005)
+        assert "answer" not in outcome, "the load ended before the producer could be killed"
+        kill(producer.proc)
+        client.join(timeout=120)
+    finally:
+        client.join(timeout=120)
+        two_hosts.wire.set()
+    change = settled_stats(consumer, before, 1)
+    retries = proxy_metric(proxy, "mooncake_proxy_decode_retries_total") - retried
+    print(f"producer killed mid-load: answered after {outcome.get('seconds', 0):.2f} s through the proxy, {retries:g} "
+          f"retried whole; stats change {change}")
+    assert outcome.get("answer") == reference.complete(tokens, MAX_TOKENS)
+    assert change.get("load_failures") == 1 and not change.get("loaded"), change
+    assert retries == 1
+    assert outcome["seconds"] < LOAD_TIMEOUT + 5.0
 
 
 def test_producer_killed_and_restarted_under_traffic(fault_pair, proxy_for, reference):
@@ -246,13 +297,20 @@ def test_producer_killed_and_restarted_under_traffic(fault_pair, proxy_for, refe
     phase = ["up"]
     results: list[tuple[str, str, list[int], str, float]] = []  # client, phase, prompt, answer, decode seconds
     errors: list[str] = []
+    retried: list[str] = []  # the phases in which the direct client's decode failed and was sent again whole
 
     def direct(tokens: list[int]) -> str:
         try:
             producer.complete(tokens, 1, timeout=30)
         except OSError:
             pass  # down: the decode goes to the consumer anyway
-        return consumer.complete(tokens, 8)
+        try:
+            return consumer.complete(tokens, 8)
+        except urllib.error.HTTPError as e:  # a load found and then broken by the kill, under "fail": sent whole
+            if e.code != 500:
+                raise
+            retried.append(phase[0])
+            return consumer.complete(tokens, 8, kv_transfer_params=NO_LOAD)
 
     def client(k: int, kind: str) -> None:
         i = 0
@@ -286,6 +344,7 @@ def test_producer_killed_and_restarted_under_traffic(fault_pair, proxy_for, refe
             t.join(timeout=120)
     after = settled_stats(consumer, before, 1)
     assert not errors, errors[:3]
+    assert len(retried) <= 1, f"direct decodes failed {len(retried)} times ({retried}): only one kill could do that"
     phases = ("up", "down", "restarting", "back")
     counts = {(kind, p): sum(r[0] == kind and r[1] == p for r in results) for kind in ("direct", "proxy") for p in phases}
     print(counts)
@@ -313,10 +372,11 @@ def test_consumer_killed_and_restarted(fault_pair, reference):
     assert moved.get("loaded") == 1 and moved.get("fetched_bytes") == blocks(499) * ROW_BYTES
 
 
-def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
-    """The consumer's load has asked the producer (frozen, SIGSTOP: the transfer cannot finish) when the producer is
-    killed: the load fails as soon as the connection dies, not after load_timeout (10 s), the prompt is recomputed
-    and the answer is right. The producer stays down (``live_pair`` restarts it if another test follows)."""
+def test_a_frozen_producer_killed_while_its_lookup_waits(fault_pair, reference):
+    """The producer is frozen (SIGSTOP) when the decode comes straight to the consumer: its lookup waits for an
+    answer; the producer is killed 1.5 s in. The lookup fails as soon as the connection dies (or at lookup_timeout,
+    2 s, whichever comes first), nothing is claimed, the consumer computes the prompt: the right answer, no error,
+    no load. The producer stays down (``live_pair`` restarts it if another test follows)."""
     producer, consumer = fault_pair
     tokens = prompt(2300, 800)
     producer.complete(tokens, 1)
@@ -332,7 +392,7 @@ def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
     client = threading.Thread(target=decode)
     client.start()
     try:
-        time.sleep(1.5)  # the load has asked the frozen producer by now
+        time.sleep(1.5)  # the lookup has asked the frozen producer by now
         if "answer" in outcome:
             said = [line for line in consumer.log_text().splitlines() if "Mooncake" in line or "drop_select" in line]
             raise AssertionError(f"the consumer answered in {outcome['seconds']:.2f} s while its producer was frozen: "
@@ -342,8 +402,8 @@ def test_producer_killed_in_the_middle_of_a_load(fault_pair, reference):
         client.join(timeout=60)
         assert outcome.get("answer") == reference.complete(tokens, MAX_TOKENS)
         print(f"the consumer answered {outcome['seconds']:.2f} s after the request (the producer was killed at 1.5 s)")
-        assert outcome["seconds"] < 1.5 + 4.0, f"the consumer waited {outcome['seconds']:.1f} s"
-        change = settled_stats(consumer, before, 1)
-        assert change.get("load_failures") == 1 and not change.get("loaded"), change
+        assert outcome["seconds"] < 2.0 + 3.0, f"the consumer waited {outcome['seconds']:.1f} s"
+        change = looked_up(consumer, before, 1)
+        assert change.get("lookup_errors") == 1 and not change.get("loaded") and not change.get("load_failures"), change
     finally:
         client.join(timeout=60)
