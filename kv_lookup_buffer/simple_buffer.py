@@ -191,7 +191,10 @@ class SimpleBuffer(KVLookupBufferBase):
         if not query.numel():
             raise ValueError("lookup needs at least one token")
         wait = self.timeout if timeout is None else timeout
-        return self.consumer.lookup(query, lease, max(1, round(lease_seconds * 1e3)), wait)
+        agree, held = self.consumer.lookup(query, lease, max(1, round(lease_seconds * 1e3)), wait)
+        if agree > query.numel():
+            raise ValueError(f"the producer's answer to a lookup of {query.numel()} tokens says {agree} agree")
+        return agree, held
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, op: str) -> None:

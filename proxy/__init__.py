@@ -33,7 +33,10 @@ Flow of ``POST /v1/completions`` and ``POST /v1/chat/completions``:
    client's: the decode instance computes the prompt itself. ``mooncake_proxy_dispatched_total{mode}`` counts both
    ways. ``--dispatch sequential`` always awaits the prefill.
 5. Decode: the original request, with the protocol's ``kv_transfer_params`` in place of any of its own, goes to the chosen
-   decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is.
+   decode instance. A streaming answer (SSE) is relayed chunk by chunk as it arrives; any other answer as is. A
+   decode that may load KV and fails before its first token with a server error (a KV load that broke, under vLLM's
+   default ``kv_load_failure_policy``) is sent again, once, whole to a decode instance
+   (``mooncake_proxy_decode_retries_total{reason}``); to tell, a stream's first event is read before relaying.
 
 Routing (``Balancer.pick``, ``prefix_index``, ``routing``): the proxy has no tokenizer. It cuts each prompt into
 chunks of 256 characters (a chat: its messages serialized in order, so a follow-up turn extends the previous turn's

@@ -431,6 +431,33 @@ def test_lookup_arguments_are_checked_before_anything_is_sent(link):
         consumer.lookup(torch.tensor([], dtype=torch.int64), lease=1, lease_seconds=1)
 
 
+def test_malformed_lookup_answers_are_refused():
+    """A producer of another version (a MISS to a lookup) or one claiming more tokens agree than were asked: the
+    lookup raises (its caller computes the prompt), and the link goes on serving."""
+    a, b = local_pipe_pair(timeout=5.0)
+    consumer = SimpleBuffer(b, b, 1 << 30, role="consumer")
+    try:
+        for answer, what in ((lambda seq: answer_frame(MISS, seq), "another version"),
+                             (lambda seq: looked_frame(seq, 3, 3), "says 3 agree")):
+            result: list = []
+
+            def ask(result: list = result) -> None:
+                try:
+                    consumer.lookup(torch.tensor([1, 2]), lease=4, lease_seconds=1)
+                except ValueError as e:
+                    result.append(str(e))
+
+            thread = threading.Thread(target=ask)
+            thread.start()
+            seq = a.recv_tensor(timeout=5).tolist()[1]
+            a.send_tensor(answer(seq))
+            thread.join(5)
+            assert len(result) == 1 and what in result[0], result
+        assert consumer.healthy
+    finally:
+        consumer.close()
+
+
 def test_a_lookup_nobody_answers_times_out():
     a, b = local_pipe_pair(timeout=5.0)
     consumer = SimpleBuffer(b, b, 1 << 30, role="consumer")
