@@ -4,8 +4,10 @@ deadline; the engine loop collects the answers every step and vLLM carries them 
 (``MooncakeWorkerMetadata``). A lookup never raises into vLLM: a producer that cannot be reached, does not answer in
 time or answers nonsense is an answer of 0 tokens (the prompt is computed here), logged and counted.
 
-A producer whose lookup failed for want of an answer (unreachable, timed out) is not asked again for ``backoff``
-seconds: its lookups answer 0 at once, so a dead or frozen producer costs each request nothing after the first.
+A producer that could not be reached (refused, or its link did not come up: a dead or frozen one) is not asked again
+for ``backoff`` seconds: its lookups answer 0 at once. A lookup that timed out on a link that is up (queued behind
+large loads, or a producer frozen after it linked) costs its request ``timeout`` and backs nothing off: a busy
+producer must not be taken for a dead one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kv_connector.metadata import LookupAnswer, LookupRequest
+from kv_connector.metadata import LeaseRelease, LookupAnswer, LookupRequest
 from kv_connector.stats import StatsRecorder
 from kv_lookup_buffer import BufferClosed
 from kv_pipe import PipeError
@@ -31,12 +33,13 @@ class ProducerDown(Exception):
 
 class Lookups:
     """``look(req, deadline)``: the tokens of ``req``'s prompt the producers hold for this rank (raises if it cannot
-    tell); ``producers(req)``: the addresses it asks (for the back-off)."""
+    tell); ``producers(req)``: the addresses it asks (for the back-off); ``release(release)``: tell them a lease
+    will not be used."""
 
     def __init__(self, look: Callable[[LookupRequest, float], int], producers: Callable[[LookupRequest], list[str]],
-                 rank: int, timeout: float, stats: StatsRecorder, backoff: float,
-                 thread_init: Callable[[], None] | None = None) -> None:
-        self._look, self._producers = look, producers
+                 release: Callable[[LeaseRelease], None], rank: int, timeout: float, stats: StatsRecorder,
+                 backoff: float, thread_init: Callable[[], None] | None = None) -> None:
+        self._look, self._producers, self._release = look, producers, release
         self.rank, self.timeout, self.stats, self.backoff = rank, timeout, stats, backoff
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-kv-lookup",
                                         initializer=thread_init)
@@ -45,11 +48,22 @@ class Lookups:
         self._lock = threading.Lock()
 
     def start(self, req: LookupRequest) -> None:
-        deadline = time.monotonic() + self.timeout
-        self._running[req.req_id, req.lease] = self._pool.submit(self._run, req, deadline)
+        self._running[req.req_id, req.lease] = self._pool.submit(self._run, req)
 
-    def _run(self, req: LookupRequest, deadline: float) -> LookupAnswer:
+    def release(self, release: LeaseRelease) -> None:
+        """Tell the producers ``release.source`` names (those this rank asks) that ``release.lease`` is not used;
+        best effort, off the engine loop."""
+        self._pool.submit(self._release_quietly, release)
+
+    def _release_quietly(self, release: LeaseRelease) -> None:
+        try:
+            self._release(release)
+        except Exception as e:  # the lease ends on its own anyway
+            logger.debug("MooncakeConnector: could not release lease %d: %s", release.lease, e)
+
+    def _run(self, req: LookupRequest) -> LookupAnswer:
         start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout  # from when a thread takes it: its wait in the queue is ours
         error = ""
         tokens = 0
         try:
@@ -57,9 +71,12 @@ class Lookups:
             tokens = self._look(req, deadline)
         except ProducerDown as e:
             error = str(e)
-        except (PipeError, BufferClosed, TimeoutError, OSError) as e:
+        except (PipeError, BufferClosed, OSError) as e:  # the producer could not be reached (a PipeTimeout too:
+            # the link did not come up, or another send on it hung)
             error = f"{type(e).__name__}: {e}"
             self._mark_down(req, error)
+        except TimeoutError as e:  # no answer on a link that is up: a busy producer is not backed off
+            error = f"{type(e).__name__}: {e}"
         except ValueError as e:  # a malformed answer, or a layout this rank cannot load from
             error = f"{type(e).__name__}: {e}"
         except Exception as e:

@@ -54,6 +54,15 @@ class LookupRequest:
 
 
 @dataclass
+class LeaseRelease:
+    """Consumer: no load will use ``lease`` (its request ended, its prefix cache held what was found, or its lookup
+    was given up): the producer(s) ``source`` names may let the entry they hold for it go."""
+
+    lease: int
+    source: LoadSource
+
+
+@dataclass
 class LookupAnswer:
     """Worker -> scheduler: what one TP rank's lookup found: the producer holds ``tokens`` of the prompt's tokens
     for it (0: nothing, or the lookup failed: ``error`` says why)."""
@@ -96,6 +105,7 @@ class MooncakeConnectorMetadata:
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     lookups: list[LookupRequest] = field(default_factory=list)
+    releases: list[LeaseRelease] = field(default_factory=list)
     pushes: list[PushStep] = field(default_factory=list)
     # producer, push mode: requests that ended before their prompt was complete (aborted mid-prefill): their pushes
     # end (the consumer frees what it staged)

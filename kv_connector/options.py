@@ -30,9 +30,9 @@ class ConnectorOptions:
       prompt recomputed.
     - ``load_concurrency``: consumer: loads in flight at once (the fetch of one overlaps the copy of another).
     - ``lookup_timeout``: consumer: seconds a lookup (how much of a prompt the producer holds, asked before the
-      prompt is claimed) may take; past it the prompt is computed here. It covers a lookup queued behind a few large
-      loads on a busy link; a producer that failed to answer is then not asked for 2 s, so a dead or frozen one costs
-      the first request at most this much.
+      prompt is claimed) may take once a thread took it; past it the prompt is computed here. It covers a lookup
+      queued behind a few large loads on a busy link; a producer that could not be reached is then not asked for 2 s,
+      so a dead one costs the first request at most this much.
     - ``mooncake_config_path``: mooncake.json, if MOONCAKE_CONFIG_PATH is not set.
     - ``transfer_mode``: "pull" (the consumer fetches a request's KV once the prefill is done) or "push" (the producer
       streams each layer's KV to the consumer while the prefill runs). Both instances must use the same mode.

@@ -38,7 +38,7 @@ from kv_connector.digest import DigestMismatch, Sampler
 from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
-from kv_connector.metadata import LoadRequest, LookupRequest, SaveRequest
+from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, SaveRequest
 from kv_connector.source import LoadSource
 from kv_connector.staging import KVStaging, Staged
 from kv_connector.stats import StatsRecorder
@@ -49,6 +49,7 @@ from kv_pipe import PipeError
 from kv_pipe.memory import WarmPool
 
 logger = logging.getLogger(f"vllm.{__name__}")
+RELEASE_TIMEOUT = 1.0  # seconds a lease's release may wait to be sent (best effort: the lease ends on its own)
 
 
 def _ready(kv: Staged, sums: torch.Tensor | None, groups: int, context: bytes, secret: bytes) -> Callable[[], None]:
@@ -174,6 +175,10 @@ class PullTransfer(KVTransfer):
             if not held:
                 break
         return held
+
+    def release(self, release: LeaseRelease) -> None:
+        for producer in self.producers(release.source):
+            self.links.pull_buffer(producer).release(release.lease, timeout=RELEASE_TIMEOUT)
 
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         start = time.perf_counter()

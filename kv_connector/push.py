@@ -32,7 +32,7 @@ from kv_connector import blocks, digest
 from kv_connector.digest import BlockHasher
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
-from kv_connector.metadata import LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.pull import PullTransfer
 from kv_connector.source import LoadSource, push_link_source
 from kv_connector.staging import KVStaging, Staged
@@ -158,6 +158,10 @@ class PushTransfer(KVTransfer):
 
     def producers(self, source: LoadSource) -> list[str]:
         return self.pull.producers(source)
+
+    def release(self, release: LeaseRelease) -> None:
+        """(A staged push's hold only delays its expiry within push_ttl: nothing to release there.)"""
+        self.pull.release(release)
 
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
         if req.source.await_push:

@@ -30,6 +30,7 @@ from kv_connector import params as kv_params
 from kv_connector.metadata import (
     CORRUPT_PARAM,
     TEST_FAULTS,
+    LeaseRelease,
     LoadRequest,
     LookupRequest,
     MooncakeConnectorMetadata,
@@ -47,21 +48,29 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 
-CLAIM_WINDOW = 5.0  # seconds after a lookup was asked that its answer may be claimed (then it is asked again)
 ANSWER_MARGIN = 1.0  # seconds past lookup_timeout the scheduler waits for the workers' answers before giving up
+CLAIM_SLACK = 3.0  # seconds an answer may still be claimed after the latest it could come (then it is asked again)
+LEASE_SLACK = 5.0  # seconds a lease outlives the load it is for (the load's request reaching the producer)
+MAX_LEASE = 600.0  # the producer's cap (simple_wire.MAX_LEASE_MS)
+LOOKUPS_PER_STEP = 32  # lookups sent in one step at most (the others are asked again next step)
 
 
 @dataclass
 class _Lookup:
+    """A request's lookup, from its first ask until its load starts or it ends; one lease for all of it (asking again
+    renews the producer's hold on the same entry)."""
+
     lease: int
-    asked: float  # time.monotonic() when it was sent to the workers
+    source: LoadSource
+    asked: float  # time.monotonic() when it was (last) sent to the workers
     answers: dict[int, int] = field(default_factory=dict)  # TP rank -> tokens its producers hold
 
 
 class ConsumerScheduler:
     """``recompute``: how many of a prompt's last tokens this instance computes itself (at least the last one).
-    A lease lasts ``CLAIM_WINDOW`` (the answer claimed by then) plus ``load_timeout`` (the load, from the claim) plus
-    ``CLAIM_WINDOW`` again (the load's request reaching the producer), so it never ends before the load it was for."""
+    A lookup's answer may be claimed for ``claim_window`` seconds after it was asked (answers come within
+    ``lookup_timeout`` plus a margin); a lease lasts that, plus ``load_timeout`` (the load, from the claim), plus
+    ``LEASE_SLACK``, so it never ends before the load it was for. A lease no load will use is released."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1) -> None:
         self.config = config
@@ -69,10 +78,12 @@ class ConsumerScheduler:
         self.recompute = max(recompute, 1)
         self.tp = config.tp_size
         self.answer_wait = config.options.lookup_timeout + ANSWER_MARGIN
-        self.lease_seconds = config.options.load_timeout + 2 * CLAIM_WINDOW
-        self.lookups: dict[str, _Lookup] = {}  # asked, not claimed yet
+        self.claim_window = self.answer_wait + CLAIM_SLACK
+        self.lease_seconds = min(self.claim_window + config.options.load_timeout + LEASE_SLACK, MAX_LEASE)
+        self.lookups: dict[str, _Lookup] = {}  # asked, no load started yet
         self.to_look: list[LookupRequest] = []  # lookups to send in the next step
-        self.claims: dict[str, tuple[LoadSource, int, int]] = {}  # claimed, not allocated: (source, local hit, lease)
+        self.to_release: list[LeaseRelease] = []  # leases no load will use, to release in the next step
+        self.claims: dict[str, tuple[LoadSource, int]] = {}  # claimed, not allocated: (source, local hit)
         self.claimed: set[str] = set()  # one load attempt per request
         self.loads: list[LoadRequest] = []  # loads to start in the next step
 
@@ -80,7 +91,8 @@ class ConsumerScheduler:
         """``num_computed_tokens``: this instance's own prefix-cache hit, block aligned (vLLM passes it so)."""
         req_id = request.request_id
         prompt_len = len(request.prompt_token_ids or ())
-        if blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute) <= 0 or req_id in self.claimed:
+        if blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute) <= 0 or req_id in self.claimed \
+                or getattr(request, "skip_reading_prefix_cache", False):  # vLLM would drop a claim: nothing asked
             return 0, False
         try:
             source = load_source(request.kv_transfer_params, self.config)
@@ -93,12 +105,11 @@ class ConsumerScheduler:
             self.claimed.add(req_id)
             return 0, False
         if source.await_push or source.pushed:  # its producer pushes it here: claimed now, the load waits for it
-            self.claims[req_id] = (source, num_computed_tokens, 0)
+            self.claims[req_id] = (source, num_computed_tokens)
             return blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute), True
         found = self._found(request, source)
         if found is None:
             return None, False
-        lookup = self.lookups.pop(req_id)
         end = min(found, prompt_len - self.recompute)
         if end < prompt_len - self.recompute:  # a prefix of the prompt: whole blocks of it only
             end -= end % self.block_size
@@ -107,8 +118,9 @@ class ConsumerScheduler:
                      "claims %d", req_id, found, prompt_len, num_computed_tokens, max(claim, 0))
         if claim <= 0:
             self.claimed.add(req_id)
+            self._release(req_id)
             return 0, False
-        self.claims[req_id] = (source, num_computed_tokens, lookup.lease)
+        self.claims[req_id] = (source, num_computed_tokens)
         return claim, True
 
     def _found(self, request: Request, source: LoadSource) -> int | None:
@@ -118,20 +130,32 @@ class ConsumerScheduler:
         now = time.monotonic()
         lookup = self.lookups.get(req_id)
         if lookup is not None and len(lookup.answers) >= self.tp:
-            if now - lookup.asked <= CLAIM_WINDOW:
+            if now - lookup.asked <= self.claim_window:
                 return min(lookup.answers.values())
-            lookup = None  # answered too long ago (vLLM could not schedule it): its lease may end before the load
-        elif lookup is not None and now - lookup.asked > self.answer_wait:
+            # answered too long ago (vLLM could not schedule the request): the lease may end before a load started
+            # now; asked again under the same lease, which renews the producer's hold on the same entry
+            lookup.answers = {}
+        elif lookup is not None:
+            if now - lookup.asked <= self.answer_wait:
+                return None
             logger.warning("MooncakeConnector: request %s: no answer to its lookup within %.1f s (%d of %d TP ranks "
                            "answered): computing its prompt here", req_id, self.answer_wait, len(lookup.answers),
                            self.tp)
             return 0
+        if len(self.to_look) >= LOOKUPS_PER_STEP:
+            return None  # asked next step
         if lookup is None:
-            lease = secrets.randbits(62) + 1
-            self.lookups[req_id] = _Lookup(lease, now)
-            self.to_look.append(LookupRequest(req_id, lease, list(request.prompt_token_ids or ()), source,
-                                              self.lease_seconds))
+            lookup = self.lookups[req_id] = _Lookup(secrets.randbits(62) + 1, source, now)
+        lookup.asked = now
+        self.to_look.append(LookupRequest(req_id, lookup.lease, list(request.prompt_token_ids or ()), source,
+                                          self.lease_seconds))
         return None
+
+    def _release(self, req_id: str) -> None:
+        """The request's lookup, if it sent one, will have no load: its lease is released at the producers."""
+        lookup = self.lookups.pop(req_id, None)
+        if lookup is not None:
+            self.to_release.append(LeaseRelease(lookup.lease, lookup.source))
 
     def answered(self, meta: MooncakeWorkerMetadata) -> None:
         """The workers' answers to lookups (vLLM's ``update_connector_output``)."""
@@ -143,25 +167,27 @@ class ConsumerScheduler:
     def after_alloc(self, request: Request, kv_blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
         if claim is None or num_external_tokens <= 0:
-            return
-        source, local, lease = claim
+            return  # no load (yet): a lookup stays for the next ask, or is released when the request ends
+        source, local = claim
+        lookup = self.lookups.pop(request.request_id, None)  # the load takes the entry under its lease
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
         switch = request.kv_transfer_params.get(CORRUPT_PARAM) if request.kv_transfer_params else None
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source, switch is True,
-                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else "", lease))
+                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else "",
+                                      0 if lookup is None else lookup.lease))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look,
+        meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look, releases=self.to_release,
                                          idle=out.total_num_scheduled_tokens == 0)
-        self.loads, self.to_look = [], []
+        self.loads, self.to_look, self.to_release = [], [], []
         return meta
 
     def finished(self, request: Request) -> dict[str, Any] | None:
-        """A request ended: forget it (a consumer answers no params)."""
-        self.lookups.pop(request.request_id, None)
+        """A request ended: forget it, releasing a lease no load used (a consumer answers no params)."""
+        self._release(request.request_id)
         self.claims.pop(request.request_id, None)
         self.claimed.discard(request.request_id)
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from kv_connector.metadata import LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.source import LoadSource
 
 
@@ -46,6 +46,10 @@ class KVTransfer(ABC):
     def lookup(self, req: LookupRequest, deadline: float) -> int:
         """Consumer: how many of ``req``'s prompt tokens the producers this rank would load from hold for it (held
         for ``req.lease``); raises if that cannot be told by ``deadline`` (``time.monotonic()``)."""
+
+    @abstractmethod
+    def release(self, release: LeaseRelease) -> None:
+        """Consumer: tell the producers this rank would load from that ``release.lease`` will not be used."""
 
     @abstractmethod
     def producers(self, source: LoadSource) -> list[str]:

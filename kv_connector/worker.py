@@ -149,7 +149,7 @@ class ConnectorWorker:
         self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
                            self.staging.bind_thread, fail=self.config.fail_loads)
         transfer = self.transfer
-        self.lookups = Lookups(transfer.lookup, lambda req: transfer.producers(req.source), rank,
+        self.lookups = Lookups(transfer.lookup, lambda req: transfer.producers(req.source), transfer.release, rank,
                                self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF)
         self.links.warm_up(peer, self.options.load_timeout)
 
@@ -183,6 +183,8 @@ class ConnectorWorker:
         if self.lookups is not None:
             for lookup in meta.lookups:
                 self.lookups.start(lookup)
+            for release in meta.releases:
+                self.lookups.release(release)
         if meta.pushes:
             self.transfer.begin_step(meta)
         if meta.abandoned:

@@ -81,7 +81,7 @@ class SimpleBuffer(KVLookupBufferBase):
         # requests_lost (producer) / answers_lost (consumer): requests / answers that broke off mid-way (their
         # sender froze or died after they had begun to arrive); logged too
         self.stats = Counts(("hits", "misses", "malformed", "late_hits_dropped", "abandoned_hits_dropped", "stray_frames",
-                             "expired", "evicted", "lookups", "leases", "leases_expired",
+                             "expired", "evicted", "lookups", "leases", "leases_expired", "leases_released",
                              "hit_bytes", "hit_key_bytes", "requests_lost", "answers_lost"), on_count)
         self.producer = BufferProducer(signal_pipe, data_pipe, buffer_size_thresh, self.timeout, max_age, evict,
                                        self._closed, self.stats, self._thread_died)
@@ -195,6 +195,16 @@ class SimpleBuffer(KVLookupBufferBase):
         if agree > query.numel():
             raise ValueError(f"the producer's answer to a lookup of {query.numel()} tokens says {agree} agree")
         return agree, held
+
+    def release(self, lease: int, timeout: float | None = None) -> None:
+        """Consumer (an extension): no request will come under ``lease``: the producer lets the entries it holds for
+        it go (expiry and eviction apply again; counted as ``leases_released``). Not answered."""
+        self._check_usable("release")
+        self._take_role("consumer")
+        assert self.consumer is not None
+        if not _lease(lease):
+            raise ValueError("release needs a non-zero lease")
+        self.consumer.release(lease, self.timeout if timeout is None else timeout)
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, op: str) -> None:

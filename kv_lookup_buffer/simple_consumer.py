@@ -21,6 +21,7 @@ from kv_lookup_buffer.simple_wire import (
     OP_CLOSE,
     OP_DROP_SELECT,
     OP_LOOKUP,
+    OP_RELEASE,
     read_answer,
     request_frame,
 )
@@ -90,6 +91,10 @@ class BufferConsumer:
         if pending.looked is None:
             raise ValueError("the producer answered a lookup with an entry: it runs another version of this project")
         return pending.looked
+
+    def release(self, lease: int, wait: float) -> None:
+        """``SimpleBuffer.release`` with its arguments checked."""
+        self.signal_pipe.send_tensor(request_frame(OP_RELEASE, -1, lease=lease), timeout=wait)
 
     def _ask(self, frame: Callable[[int], torch.Tensor], pending: _Pending, wait: float,
              deadline: float | None, what: str) -> _Pending:

@@ -18,6 +18,7 @@ from kv_lookup_buffer.simple_wire import (
     MISS,
     OP_CLOSE,
     OP_LOOKUP,
+    OP_RELEASE,
     BadRequest,
     Request,
     answer_frame,
@@ -144,8 +145,10 @@ class BufferProducer:
             while self.buffer_size + nbytes > self.thresh:
                 if self.evict and self._drop_oldest("evicted", f"to make room for an entry of {len(tokens)} tokens"):
                     continue
-                if self.evict and self._leased:  # a lease is a promise to a consumer: the new entry gives way
-                    raise BufferFull(f"no room for an entry of {nbytes} bytes: the buffer's other entries are held "
+                held = sum(entry.nbytes for entry in self._leased.values())
+                if self.evict and held + nbytes > self.thresh:  # a lease is a promise to a consumer: the new entry
+                    # gives way (entries being sent leave in a moment: room for them is overcommitted below)
+                    raise BufferFull(f"no room for an entry of {nbytes} bytes: {held} bytes of the buffer's are held "
                                      f"for consumers that found them ({len(self._leased)} lease(s))")
                 if self.evict:
                     break  # only entries being sent are left: they leave in a moment
@@ -321,6 +324,14 @@ class BufferProducer:
         if request.op == OP_LOOKUP:
             self._look(request, data_pipe)
             return
+        if request.op == OP_RELEASE:
+            with self._cv:
+                for key, entry in list(self._leased.items()):
+                    if entry.lease == request.lease:
+                        del self._leased[key]
+                        entry.lease = 0
+                        self.stats.add("leases_released")
+            return
         self._answer(request, data_pipe)
 
     def _look(self, request: Request, data_pipe: KVPipeBase) -> None:
@@ -348,7 +359,11 @@ class BufferProducer:
         hashes = None if query is None else prefix_hashes(query)  # outside the lock, away from the inserting thread
         with self._cv:
             self._expire()
-            ident = self._index.find(query, hashes, accept=lambda e: e.open_to(request.lease))
+            ident = None
+            if request.lease:  # the entry its lookup found first, even if a better one came since
+                ident = self._index.find(query, hashes, accept=lambda e: e.lease == request.lease)
+            if ident is None:
+                ident = self._index.find(query, hashes, accept=lambda e: e.open_to(request.lease))
             entry = None if ident is None else self._index.peek(ident)
             if entry is not None:
                 entry.taken += 1

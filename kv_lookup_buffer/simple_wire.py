@@ -11,7 +11,8 @@ The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and 
   requests take parts of this entry (it leaves the buffer with the last of them); ``lease``: the lease (0: none)
   under which a lookup found the entry (an entry under another live lease is not taken). ``OP_LOOKUP``, the same
   fields with ``kind`` ``QUERY``: say how much of the query the best entry holds, and hold that entry for ``lease``
-  (non-zero) for ``lease_ms`` milliseconds. Or ``OP_CLOSE`` (the consumer is going away).
+  (non-zero) for ``lease_ms`` milliseconds. ``OP_RELEASE`` with a ``lease`` (nothing else; not answered): the
+  entries held for that lease are free again. Or ``OP_CLOSE`` (the consumer is going away).
 - producer -> consumer, data pipe: an int64 tensor ``[ANSWER_MAGIC, status, seq]`` echoing the request's ``seq``:
   ``HIT`` followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going
   away; ``seq`` -1); or, answering a lookup, ``[ANSWER_MAGIC, LOOKED, seq, agree, held]``: the entry held for the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-OP_CLOSE, OP_DROP_SELECT, OP_LOOKUP = 4, 5, 6
+OP_CLOSE, OP_DROP_SELECT, OP_LOOKUP, OP_RELEASE = 4, 5, 6, 7
 OLDER_OPS = (1, 2, 3)  # the drop_select ops of older versions (5- and 8-field requests)
 ANY, QUERY = 0, 1  # request kinds: take any entry / match the tokens that follow
 HIT, MISS, CLOSED, LOOKED = 0, 1, 2, 3
@@ -92,12 +93,16 @@ def read_request(t: torch.Tensor | None) -> Request:
         raise BadRequest("expected a 1-D int64 tensor [op, seq, kind, row_start, row_stop, part_start, part_stop, "
                          f"shares, lease, lease_ms, *tokens], got {desc}")
     op, seq, kind, start, stop, part_start, part_stop, shares, lease, lease_ms, *query = t.tolist()
-    if op not in (OP_DROP_SELECT, OP_LOOKUP, OP_CLOSE):
+    if op not in (OP_DROP_SELECT, OP_LOOKUP, OP_RELEASE, OP_CLOSE):
         if op in OLDER_OPS:  # its answers have the same form: a MISS tells it at once
             raise BadRequest(f"unknown op {op}: the consumer runs an older version of this project", seq)
         raise BadRequest(f"unknown op {op}")
     if op == OP_CLOSE:
         return Request(op, seq)
+    if op == OP_RELEASE:
+        if lease == 0:
+            raise BadRequest("a release names no lease")  # not answered: no seq to answer
+        return Request(op, seq, lease=lease)
     if start < 0 or not (stop == ALL_ROWS or stop >= start):
         raise BadRequest(f"request {seq}: rows [{start}, {stop}) are not a range", seq)
     rows = None if stop == ALL_ROWS else (start, stop)

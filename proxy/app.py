@@ -272,11 +272,15 @@ class Proxy:
                     try:
                         first = await first_event(response)
                         reason = error_event(first)
-                    except (TimeoutError, aiohttp.ClientError) as error:
-                        reason = "stream_timeout" if isinstance(error, TimeoutError) else "stream_broken"
-                    except BaseException:  # e.g. the client went away
+                    except aiohttp.ClientError:  # the stream broke before its first token
+                        reason = "stream_broken"
+                    except BaseException as error:  # a timeout (not retried: it would double), the client gone
                         response.close()
                         balancer.release(upstream)
+                        if isinstance(error, TimeoutError):
+                            balancer.mark_failed(upstream, "timeout")
+                            raise ProxyError(504, "upstream_timeout", f"{upstream.name} timed out", balancer.role,
+                                             upstream.name, upstream.url) from None
                         raise
                     if reason is not None:
                         response.close()

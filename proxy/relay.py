@@ -83,14 +83,57 @@ class StreamRelay:
             self.close()
 
 
-FIRST_EVENT_MAX = 64 << 10  # bytes of a stream read to find its first event (an error event is far smaller)
+FIRST_EVENT_MAX = 64 << 10  # bytes of a stream read before its first token (an error event is far smaller)
+
+
+def _events(data: bytes) -> list[bytes]:
+    """The complete SSE events at the start of ``data`` (each a block of lines ending in a blank line)."""
+    blocks = data.replace(b"\r\n", b"\n").split(b"\n\n")
+    return blocks[:-1]  # the last one is not complete (or empty)
+
+
+def _payload(event: bytes) -> object:
+    """The JSON of an event's ``data:`` line (None if it has none, or it is not JSON, e.g. ``[DONE]``)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                return json.loads(line[5:])
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                return None
+    return None
+
+
+def _says_nothing(event: bytes) -> bool:
+    """An event before the first token that carries none: a comment, or a chat stream's opening role delta (vLLM
+    sends it before anything is computed, so a request that fails in the engine, e.g. its KV load, streams it
+    before its error)."""
+    payload = _payload(event)
+    if payload is None:
+        return not any(line.startswith(b"data:") for line in event.split(b"\n"))  # comments, keep-alives
+    if not isinstance(payload, dict) or "error" in payload:
+        return False
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or choice.get("finish_reason") is not None:
+            return False
+        if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content") \
+                or set(delta) - {"role", "content"}:
+            return False
+    return True
 
 
 async def first_event(response: aiohttp.ClientResponse) -> bytes:
-    """The start of an SSE body up to the end of its first event (or its end, or ``FIRST_EVENT_MAX`` bytes): what
-    ``error_event`` looks at; relayed first after that (``StreamRelay(first=...)``)."""
+    """The start of an SSE body up to the end of its first event that says something (past a chat stream's opening
+    role delta and comments), or its end, or ``FIRST_EVENT_MAX`` bytes: what ``error_event`` looks at; relayed
+    first after that (``StreamRelay(first=...)``)."""
     data = b""
-    while b"\n\n" not in data and b"\r\n\r\n" not in data and len(data) < FIRST_EVENT_MAX:
+    while len(data) < FIRST_EVENT_MAX:
+        events = _events(data)
+        if events and not all(_says_nothing(event) for event in events):
+            break
         chunk = await response.content.readany()
         if not chunk:
             break
@@ -99,20 +142,18 @@ async def first_event(response: aiohttp.ClientResponse) -> bytes:
 
 
 def error_event(data: bytes) -> str | None:
-    """If the SSE stream starting with ``data`` starts with an error event (``data: {"error": ...}``, as vLLM sends
-    one for a request that failed, e.g. its KV load) carrying a server error (a code of 500 or more, or none), the
-    reason to count it under; else None (a token, or a client error the retry would meet again)."""
-    line = data.split(b"\n", 1)[0].strip()
-    if not line.startswith(b"data:"):
-        return None
-    try:
-        event = json.loads(line[5:])
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    error = event.get("error") if isinstance(event, dict) else None
-    if not isinstance(error, dict):
-        return None
-    code = error.get("code")
-    if isinstance(code, int) and not isinstance(code, bool) and code < 500:
-        return None
-    return f"stream_error_{code}" if isinstance(code, int) and not isinstance(code, bool) else "stream_error"
+    """If the SSE stream starting with ``data`` says nothing before an error event (``data: {"error": ...}``, as vLLM
+    sends one for a request that failed, e.g. its KV load) carrying a server error (a code of 500 or more, or none),
+    the reason to count it under; else None (a token, or a client error the retry would meet again)."""
+    for event in _events(data):
+        if _says_nothing(event):
+            continue
+        payload = _payload(event)
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if not isinstance(error, dict):
+            return None
+        code = error.get("code")
+        if isinstance(code, int) and not isinstance(code, bool):
+            return None if code < 500 else f"stream_error_{code}"
+        return "stream_error"
+    return None

@@ -95,7 +95,7 @@ def test_a_request_is_looked_up_before_it_claims_and_claims_only_what_was_found(
     assert sched.num_new_matched_tokens(req, 16) == (None, False)  # asked again: still waiting, no second lookup
     (look,) = sched.build_meta(step()).lookups
     assert look.token_ids == list(range(100)) and look.lease and look.source.pipes == [PREFILL]
-    assert look.lease_seconds == sched.config.options.load_timeout + 10
+    assert look.lease_seconds == sched.claim_window + sched.config.options.load_timeout + 5
     sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 0, 70)]))
     assert sched.num_new_matched_tokens(req, 16) == (48, True)  # blocks 1-3 of the 70 tokens held: up to token 64
     sched.after_alloc(req, kv_blocks(list(range(7))), 48)
@@ -142,24 +142,69 @@ def test_a_lookup_nobody_answers_in_time_is_computed_here(monkeypatch):
     assert sched.num_new_matched_tokens(req, 0) == (None, False)
     clock[0] += 0.2
     assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert [r.lease for r in sched.build_meta(step()).releases] == [look.lease]  # the producer may have held it late
     sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", look.lease, 0, 100)]))
     assert sched.num_new_matched_tokens(req, 0) == (0, False)
 
 
-def test_an_answer_too_old_to_claim_on_is_asked_again(monkeypatch):
+def test_an_answer_too_old_to_claim_on_is_asked_again_under_the_same_lease(monkeypatch):
     """vLLM could not schedule the request for a while after its answer came: the lease may end before a load
-    started now, so a new lookup (a new lease) is sent."""
+    started now, so the lookup is sent again, under the same lease (the producer renews its hold on the entry it
+    found: a new lease would find that entry held)."""
     sched = ConsumerScheduler(config(), BLOCK)
     clock = [1000.0]
     monkeypatch.setattr(scheduler_consumer.time, "monotonic", lambda: clock[0])
     req = request("r", 100)
     assert sched.num_new_matched_tokens(req, 0) == (None, False)
-    first = answer(sched)
-    clock[0] += scheduler_consumer.CLAIM_WINDOW + 0.1
-    assert first == 1 and sched.num_new_matched_tokens(req, 0) == (None, False)
+    lease = sched.to_look[0].lease
+    assert answer(sched) == 1
+    clock[0] += sched.claim_window + 0.1
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
     (again,) = sched.build_meta(step()).lookups
-    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", again.lease, 0, 100)]))
+    assert again.lease == lease
+    sched.answered(MooncakeWorkerMetadata([LookupAnswer("r", lease, 0, 100)]))
     assert sched.num_new_matched_tokens(req, 0) == (99, True)
+
+
+def test_asked_again_after_vllm_could_not_allocate_the_claim_stands_without_a_new_lookup():
+    sched = ConsumerScheduler(config(), BLOCK)
+    req = request("r", 100)
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    answer(sched)
+    assert sched.num_new_matched_tokens(req, 0) == (99, True)
+    assert sched.num_new_matched_tokens(req, 32) == (67, True)  # asked again (no room last step), more cached now
+    meta = sched.build_meta(step())
+    assert meta.lookups == [] and meta.releases == []
+
+
+def test_a_lease_no_load_will_use_is_released():
+    """Found, but the prefix cache holds it all by now; the request ended before it was scheduled; its lookup gave
+    up: the producers are told (the entry is free for others at once), once per lookup."""
+    sched = ConsumerScheduler(config(), BLOCK)
+    covered, aborted = request("covered", 100), request("aborted", 100)
+    for req in (covered, aborted):
+        assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    leases = {look.req_id: look.lease for look in sched.to_look}
+    answer(sched, held=60)
+    assert sched.num_new_matched_tokens(covered, 64) == (0, False)  # 60 found, 64 cached: nothing to claim
+    sched.finished(aborted)
+    sched.finished(covered)  # already released: not again
+    releases = sched.build_meta(step()).releases
+    assert sorted(r.lease for r in releases) == sorted(leases.values())
+    assert all(r.source.pipes == [PREFILL] for r in releases)
+    loaded = request("loaded", 100)
+    claim(sched, loaded, 0, list(range(7)))
+    sched.finished(loaded)  # its load took the lease: nothing to release
+    assert sched.build_meta(step()).releases == []
+
+
+def test_lookups_sent_in_one_step_are_bounded():
+    sched = ConsumerScheduler(config(), BLOCK)
+    reqs = [request(f"r{i}", 100) for i in range(scheduler_consumer.LOOKUPS_PER_STEP + 5)]
+    assert all(sched.num_new_matched_tokens(req, 0) == (None, False) for req in reqs)
+    assert len(sched.build_meta(step()).lookups) == scheduler_consumer.LOOKUPS_PER_STEP
+    assert all(sched.num_new_matched_tokens(req, 0) == (None, False) for req in reqs)
+    assert [look.req_id for look in sched.build_meta(step()).lookups] == [req.request_id for req in reqs[-5:]]
 
 
 def test_under_the_fail_policy_requests_without_params_load_what_was_found():

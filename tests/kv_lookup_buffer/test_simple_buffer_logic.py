@@ -407,6 +407,44 @@ def test_a_lease_that_ends_unused_is_counted_and_the_entry_is_open_again(link):
     assert same(got[0], tokens) and producer.stats["leases_expired"] == 1
 
 
+def test_a_released_lease_frees_its_entry_at_once(link):
+    producer, consumer = link()
+    tokens = torch.arange(5, 25)
+    producer.insert(tokens, None, torch.ones(4), None, None)
+    assert consumer.lookup(tokens, lease=3, lease_seconds=60) == (20, 20)
+    assert consumer.drop_select(tokens, None) == MISSED
+    consumer.release(3)
+    got = consumer.drop_select(tokens, None)  # the lease's release came before it on the same link
+    assert same(got[0], tokens) and producer.stats["leases_released"] == 1 and producer.stats["leases_expired"] == 0
+
+
+def test_a_load_under_a_lease_takes_the_entry_its_lookup_found(link):
+    """Even when a better match for its query came in between (here a shorter entry that is a prefix of the query,
+    which the index ranks above a longer entry the query is a prefix of)."""
+    producer, consumer = link()
+    producer.insert(torch.arange(80), None, torch.full((5,), 80.0), None, None)
+    assert consumer.lookup(torch.arange(64), lease=7, lease_seconds=60) == (64, 80)
+    producer.insert(torch.arange(16), None, torch.full((1,), 16.0), None, None)
+    got = consumer.drop_select(torch.arange(64), None, lease=7)
+    assert same(got[2], torch.full((5,), 80.0))
+
+
+def test_an_evicting_insert_overcommits_for_entries_being_sent_not_for_leases(link):
+    """Room taken by entries being sent is overcommitted as before (they leave in a moment); only room a lease holds
+    refuses a save."""
+    producer, consumer = link(thresh=2000, evict=True)
+    small = torch.arange(1, 3)
+    producer.insert(small, None, torch.zeros(10, dtype=torch.float64), None, None)  # 96 bytes
+    assert consumer.lookup(small, lease=9, lease_seconds=60) == (2, 2)
+    with producer.producer._cv:
+        producer.producer.buffer_size += 1800  # as if 1800 bytes were being sent (no index entry holds them)
+    producer.insert(torch.arange(10, 20), None, torch.zeros(100, dtype=torch.float64), None, None)  # 880: no refusal
+    assert len(producer) == 2
+    with pytest.raises(BufferFull):  # 96 + 880 bytes held by leases, plus 1120 new: 2096 > 2000
+        assert consumer.lookup(torch.arange(10, 20), lease=10, lease_seconds=60) == (10, 10)
+        producer.insert(torch.arange(30, 40), None, torch.zeros(130, dtype=torch.float64), None, None)
+
+
 def test_shares_of_a_leased_entry_go_to_requests_under_its_lease(link):
     """TP: every consumer rank takes its part of one entry under the lease its instance's lookup got."""
     producer, consumer = link()

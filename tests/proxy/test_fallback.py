@@ -12,7 +12,7 @@ import pytest
 
 from proxy.protocols import NO_LOAD
 from tests.proxy.test_protocols import endpoint_info
-from tests.proxy.upstreams import COMPLETION, Environment, assert_idle, proxy_metric, run, unused_port
+from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, proxy_metric, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 FALLBACKS = "mooncake_proxy_prefill_fallbacks_total"
@@ -115,19 +115,23 @@ def test_no_fallback_keeps_the_502() -> None:
 RETRIES = "mooncake_proxy_decode_retries_total"
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_decode_whose_load_failed_before_its_first_token_is_sent_again_whole(stream: bool, caplog) -> None:
-    """vLLM's default kv_load_failure_policy ("fail") ends a request whose KV load broke with a 500 answer (or a
-    stream whose first event is the error): the proxy sends it again, once, whole to a decode instance; the client
-    gets the text, never the error. Counted and logged."""
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False), ("/v1/completions", True),
+                                          ("/v1/chat/completions", True)], ids=["whole", "streamed", "chat-streamed"])
+def test_a_decode_whose_load_failed_before_its_first_token_is_sent_again_whole(path: str, stream: bool,
+                                                                               caplog) -> None:
+    """vLLM's default kv_load_failure_policy ("fail") ends a request whose KV load broke with a 500 answer, or a
+    stream whose first event is the error (a chat stream: after its opening role delta): the proxy sends it again,
+    once, whole to a decode instance; the client gets the text, never the error. Counted and logged."""
     async def test(env: Environment) -> None:
         env.prefill[0].kv_params = {"do_remote_prefill": True, "remote_pipe": ["127.0.0.1:9"]}  # a producer's answer
         env.decode[0].failed_loads = 1
+        payload = CHAT if path.endswith("/chat/completions") else COMPLETION
         with caplog.at_level(logging.WARNING, logger="proxy.app"):
-            status, _, body = await env.post("/v1/completions", {**COMPLETION, "stream": stream})
+            status, _, body = await env.post(path, {**payload, "stream": stream})
         assert status == 200
         if stream:
             assert '"Hello"' in body and "error" not in body and body.endswith("data: [DONE]\n\n"), body
+            assert body.count('"role"') == 0, body  # the failed attempt's opening delta never reached the client
         else:
             assert body["choices"][0]["text"] == "Hello world!"
         sent = whole(env)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from proxy.relay import error_event
 from tests.proxy.upstreams import COMPLETION, REMOTE_DECODE, Environment, assert_idle, read_sse, run, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,3 +82,18 @@ def test_200_concurrent_streams() -> None:
         await assert_idle(env)
 
     run(test, 2, 2)
+
+
+@pytest.mark.parametrize("stream, reason", [
+    (b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n', "stream_error_500"),
+    (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}\n\n'
+     b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n', "stream_error_500"),  # chat's role first
+    (b': keep-alive\r\n\r\ndata: {"error": {"message": "x"}}\r\n\r\n', "stream_error"),
+    (b'data: {"error": {"message": "bad request", "code": 400}}\n\n', None),  # the retry would meet it again
+    (b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\ndata: {"error": {"code": 500}}\n\n', None),  # a token first
+    (b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n', None),
+    (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}\n\n',
+     None),  # nothing yet: no error either
+])
+def test_an_error_before_the_first_token_is_told_from_the_stream_start(stream: bytes, reason: str | None) -> None:
+    assert error_event(stream) == reason

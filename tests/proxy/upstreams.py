@@ -39,6 +39,9 @@ COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_
 # what vLLM answers (or streams as an event) for a request that failed inside the engine, e.g. its KV load under the
 # "fail" policy (vllm/entrypoints/generate/base/serving.py, GenerationError)
 VLLM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+ROLE_DELTA = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "fake-model",
+              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
 
@@ -130,6 +133,8 @@ class FakeUpstream:
                     return web.json_response(VLLM_ERROR, status=500)
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await response.prepare(request)
+                if request.path.endswith("/chat/completions"):  # vLLM opens a chat stream with the role first
+                    await response.write(f"data: {json.dumps(ROLE_DELTA)}\n\n".encode())
                 await response.write(f"data: {json.dumps(VLLM_ERROR)}\n\ndata: [DONE]\n\n".encode())
                 await response.write_eof()
                 return response
