@@ -71,12 +71,15 @@ class Lookups:
             tokens = self._look(req, deadline)
         except ProducerDown as e:
             error = str(e)
-        except (PipeError, BufferClosed, OSError) as e:  # the producer could not be reached (a PipeTimeout too:
-            # the link did not come up, or another send on it hung)
+        except (PipeError, BufferClosed) as e:  # the producer could not be reached (a PipeTimeout too: the link
+            # did not come up, or another send on it hung)
             error = f"{type(e).__name__}: {e}"
             self._mark_down(req, error)
         except TimeoutError as e:  # no answer on a link that is up: a busy producer is not backed off
             error = f"{type(e).__name__}: {e}"
+        except OSError as e:  # (after TimeoutError, one of them)
+            error = f"{type(e).__name__}: {e}"
+            self._mark_down(req, error)
         except ValueError as e:  # a malformed answer, or a layout this rank cannot load from
             error = f"{type(e).__name__}: {e}"
         except Exception as e:
