@@ -239,12 +239,14 @@ def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 
 
 def settled_stats(server: VllmServer, before: dict[str, float], loads: int, timeout: float = 10.0) -> dict[str, float]:
-    """The change in ``kv_stats`` since ``before`` once ``loads`` more loads have ended (loaded, missed or failed):
-    stats reach /metrics with the engine step after the load."""
+    """The change in ``kv_stats`` since ``before`` once ``loads`` more loads have ended (loaded, missed or failed),
+    a lookup that found nothing or failed counting as one that will never start (find before you claim): stats reach
+    /metrics with the engine step after the load."""
     deadline = time.monotonic() + timeout
     while True:
         change = diff(kv_stats(server), before)
-        ended = sum(change.get(k, 0) for k in ("loaded", "load_misses", "load_failures"))
+        ended = sum(change.get(k, 0) for k in ("loaded", "load_misses", "load_failures", "lookup_misses",
+                                                "lookup_errors"))
         if ended >= loads or time.monotonic() > deadline:
             return change
         time.sleep(0.05)

@@ -10,6 +10,7 @@ and 1 -> 2 against a colocated instance of the consumer's TP size, each rank rea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,12 +49,27 @@ def prefill(producer: VllmServer, tokens: list[int]) -> dict:
     return producer.post("/v1/completions", body, 120.0)["kv_transfer_params"]
 
 
+# vLLM's TP worker processes spin (sched_yield) for 1 s after each engine step (shm_broadcast's busy_loop_s). With
+# four of them and two engine cores on this box's two cores, a load that reaches a TP 2 producer 0.05-1 s after its
+# last step waited up to seconds for its serving thread to run (measured on the tree before #45 too: 0.17 s for a
+# load sent at once, 1.2-1.4 s for one sent 0.05 or 0.3 s later, 0.18 s for one sent 1.5 s later). The consumer
+# looks up before it loads, so its load comes in that window: these tests let the producer settle first. Not an
+# issue of real deployments, where a rank's threads are not pinned to a core that two spinning processes share.
+SETTLE = 1.2
+
+
+def settled_prefill(producer: VllmServer, tokens: list[int]) -> dict:
+    params = prefill(producer, tokens)
+    time.sleep(SETTLE)
+    return params
+
+
 def test_each_rank_loads_its_half_from_the_same_rank(tp2_pair):
     producer, consumer = tp2_pair
     for seed, length in ((8200, 300), (8201, 700), (8202, 1000)):
         tokens = prompt(seed, length)
         expected = producer.complete(tokens, MAX_TOKENS)  # colocated on the producer, same TP: the reference
-        params = prefill(producer, tokens)
+        params = settled_prefill(producer, tokens)
         assert params["remote_tp_size"] == TP and len(params["remote_pipe"]) == TP
         first = int(params["remote_pipe"][0].rsplit(":", 1)[1])
         assert [int(a.rsplit(":", 1)[1]) for a in params["remote_pipe"]] == [first, first + 1]
@@ -70,6 +86,7 @@ def test_without_params_each_rank_uses_the_configured_producer(tp2_pair):
     tokens = prompt(8210, 600)
     expected = producer.complete(tokens, MAX_TOKENS)
     producer.complete(tokens, 1)
+    time.sleep(SETTLE)
     before = kv_stats(consumer)
     assert consumer.complete(tokens, MAX_TOKENS) == expected
     change = settled_stats(consumer, before, TP)
@@ -91,7 +108,7 @@ def test_producer_tp2_to_consumer_tp1(tp2_pair, pd_pair, reference):
     _, tp1_consumer = pd_pair
     for seed, length in ((8230, 500), (8231, 900)):
         tokens = prompt(seed, length)
-        params = prefill(producer, tokens)
+        params = settled_prefill(producer, tokens)
         before = kv_stats(tp1_consumer)
         assert tp1_consumer.complete(tokens, MAX_TOKENS, kv_transfer_params=params) == \
             reference.complete(tokens, MAX_TOKENS)  # colocated at the consumer's TP size
@@ -129,8 +146,10 @@ def test_producer_tp1_to_consumer_tp2(tp2_pair, pd_pair):
                 break
             continue
         said = warnings_since(consumer, mark)
-        # only a timeout may excuse a failed load here: any other failure (a layout refused, a wrong share) is a bug
-        assert change.get("loaded", 0) + change.get("load_failures", 0) == TP and any(
-            t in said for t in ("within", "timed out", "nothing for", "(TimeoutError)")), (change, said)
+        # only a timeout may excuse a failed load (or a lookup that had no answer in time, after which nothing is
+        # loaded) here: any other failure (a layout refused, a wrong share) is a bug
+        ended = change.get("loaded", 0) + change.get("load_failures", 0)
+        assert ended == TP or change.get("lookup_errors"), (change, said)
+        assert any(t in said for t in ("within", "timed out", "nothing for", "(TimeoutError)")), (change, said)
         stalled.append(said)
     assert loaded == 2, stalled
