@@ -12,9 +12,6 @@ import socket
 import threading
 import time
 import urllib.error
-from collections.abc import Iterator
-
-import pytest
 
 from harness.vllm import VllmServer, start_vllm
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats
@@ -22,14 +19,6 @@ from tests.kv_connector.test_load_failure_policy import LOADS, looked_up
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 
 LOOKUP_TIMEOUT = 2.0  # the connector's default lookup_timeout
-
-
-@pytest.fixture(scope="module", autouse=True)
-def default_pair_stops_with_the_module(default_pair: tuple[VllmServer, VllmServer]) -> Iterator[None]:
-    """The pair is spawned early, for the session (conftest ``spawn_early``); this module is the last to use it."""
-    yield
-    for server in default_pair:
-        server.stop()
 
 
 def seed_flow(producer: VllmServer, consumer: VllmServer, tokens: list[int]) -> str:

@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import time
 import urllib.error
+from collections.abc import Iterator
 
 import pytest
 
-from harness.vllm import start_vllm
+from harness.vllm import VllmServer, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.conftest import diff, kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 from tests.kv_connector.test_tensor_parallel import prefill
 
 LOADS = ("loaded", "load_misses", "load_failures")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_pair_stops_with_the_module(default_pair: tuple[VllmServer, VllmServer]) -> Iterator[None]:
+    """The pair is spawned early, for the session (conftest ``spawn_early``); this module is the last to use it
+    (test_find_before_claim.py runs before it)."""
+    yield
+    for server in default_pair:
+        server.stop()
 
 
 def looked_up(server, before: dict[str, float], n: int, timeout: float = 10.0) -> dict[str, float]:
