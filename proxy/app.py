@@ -32,11 +32,12 @@ from proxy.protocols import (
 )
 from proxy.relay import SSE_CONTENT_TYPE, StreamRelay, error_event, first_event
 from proxy.routing import Router, Trip
-from proxy.validate import parse_json_object, validate
+from proxy.validate import parse_json_object, request_id, validate
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+PREFILL_ANSWER_MAX = 1 << 20  # bytes: a one-token answer is a few KiB (1 MiB leaves room for prompt logprobs)
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
@@ -89,6 +90,10 @@ class Proxy:
                                 "first token with a server error (under vLLM's default kv_load_failure_policy "
                                 "\"fail\" a KV load that broke ends its request so) and were sent again, once, whole "
                                 "to a decode instance (computed there).", ["reason"], registry=self.metrics)
+        self._bad_answers = Counter("mooncake_proxy_prefill_bad_answers", "Prefill answers the decode could not use "
+                                    "(not a JSON object, no kv_transfer_params, too large): failed prefills.",
+                                    ["reason"], registry=self.metrics)
+        self._told_bad: set[tuple[str, str]] = set()  # (instance, kind) of bad answers logged already
         self._outage = False  # the last remote prefill failed for want of a prefill instance (logged once an outage)
         self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
@@ -173,11 +178,33 @@ class Proxy:
                          f"{len(tried)})", balancer.role, tried[-1].name if tried else None,
                          "tried " + ", ".join(u.url for u in tried))
 
-    async def read_body(self, balancer: Balancer, upstream: Upstream, response: aiohttp.ClientResponse) -> bytes:
-        """The whole body; releases the instance and the connection whatever happens (closed unless complete)."""
+    def bad_prefill(self, upstream: Upstream, what: str) -> ProxyError:
+        """A prefill answer the decode cannot use (counted; said once per instance and kind): a failed prefill."""
+        self._bad_answers.labels(reason=what.replace(" ", "_")).inc()
+        key = (upstream.name, what)
+        if key not in self._told_bad:
+            self._told_bad.add(key)
+            log.warning("%s answered a prefill with %s: such answers count as failed prefills (the request goes whole "
+                        "to its decode instance); is it a kv_producer running MooncakeConnector?", upstream.name, what)
+        return ProxyError(502, "upstream_bad_answer", f"{upstream.name} answered the prefill with {what}", PREFILL,
+                          upstream.name, upstream.url)
+
+    async def read_body(self, balancer: Balancer, upstream: Upstream, response: aiohttp.ClientResponse,
+                        limit: int | None = None) -> bytes:
+        """The whole body (``limit``: at most that many bytes, else a 502); releases the instance and the connection
+        whatever happens (closed unless complete)."""
         complete = False
         try:
-            data = await response.read()
+            if limit is None:
+                data = await response.read()
+            else:
+                parts, size = [], 0
+                while chunk := await response.content.readany():
+                    parts.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise self.bad_prefill(upstream, f"more than {limit} bytes")
+                data = b"".join(parts)
             complete = True
             return data
         except TimeoutError:
@@ -207,11 +234,13 @@ class Proxy:
                                                  self.whole_timeout, reserved, hint)
             if upstream is not reserved:
                 self.router.prefill_sent(trip, upstream)
-            data = await self.read_body(self.prefill_balancer, upstream, response)
+            data = await self.read_body(self.prefill_balancer, upstream, response, PREFILL_ANSWER_MAX)
             log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
             if response.status >= 400:
                 raise RelayedError(response.status, data, response.headers.get("Content-Type"))
             answer = json_answer(data)
+            if answer is None or (self.protocol.needs_params and answer_params(answer) is None):
+                raise self.bad_prefill(upstream, "no JSON object" if answer is None else "no kv_transfer_params")
             ok = True
         finally:
             self.router.prefill_ended(trip, ok)
@@ -370,7 +399,7 @@ class Proxy:
         if error.stage != PREFILL or error.status < 500:
             return None
         return {"upstream_unreachable": "unreachable", "upstream_timeout": "timeout",
-                "upstream_cooling_down": "cooldown"}.get(error.kind, "error")
+                "upstream_cooling_down": "cooldown", "upstream_bad_answer": "bad_answer"}.get(error.kind, "error")
 
     def fell_back(self, reason: str, error: ProxyError | RelayedError, request_id: str) -> None:
         """Count a request sent whole to its decode instance; say so once per outage (``prefilled`` ends it)."""
@@ -481,6 +510,7 @@ def forwarded_headers(request_id: str) -> dict[str, str]:
 def create_app(config: ProxyConfig) -> Quart:
     """The Quart app of the proxy; its ``Proxy`` state is ``app.extensions["proxy"]``."""
     app = Quart(__name__)
+    app.url_map.merge_slashes = False  # "//" is a 404, never a redirect built from the client's Host header
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=config.client_timeout, MAX_CONTENT_LENGTH=config.max_body_bytes)
     proxy = Proxy(config)
     app.extensions["proxy"] = proxy
@@ -491,7 +521,7 @@ def create_app(config: ProxyConfig) -> Quart:
 
     @app.before_request
     async def assign_request_id() -> None:
-        g.request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        g.request_id = request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
     @app.after_request
     async def return_request_id(response: Response) -> Response:

@@ -30,12 +30,14 @@ ENGINE_TOPIC = "engine"  # Discovery.learn's topic for a prefill instance's engi
 
 
 def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The prefill copy: one token, not streamed, with the protocol's kv_transfer_params; everything else
-    unchanged."""
+    """The prefill copy: one token of one sequence, not streamed, with the protocol's kv_transfer_params; everything
+    else unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
         copy["max_completion_tokens"] = 1
+    copy["n"] = 1  # one sequence: the prefill's KV is the prompt's, whatever the decode asks for
+    copy.pop("best_of", None)
     copy["stream"] = False
     copy.pop("stream_options", None)
     copy["kv_transfer_params"] = dict(kv_params)
@@ -97,6 +99,8 @@ def bootstrap_engine_id(answer: Any) -> str:
 class ParamsProtocol:
     """vLLM's disaggregation protocol as our MooncakeConnector answers it (see the package docstring)."""
 
+    needs_params = True  # a prefill answer without kv_transfer_params is no use to the decode
+
     def __init__(self, discovery: Discovery):
         self.discovery = discovery
 
@@ -134,6 +138,8 @@ class ParamsProtocol:
 class BootstrapProtocol:
     """vLLM's built-in MooncakeConnector: a transfer id on both requests; the decode names the prefill instance's
     bootstrap server and engine id."""
+
+    needs_params = False  # the decode's params come from the bootstrap server, not the answer
 
     def __init__(self, discovery: Discovery):
         self.discovery = discovery

@@ -15,6 +15,13 @@ from proxy.errors import ProxyError
 log = logging.getLogger(__name__)
 
 SSE_CONTENT_TYPE = "text/event-stream"
+PARTIAL_MAX = 1 << 20  # bytes of an unfinished event held back at most
+
+
+def _last_boundary(data: bytes) -> int:
+    """Where the last complete SSE event of ``data`` ends (after its blank line); 0 if none is complete."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class StreamRelay:
@@ -29,6 +36,7 @@ class StreamRelay:
                  first: bytes = b""):
         self._response = response
         self._first = first  # what was read of the stream already (``first_event``): relayed first
+        self._partial = b""  # the start of an event whose end has not come yet
         self._on_end = on_end  # called once the whole stream came through
         self._on_chunk = on_chunk  # called as each chunk comes
         self._release: Callable[[], None] | None = release
@@ -39,31 +47,39 @@ class StreamRelay:
         return self
 
     async def __anext__(self) -> bytes:
+        """The next whole events: what came up to the last event boundary (a part of an event waits for its end, so
+        an error event never lands in the middle of one)."""
         if self._done:
             self.close()
             raise StopAsyncIteration
-        if self._first:
-            chunk, self._first = self._first, b""
-            if self._on_chunk is not None:
-                self._on_chunk()
-            return chunk
-        try:
-            chunk = await self._response.content.readany()
-        except (TimeoutError, aiohttp.ClientError) as error:
-            kind = "upstream_timeout" if isinstance(error, TimeoutError) else "upstream_error"
-            log.warning("[%s] decode stream from %s broken: %r", self._request_id, self._response.url, error)
-            self._done = True
-            self.close(reuse=False)
-            failure = ProxyError(504 if kind == "upstream_timeout" else 502, kind, "decode stream interrupted", DECODE)
-            return f"data: {json.dumps(failure.payload())}\n\n".encode()
-        if not chunk:
-            self.close(reuse=True)
-            if self._on_end is not None:
-                self._on_end()
-            raise StopAsyncIteration
-        if self._on_chunk is not None:
-            self._on_chunk()
-        return chunk
+        data, self._partial, self._first = self._partial + self._first, b"", b""
+        while True:
+            cut = _last_boundary(data)
+            if cut > 0 or len(data) > PARTIAL_MAX:  # (an "event" that never ends is passed on as it is)
+                cut = cut if cut > 0 else len(data)
+                self._partial = data[cut:]
+                if self._on_chunk is not None:
+                    self._on_chunk()
+                return data[:cut]
+            try:
+                chunk = await self._response.content.readany()
+            except (TimeoutError, aiohttp.ClientError) as error:
+                kind = "upstream_timeout" if isinstance(error, TimeoutError) else "upstream_error"
+                log.warning("[%s] decode stream from %s broken: %r", self._request_id, self._response.url, error)
+                self._done = True
+                self.close(reuse=False)
+                failure = ProxyError(504 if kind == "upstream_timeout" else 502, kind, "decode stream interrupted",
+                                     DECODE)
+                return f"data: {json.dumps(failure.payload())}\n\n".encode()  # the broken event's part is dropped
+            if not chunk:
+                self.close(reuse=True)
+                if self._on_end is not None:
+                    self._on_end()
+                if data:  # the stream ended in the middle of an event: pass on what came (its end is the end)
+                    self._done = True
+                    return data
+                raise StopAsyncIteration
+            data += chunk
 
     async def aclose(self) -> None:
         self.close()

@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from proxy.protocols import NO_LOAD
 from tests.proxy.upstreams import (
     CHAT,
     COMPLETION,
+    PRODUCER_ANSWER,
     REMOTE_DECODE,
     Environment,
     assert_idle,
@@ -31,8 +33,9 @@ def test_completion_prefill_then_decode() -> None:
         assert env.journal == [("P0", "start"), ("P0", "end"), ("D0", "start"), ("D0", "end")]
         (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
         assert prefill.path == decode.path == "/v1/completions"
-        assert prefill.body == {**COMPLETION, "max_tokens": 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
-        assert decode.body == COMPLETION
+        assert prefill.body == {**COMPLETION, "max_tokens": 1, "n": 1, "stream": False,
+                                "kv_transfer_params": REMOTE_DECODE}
+        assert decode.body == {**COMPLETION, "kv_transfer_params": {**PRODUCER_ANSWER, "remote_engine_id": "P0"}}
         await assert_idle(env)
 
     run(test)
@@ -44,9 +47,10 @@ def test_chat_completion() -> None:
         assert status == 200 and body.endswith("data: [DONE]\n\n")
         (prefill,), (decode,) = env.prefill[0].received, env.decode[0].received
         assert prefill.path == decode.path == "/v1/chat/completions"
-        assert prefill.body == {**CHAT, "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+        assert prefill.body == {**CHAT, "max_tokens": 1, "max_completion_tokens": 1, "n": 1, "stream": False,
                                 "kv_transfer_params": REMOTE_DECODE}
-        assert decode.body == {**CHAT, "stream": True}
+        assert decode.body == {**CHAT, "stream": True,
+                               "kv_transfer_params": {**PRODUCER_ANSWER, "remote_engine_id": "P0"}}
 
     run(test)
 
@@ -82,11 +86,11 @@ def test_the_clients_kv_transfer_params_are_dropped_and_counted() -> None:
     async def test(env: Environment) -> None:
         env.prefill[0].kv_params = params
         assert (await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client}))[0] == 200
-        env.prefill[0].kv_params = None  # a prefill that answers without params
+        env.prefill[0].kv_params, env.prefill[0].answers_params = None, False  # a prefill that answers without params
         assert (await env.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client}))[0] == 200
         assert [r.body["kv_transfer_params"] for r in env.prefill[0].received] == [REMOTE_DECODE] * 2
         assert env.decode[0].received[0].body["kv_transfer_params"] == params
-        assert "kv_transfer_params" not in env.decode[0].received[1].body
+        assert env.decode[0].received[1].body["kv_transfer_params"] == NO_LOAD  # a failed prefill: whole
         async with env.client.get(env.url + "/metrics") as response:
             text = await response.text()
         assert "mooncake_proxy_client_kv_params_dropped_total 2.0" in text, text

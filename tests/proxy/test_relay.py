@@ -9,7 +9,16 @@ import json
 import pytest
 
 from proxy.relay import error_event
-from tests.proxy.upstreams import COMPLETION, REMOTE_DECODE, Environment, assert_idle, read_sse, run, wait_until
+from tests.proxy.upstreams import (
+    COMPLETION,
+    PRODUCER_ANSWER,
+    REMOTE_DECODE,
+    Environment,
+    assert_idle,
+    read_sse,
+    run,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,9 +37,10 @@ def test_streaming_chunks_pass_through_before_the_upstream_finishes() -> None:
             release.set()
             rest = await read_sse(response)
         assert [json.loads(d)["choices"][0]["text"] for d in rest[:-1]] == [" world", "!"] and rest[-1] == "[DONE]"
-        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "stream": False,
+        assert env.prefill[0].received[0].body == {**COMPLETION, "max_tokens": 1, "n": 1, "stream": False,
                                                    "kv_transfer_params": REMOTE_DECODE}
-        assert env.decode[0].received[0].body == request
+        assert env.decode[0].received[0].body == {**request, "kv_transfer_params": {**PRODUCER_ANSWER,
+                                                                                      "remote_engine_id": "P0"}}
         await assert_idle(env)
 
     run(test)

@@ -33,6 +33,8 @@ from proxy.gate import ClientGate
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent.parent
 
+PRODUCER_ANSWER = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, "remote_pipe": ["127.0.0.1:13003"],
+                   "remote_tp_size": 1}  # what a MooncakeConnector producer answers a prefill with (its pipe)
 REMOTE_DECODE = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False, PUSH_TO: []}  # what the proxy adds to every
 # prefill (no push target: these decode instances do not say they take pushed KV)
 COMPLETION = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0}
@@ -75,6 +77,8 @@ class FakeUpstream:
     chars_per_token: float | None = None  # non-streaming answers say usage.prompt_tokens (a string prompt's length / it)
     compute_per_char: float = 0.0  # seconds per character of a prompt it computes, one prompt at a time (as an
     # engine's prefills are); a decode whose kv_transfer_params load the prompt's KV computes nothing
+    answers_params: bool = True  # a prefill (do_remote_decode) is answered with a producer's params, as MooncakeConnector
+    # answers, unless ``kv_params`` says what to answer
     failed_loads: int = 0  # the next this many decodes that load KV fail as vLLM fails a broken load under its "fail"
     # policy: a 500 answer, or a stream whose first event is the error
     error_after: int | None = None  # a stream sends this many chunks, then vLLM's error event (a failure mid-stream)
@@ -144,6 +148,8 @@ class FakeUpstream:
                                       "choices": [{"index": 0, "text": "".join(self.chunks)}]}
             if self.kv_params is not None:
                 answer["kv_transfer_params"] = self.kv_params
+            elif isinstance(params, dict) and params.get(DO_REMOTE_DECODE) and self.answers_params:
+                answer["kv_transfer_params"] = {**PRODUCER_ANSWER, "remote_engine_id": self.name}
             if self.chars_per_token and isinstance(body.get("prompt"), str):
                 answer["usage"] = {"prompt_tokens": round(len(body["prompt"]) / self.chars_per_token)}
             return web.json_response(answer)
