@@ -18,6 +18,7 @@ from tests.proxy.upstreams import (
     REMOTE_DECODE,
     Environment,
     assert_idle,
+    proxy_metric,
     run,
     unused_port,
     wait_until,
@@ -182,5 +183,77 @@ def test_client_disconnect_during_prefill_cancels_it() -> None:
         assert env.prefill[0].received[0].cancelled and not env.decode[0].received
         await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
         await assert_idle(env)
+
+    run(test)
+
+
+# ---------------------------------------------------------------- the front door holds (#46)
+BAD_ANSWERS = "mooncake_proxy_prefill_bad_answers_total"
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (b"<html>oops</html>", "no_JSON_object"), (b'["a list"]', "no_JSON_object"),
+    (json.dumps({"choices": [{"text": "x"}]}).encode(), "no_kv_transfer_params"),
+    (b'{"pad": "' + b"x" * (1 << 20) + b'"}', "more_than_1048576_bytes"),
+], ids=["html", "list", "no-params", "1-MiB"])
+def test_a_prefill_answer_the_decode_cannot_use_is_a_failed_prefill(answer: bytes, reason: str) -> None:
+    """A 200 that is not JSON, carries no kv_transfer_params, or is larger than any prefill answer: counted and the
+    request goes whole to its decode instance (it was taken for a success, and the decode went without params)."""
+    async def test(env: Environment) -> None:
+        env.prefill[0].raw_answer = answer
+        status, _, body = await env.post("/v1/completions", COMPLETION)
+        assert status == 200 and body["served_by"] == "D0"
+        assert env.decode[0].received[0].body["kv_transfer_params"] == NO_LOAD
+        assert await proxy_metric(env, BAD_ANSWERS, reason=reason) == 1.0
+        await assert_idle(env)
+
+    run(test)
+
+
+@pytest.mark.parametrize("body, what", [
+    (b'{"model": "m", "prompt": "x", "temperature": NaN}', "non-finite"),
+    (b'{"model": "m", "prompt": "x", "temperature": Infinity}', "non-finite"),
+    (b'{"model": "m", "prompt": "x", "temperature": 1e999}', "non-finite"),
+    (b'{"model": "m", "prompt": "x", "n": 129}', "n must be"),
+    (b'{"model": "m", "prompt": "x", "best_of": 100000}', "best_of must be"),
+])
+def test_requests_vllm_would_refuse_are_refused_before_anything_is_sent(body: bytes, what: str) -> None:
+    async def test(env: Environment) -> None:
+        status, _, answer = await env.post("/v1/completions", body)
+        assert status == 400 and what in answer["error"]["message"], answer
+        assert not env.prefill[0].received and not env.decode[0].received
+
+    run(test)
+
+
+def test_the_prefill_copy_asks_for_one_sequence() -> None:
+    async def test(env: Environment) -> None:
+        status, _, _ = await env.post("/v1/completions", {**COMPLETION, "n": 4, "best_of": 8})
+        assert status == 200
+        prefill = env.prefill[0].received[0].body
+        assert prefill["n"] == 1 and "best_of" not in prefill
+        assert env.decode[0].received[0].body["n"] == 4 and env.decode[0].received[0].body["best_of"] == 8
+
+    run(test)
+
+
+@pytest.mark.parametrize("given, kept", [("req-42.a:b/c", True), ("x" * 129, False), ("x" * 12000, False),
+                                         ("bad id", False), ("é", False)])
+def test_a_client_request_id_is_passed_on_only_when_short_and_plain(given: str, kept: bool) -> None:
+    async def test(env: Environment) -> None:
+        status, headers, _ = await env.post("/v1/completions", COMPLETION, headers={"X-Request-Id": given})
+        assert status == 200
+        sent = env.decode[0].received[0].headers["X-Request-Id"]
+        assert (sent == given) is kept and headers["X-Request-Id"] == sent and len(sent) <= 128
+
+    run(test)
+
+
+def test_a_path_with_a_double_slash_is_a_404_not_a_redirect() -> None:
+    async def test(env: Environment) -> None:
+        for method, path in (("GET", "/admin//instances"), ("POST", "/v1//completions"), ("GET", "/v1//models")):
+            async with env.client.request(method, env.url + path, headers={"Host": "evil.example"},
+                                          allow_redirects=False) as response:
+                assert response.status == 404 and "Location" not in response.headers, (path, response.status)
 
     run(test)

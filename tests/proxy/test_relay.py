@@ -107,3 +107,19 @@ def test_200_concurrent_streams() -> None:
 ])
 def test_an_error_before_the_first_token_is_told_from_the_stream_start(stream: bytes, reason: str | None) -> None:
     assert error_event(stream) == reason
+
+
+def test_a_decode_that_dies_mid_event_gives_the_client_whole_events_and_a_whole_error() -> None:
+    """#46: the decode closed its connection in the middle of an event: the client got half the event glued to the
+    proxy's error event (invalid JSON: an OpenAI client raised a decode error and never saw the 502). Now the half
+    event is dropped and every event the client gets parses."""
+    async def test(env: Environment) -> None:
+        env.decode[0].break_mid_event = True
+        async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True}) as response:
+            assert response.status == 200
+            events = await read_sse(response)
+        parsed = [json.loads(e) for e in events]  # every event parses
+        assert [p["choices"][0]["text"] for p in parsed[:-1]] == ["Hello", " world", "!"]
+        assert parsed[-1]["error"]["code"] == 502, parsed[-1]
+
+    run(test)

@@ -82,6 +82,8 @@ class FakeUpstream:
     failed_loads: int = 0  # the next this many decodes that load KV fail as vLLM fails a broken load under its "fail"
     # policy: a 500 answer, or a stream whose first event is the error
     error_after: int | None = None  # a stream sends this many chunks, then vLLM's error event (a failure mid-stream)
+    break_mid_event: bool = False  # a stream sends its chunks, then half an event, then drops the connection
+    raw_answer: bytes | None = None  # a non-streaming answer's body as is (status 200; e.g. not JSON, or huge)
     _computing: asyncio.Lock = field(default_factory=asyncio.Lock)
     received: list[Received] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -144,6 +146,8 @@ class FakeUpstream:
                 return response
             if body.get("stream"):
                 return await self._stream(request)
+            if self.raw_answer is not None:
+                return web.Response(body=self.raw_answer, content_type="application/json")
             answer: dict[str, Any] = {"id": f"{self.name}-1", "object": "text_completion", "served_by": self.name,
                                       "choices": [{"index": 0, "text": "".join(self.chunks)}]}
             if self.kv_params is not None:
@@ -173,6 +177,11 @@ class FakeUpstream:
                 await asyncio.sleep(self.chunk_delay)
             event = {"served_by": self.name, "choices": [{"index": 0, "text": text}]}
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        if self.break_mid_event:
+            await response.write(b'data: {"choices": [{"index": 0, "text": "par')
+            assert request.transport is not None
+            request.transport.close()  # the decode instance died mid-event
+            return response
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
