@@ -19,24 +19,24 @@ from proxy.config import DECODE, PREFILL, ProxyConfig
 from proxy.discovery import Discovery
 from proxy.errors import ProxyError, RelayedError
 from proxy.estimate import LOCAL, ON_PREFILL
-from proxy.prefix_index import Fingerprint, fingerprint
+from proxy.prefix_index import Fingerprint
+from proxy.prepare import BodyBudget, Prepared, Preparer, with_params
 from proxy.protocols import (
     NO_LOAD,
     BootstrapProtocol,
     ParamsProtocol,
     answer_params,
-    decode_payload,
     json_answer,
     loads_kv,
-    prefill_payload,
 )
 from proxy.relay import SSE_CONTENT_TYPE, StreamRelay, error_event, first_event
 from proxy.routing import Router, Trip
-from proxy.validate import parse_json_object, request_id, validate
+from proxy.validate import request_id
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+BODIES_HELD = 32  # request bodies of the largest size the proxy holds at once
 PREFILL_ANSWER_MAX = 1 << 20  # bytes: a one-token answer is a few KiB (1 MiB leaves room for prompt logprobs)
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -48,16 +48,6 @@ class _FailedBeforeFirstToken(Exception):
     def __init__(self, reason: str, upstream: str) -> None:
         super().__init__(reason)
         self.reason, self.upstream = reason, upstream
-
-
-def output_tokens(payload: dict[str, Any]) -> int | None:
-    """The tokens a request asks for at most (``max_tokens``, or a chat request's ``max_completion_tokens``), if it
-    says (validated by then)."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 class Proxy:
@@ -103,6 +93,10 @@ class Proxy:
         self.protocol: ParamsProtocol | BootstrapProtocol = \
             BootstrapProtocol(self.discovery) if config.protocol == "bootstrap" else ParamsProtocol(self.discovery)
         self._session: aiohttp.ClientSession | None = None
+        self.preparer = Preparer()
+        self.bodies = BodyBudget(BODIES_HELD * config.max_body_bytes)
+        self._busy = Counter("mooncake_proxy_bodies_refused", "Requests refused with a 503 because the proxy held as "
+                             "many request bodies as it may (32 x --max-body-bytes).", registry=self.metrics)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -121,7 +115,11 @@ class Proxy:
                  self.config.balance_slack, self.config.skip_prefill_below,
                  "; admin endpoints on" if self.config.admin_token else "")
 
+    def busy(self) -> None:
+        self._busy.inc()
+
     async def stop(self) -> None:
+        self.preparer.close()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -248,8 +246,8 @@ class Proxy:
         self.prefilled()
         return upstream, answer_params(answer)
 
-    async def forward_decode(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                             headers: dict[str, str], reserved: Upstream, streaming: bool, trip: Trip,
+    async def forward_decode(self, path: str, request: Prepared, kv_params: dict[str, Any] | None,
+                             headers: dict[str, str], reserved: Upstream, trip: Trip,
                              local: bool, balancer: Balancer | None = None) -> Response:
         """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
         cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load).
@@ -261,8 +259,8 @@ class Proxy:
         One that already streamed a token is not retried."""
         may_load = kv_params is None or loads_kv(kv_params)  # without params a consumer loads what it finds
         try:
-            return await self._decode_once(path, raw, payload, kv_params, headers, reserved, streaming, trip, local,
-                                           balancer, may_load)
+            return await self._decode_once(path, request, kv_params, headers, reserved, trip, local, balancer,
+                                           may_load)
         except _FailedBeforeFirstToken as failed:
             request_id = headers[REQUEST_ID_HEADER]
             self._retries.labels(reason=failed.reason).inc()
@@ -270,15 +268,15 @@ class Proxy:
                         "instance", request_id, failed.upstream, failed.reason)
             trip = self.router.trip(trip.hint)
             decode = self.router.reserve(self.decode_balancer, trip.hint, request_id, trip).upstream
-            return await self._decode_once(path, raw, payload, dict(NO_LOAD), headers, decode, streaming, trip, True)
+            return await self._decode_once(path, request, dict(NO_LOAD), headers, decode, trip, True)
 
-    async def _decode_once(self, path: str, raw: bytes, payload: dict[str, Any], kv_params: dict[str, Any] | None,
-                           headers: dict[str, str], reserved: Upstream, streaming: bool, trip: Trip,
+    async def _decode_once(self, path: str, request: Prepared, kv_params: dict[str, Any] | None,
+                           headers: dict[str, str], reserved: Upstream, trip: Trip,
                            local: bool, balancer: Balancer | None = None, retry: bool = False) -> Response:
         """``forward_decode``'s one attempt; raises ``_FailedBeforeFirstToken`` where a retry is due (``retry``: the
         decode may load KV)."""
-        body = raw if kv_params is None else json.dumps(decode_payload(payload, kv_params)).encode()
-        timeout = self.stream_timeout if streaming else self.whole_timeout
+        body = with_params(request.body, kv_params)
+        timeout = self.stream_timeout if request.stream else self.whole_timeout
         balancer = balancer or self.decode_balancer
         hint = trip.hint
         self.router.decode_sent(trip, reserved, local)
@@ -336,24 +334,21 @@ class Proxy:
                 self.router.decode_ended(trip, answer is not None, answer)
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
-        payload = parse_json_object(raw)
-        streaming = validate(payload, path == CHAT_COMPLETIONS)
-        if "kv_transfer_params" in payload:
+        chat = path == CHAT_COMPLETIONS
+        request = await self.preparer(raw, chat)
+        del raw  # the prepared bodies are what goes upstream
+        request_id = headers[REQUEST_ID_HEADER]
+        if request.dropped_params:
             # Only the fields the protocol sets reach the instances: a client must not steer where KV comes from or
             # goes to (nor set test switches).
-            payload = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
-            raw = json.dumps(payload).encode()
             self._dropped.inc()
-            log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)",
-                     headers[REQUEST_ID_HEADER])
-        chat = path == CHAT_COMPLETIONS
-        hint = fingerprint(payload, chat)
-        request_id = headers[REQUEST_ID_HEADER]
+            log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)", request_id)
+        hint = request.hint
         trip = self.router.trip(hint)
         choice = self.router.reserve(self.decode_balancer, hint, request_id, trip)
         decode = choice.upstream
         try:
-            where, prefill = self.router.route(choice, hint, request_id, output_tokens(payload))
+            where, prefill = self.router.route(choice, hint, request_id, request.output_tokens)
         except BaseException:
             self.decode_balancer.release(decode)
             raise
@@ -362,8 +357,8 @@ class Proxy:
             self.router.take(self.prefill_balancer, prefill, hint, trip)
             try:
                 # NO_LOAD says do_remote_decode false too: the prefill instance keeps nothing for a consumer
-                return await self.forward_decode(path, raw, payload, dict(NO_LOAD), headers, prefill, streaming, trip,
-                                                 True, self.prefill_balancer)
+                return await self.forward_decode(path, request, dict(NO_LOAD), headers, prefill, trip, True,
+                                                 self.prefill_balancer)
             except ProxyError as error:
                 reason = self.prefill_unavailable(error)
                 if reason is None or not self.config.fallback:
@@ -371,12 +366,12 @@ class Proxy:
                 self.fell_back(reason, error, request_id)
             trip = self.router.trip(hint)  # the failed one is off every queue
             decode = self.router.reserve(self.decode_balancer, hint, request_id, trip).upstream
-            return await self.forward_decode(path, raw, payload, dict(NO_LOAD), headers, decode, streaming, trip, True)
+            return await self.forward_decode(path, request, dict(NO_LOAD), headers, decode, trip, True)
         try:
             if where == LOCAL:
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
             else:
-                decode_params = await self.remote_prefill(path, payload, chat, headers, decode, trip)
+                decode_params = await self.remote_prefill(path, request, headers, decode, trip)
         except (ProxyError, RelayedError) as error:
             reason = self.prefill_unavailable(error)
             if reason is None or not self.config.fallback:
@@ -388,7 +383,7 @@ class Proxy:
             self.decode_balancer.release(decode)
             raise
         local = not loads_kv(decode_params)
-        return await self.forward_decode(path, raw, payload, decode_params, headers, decode, streaming, trip, local)
+        return await self.forward_decode(path, request, decode_params, headers, decode, trip, local)
 
     @staticmethod
     def prefill_unavailable(error: ProxyError | RelayedError) -> str | None:
@@ -418,14 +413,14 @@ class Proxy:
             self._outage = False
             log.warning("a prefill instance answers again: remote prefills resume")
 
-    async def remote_prefill(self, path: str, payload: dict[str, Any], chat: bool, headers: dict[str, str],
-                             decode: Upstream, trip: Trip) -> dict[str, Any] | None:
+    async def remote_prefill(self, path: str, request: Prepared, headers: dict[str, str], decode: Upstream,
+                             trip: Trip) -> dict[str, Any] | None:
         """The prefill copy run on a prefill instance; the decode's kv_transfer_params. Before the decode, unless the
         decode instance takes pushed KV (``--dispatch concurrent``): then the prefill runs in the background and the
         decode goes out at once, waiting for the push."""
         transfer = self.protocol.new_transfer()
         prefill_params = await self.protocol.prefill_params(transfer, decode)
-        body = json.dumps(prefill_payload(payload, chat, prefill_params)).encode()
+        body = with_params(request.prefill, prefill_params)
         awaited = self.protocol.awaited_push(prefill_params) if self.config.dispatch == "concurrent" else None
         hint = trip.hint
         chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER], trip).upstream
@@ -530,12 +525,20 @@ def create_app(config: ProxyConfig) -> Quart:
         return response
 
     async def handle(path: str) -> Response:
+        length = request.content_length
+        held = config.max_body_bytes if length is None else min(length, config.max_body_bytes)
+        if not proxy.bodies.take(held):  # before the body is read: what clients send cannot swell the proxy
+            proxy.busy()
+            return ProxyError(503, "server_busy", "the proxy holds as many request bodies as it may; try again "
+                              "shortly").response()
         try:
             return await proxy.completion(path, await request.get_data(), forwarded_headers(g.request_id))
         except (ProxyError, RelayedError) as error:
             if isinstance(error, ProxyError) and error.status >= 500:
                 log.warning("[%s] %s: %s (%s)", g.request_id, error.status, error, error.detail)
             return error.response()
+        finally:
+            proxy.bodies.give(held)
 
     @app.post(COMPLETIONS)
     async def completions() -> Response:

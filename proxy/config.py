@@ -69,7 +69,10 @@ class ProxyConfig:
     max_connections: int = 1024  # the shared client pool, all upstreams together
     max_clients: int = 1024  # client connections at once (see ClientGate)
     client_timeout: float = 30.0  # seconds a client may take for a request's head, and for its body
-    max_body_bytes: int = 64 * 1024 * 1024
+    # A request's body at most: a 128k-token prompt is ~0.5 MiB of English text (~4 characters a token), ~1.5 MiB of
+    # Chinese or of text JSON-escaped to \uXXXX, ~0.9 MiB as token ids; chat histories and tool schemas add little.
+    # (Multimodal requests carrying images inline need more: raise --max-body-bytes.)
+    max_body_bytes: int = 4 * 1024 * 1024
     protocol: str = "params"  # see the package docstring
     bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
     balance_slack: int = DEFAULT_BALANCE_SLACK  # outstanding requests an instance may have beyond the least loaded
@@ -156,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a client may take to send a request's head, and its body; an idle client "
                              "connection is closed after as long (default 30)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                        help="largest request body accepted (413 above it, before it is parsed; default 4 MiB: a "
+                             "128k-token prompt is 0.5-1.5 MiB as text, ~0.9 MiB as token ids); the proxy holds at most "
+                             "32 times this in bodies at once (503 beyond)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="params",
                         help="how the instances are told where the KV goes: params (this project's "
                              "MooncakeConnector; default) or bootstrap (vLLM's built-in MooncakeConnector)")
@@ -202,7 +209,8 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            timeout=args.timeout, connect_timeout=args.connect_timeout, cooldown=args.cooldown,
                            health_timeout=args.health_timeout,
                            max_connections=args.max_connections, max_clients=args.max_clients,
-                           client_timeout=args.client_timeout, protocol=args.protocol,
+                           client_timeout=args.client_timeout, max_body_bytes=args.max_body_bytes,
+                           protocol=args.protocol,
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, routing=args.routing,
                            decode_on_prefill=args.decode_on_prefill,

@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 ENGINE_TOPIC = "engine"  # Discovery.learn's topic for a prefill instance's engine id, from its bootstrap server
 
 
-def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The prefill copy: one token of one sequence, not streamed, with the protocol's kv_transfer_params; everything
-    else unchanged."""
+def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The prefill copy: one token of one sequence, not streamed, with the protocol's kv_transfer_params (None:
+    without); everything else unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
@@ -40,7 +40,9 @@ def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, An
     copy.pop("best_of", None)
     copy["stream"] = False
     copy.pop("stream_options", None)
-    copy["kv_transfer_params"] = dict(kv_params)
+    copy.pop("kv_transfer_params", None)
+    if kv_params is not None:
+        copy["kv_transfer_params"] = dict(kv_params)
     return copy
 
 

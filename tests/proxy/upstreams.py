@@ -99,7 +99,7 @@ class FakeUpstream:
         return [r for r in self.received if r.path.endswith("completions")]
 
     async def start(self, port: int = 0) -> FakeUpstream:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # vLLM takes large bodies: the proxy bounds them
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
