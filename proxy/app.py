@@ -29,7 +29,7 @@ from proxy.protocols import (
     json_answer,
     loads_kv,
 )
-from proxy.relay import SSE_CONTENT_TYPE, StreamRelay, error_event, first_event
+from proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
 from proxy.routing import Router, Trip
 from proxy.validate import request_id
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 BODIES_HELD = 32  # request bodies of the largest size the proxy holds at once
+ERROR_ANSWER_MAX = 1 << 20  # bytes of an upstream's error answer read (and relayed) at most
 PREFILL_ANSWER_MAX = 1 << 20  # bytes: a one-token answer is a few KiB (1 MiB leaves room for prompt logprobs)
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -201,7 +202,10 @@ class Proxy:
                     parts.append(chunk)
                     size += len(chunk)
                     if size > limit:
-                        raise self.bad_prefill(upstream, f"more than {limit} bytes")
+                        if balancer.role == PREFILL:
+                            raise self.bad_prefill(upstream, f"more than {limit} bytes")
+                        raise ProxyError(502, "upstream_error", f"{upstream.name} answered with more than {limit} "
+                                         "bytes of error", balancer.role, upstream.name, upstream.url)
                 data = b"".join(parts)
             complete = True
             return data
@@ -322,12 +326,21 @@ class Proxy:
                 relayed.headers["X-Accel-Buffering"] = "no"
                 relayed.timeout = None  # a stream lasts as long as the generation
                 return relayed
-            data = await self.read_body(balancer, upstream, response)
+            if response.status < 400:  # relayed as it comes: an answer of any size costs the proxy a chunk
+
+                def whole(data: bytes | None) -> None:  # its start (all of it, if small: its usage times the step)
+                    balancer.release(upstream)
+                    self.router.answered(upstream, hint)
+                    self.router.decode_ended(trip, data is not None, json_answer(data) if data else None)
+
+                relaying = True
+                body = BodyRelay(response, whole, headers[REQUEST_ID_HEADER])
+                relayed = Response(body, status=response.status, content_type=content_type)
+                relayed.timeout = None
+                return relayed
+            data = await self.read_body(balancer, upstream, response, ERROR_ANSWER_MAX)
             if response.status >= 500 and retry:
                 raise _FailedBeforeFirstToken(f"status_{response.status}", upstream.name)
-            if response.status < 400:
-                self.router.answered(upstream, hint)
-                answer = json_answer(data)
             return Response(data, status=response.status, content_type=content_type)
         finally:
             if not relaying:

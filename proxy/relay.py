@@ -173,3 +173,58 @@ def error_event(data: bytes) -> str | None:
             return None if code < 500 else f"stream_error_{code}"
         return "stream_error"
     return None
+
+
+KEPT = 1 << 20  # bytes of a relayed answer kept to read its usage from (if it is no larger)
+
+
+class BodyRelay:
+    """Async iterator over an upstream's (non-streamed) answer, relayed chunk by chunk; ``done(body)`` once it ended
+    (``body``: the whole answer if at most ``KEPT`` bytes and complete, else None). Closing early closes the
+    upstream connection."""
+
+    def __init__(self, response: aiohttp.ClientResponse, done: Callable[[bytes | None], None], request_id: str):
+        self._response = response
+        self._done: Callable[[bytes | None], None] | None = done
+        self._request_id = request_id
+        self._kept: list[bytes] | None = []
+        self._size = 0
+
+    def __aiter__(self) -> BodyRelay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done is None:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._response.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as error:
+            log.warning("[%s] answer from %s broken: %r", self._request_id, self._response.url, error)
+            self.close()
+            raise StopAsyncIteration from None
+        if not chunk:
+            self.close(complete=True)
+            raise StopAsyncIteration
+        self._size += len(chunk)
+        if self._kept is not None and self._size <= KEPT:
+            self._kept.append(chunk)
+        else:
+            self._kept = None
+        return chunk
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self, complete: bool = False) -> None:
+        if self._done is None:
+            return
+        done, self._done = self._done, None
+        if complete:
+            self._response.release()
+        else:
+            self._response.close()
+        done(b"".join(self._kept) if complete and self._kept is not None else None)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

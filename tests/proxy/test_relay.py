@@ -123,3 +123,24 @@ def test_a_decode_that_dies_mid_event_gives_the_client_whole_events_and_a_whole_
         assert parsed[-1]["error"]["code"] == 502, parsed[-1]
 
     run(test)
+
+
+def test_a_whole_answer_is_relayed_as_it_comes_not_read_first() -> None:
+    """#46 finding 3: a non-streamed decode's answer was read whole before any of it went out (a 1 GiB answer: 3.7 GB
+    in the proxy, the loop blocked 6 s). Now it is relayed as it comes: the client reads the first half of a 16 MiB
+    answer while the instance still holds the rest back, and the whole arrives exactly."""
+    answer = json.dumps({"choices": [{"index": 0, "text": "x" * (16 << 20)}]}).encode()
+
+    async def test(env: Environment) -> None:
+        release = asyncio.Event()
+        env.decode[0].raw_answer, env.decode[0].hold_last = answer, release
+        async with env.client.post(env.url + "/v1/completions", json=COMPLETION) as response:
+            assert response.status == 200
+            first = await asyncio.wait_for(response.content.readexactly(len(answer) // 2), 10)
+            assert not release.is_set()  # the instance has not sent the rest yet
+            release.set()
+            rest = await response.content.read()
+        assert first + rest == answer
+        await assert_idle(env)
+
+    run(test)

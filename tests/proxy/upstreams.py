@@ -146,8 +146,17 @@ class FakeUpstream:
                 return response
             if body.get("stream"):
                 return await self._stream(request)
-            if self.raw_answer is not None:
+            if self.raw_answer is not None and self.hold_last is None:
                 return web.Response(body=self.raw_answer, content_type="application/json")
+            if self.raw_answer is not None:  # its first half, then (once ``hold_last`` is set) the rest
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(request)
+                half = len(self.raw_answer) // 2
+                await response.write(self.raw_answer[:half])
+                await self.hold_last.wait()
+                await response.write(self.raw_answer[half:])
+                await response.write_eof()
+                return response
             answer: dict[str, Any] = {"id": f"{self.name}-1", "object": "text_completion", "served_by": self.name,
                                       "choices": [{"index": 0, "text": "".join(self.chunks)}]}
             if self.kv_params is not None:
