@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 from kv_pipe.config import join_host_port
 from kv_pipe.errors import ConfigError
+from kv_pipe.handshake import Tally
 
 logger = logging.getLogger(__name__)
+EVICTED = Tally()  # unfinished handshakes closed to make room
 
 MAX_HANDSHAKES = 64  # unfinished handshakes at once; a newer connection closes the oldest (see _begins)
 MAX_HANDSHAKES_PER_HOST = 16  # of them from one host group
@@ -54,8 +56,10 @@ class Acceptor:
                 continue
             host, who = str(addr[0]), join_host_port(str(addr[0]), addr[1])
             for evicted in self._begins(sock, host):
-                logger.warning("closed an unfinished side-channel handshake to make room for a newer connection "
-                               "(too many at once from %s)", _host_group(host))
+                seen = EVICTED.add()
+                logger.log(logging.WARNING if EVICTED.tells(seen) else logging.DEBUG, "closed an unfinished "
+                           "side-channel handshake to make room for a newer connection (too many at once from %s; %d "
+                           "such so far)", _host_group(host), seen)
                 _shut(evicted)
             try:
                 threading.Thread(target=self._handshake, args=(sock, host, who), daemon=True,

@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -190,18 +191,15 @@ def authenticate(sock: socket.socket, source: str, me: Listening) -> tuple[dict[
 
 def _unwelcome(hello: dict[str, Any], address: str, source: str, me: Listening) -> ProtocolError | None:
     """Why this pipe does not take the peer of ``hello`` (its rank, or an address that is not a configured peer),
-    logged with what the pipe takes; None if it does."""
+    with what the pipe takes; None if it does. Raised (and logged by ``refuse``) only once the peer proved that it
+    knows the secret: nothing a stranger claims reaches the log before."""
     rank_ok = 0 <= hello["local_rank"] < MAX_PEER_RANKS if me.any_peer_rank else hello["local_rank"] == me.local_rank
     if hello["kv_rank"] != 1 - me.kv_rank or not rank_ok:
         ranks = f"below {MAX_PEER_RANKS}" if me.any_peer_rank else str(me.local_rank)
-        logger.warning("a side-channel connection from %s says kv_rank %s local_rank %s; this pipe takes kv_rank "
-                       "%d local_rank %s", source, hello["kv_rank"], hello["local_rank"], 1 - me.kv_rank, ranks)
         return ProtocolError(f"kv_rank {hello['kv_rank']} local_rank {hello['local_rank']} is not taken here: check "
                              f"kv_role and the URLs in mooncake.json (this pipe takes kv_rank {1 - me.kv_rank} "
                              f"local_rank {ranks})")
     if me.peers is not None and address not in me.peers:
-        logger.warning("a side-channel connection from %s names %s, not a configured peer (%s)", source, address,
-                       " or ".join(sorted(me.peers)))
         return ProtocolError(f"{address} is not a configured peer of this pipe (it takes {' or '.join(sorted(me.peers))})")
     return None
 
@@ -218,8 +216,12 @@ def welcome(sock: socket.socket, timeout: float, *, session: str, ring_addr: int
 
 
 def refuse(sock: socket.socket, who: str, error: Exception) -> None:
-    """The handshake with ``who`` failed: log why, tell the peer (an ERROR frame, best effort) and close."""
-    logger.warning("rejected a side-channel connection from %s: %s", who, error)
+    """The handshake with ``who`` failed: log why, tell the peer (an ERROR frame, best effort) and close. What a peer
+    sent is cut to ``LOGGED_MAX`` characters, and the warnings are thinned out (``Tally``): a stranger cannot fill
+    the log."""
+    seen = REFUSED.add()
+    logger.log(logging.WARNING if REFUSED.tells(seen) else logging.DEBUG, "rejected a side-channel connection from "
+               "%s: %s (%d such so far)", who, clip(str(error)), seen)
     # our own errors describe what the peer sent; anything else stays in our log
     said = str(error) if isinstance(error, PipeError) else (
         f"the handshake failed here ({type(error).__name__}): see its log")
@@ -229,6 +231,34 @@ def refuse(sock: socket.socket, who: str, error: Exception) -> None:
     except OSError:
         pass
     sock.close()
+
+
+LOGGED_MAX = 300  # characters of what a peer sent that a log line quotes
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= LOGGED_MAX else f"{text[:LOGGED_MAX]}... ({len(text)} characters)"
+
+
+class Tally:
+    """A count of like events whose warnings are thinned out: the 1st, 10th, 100th and every 1,000th are told (the
+    others go to the debug log)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self) -> int:
+        with self._lock:
+            self.count += 1
+            return self.count
+
+    @staticmethod
+    def tells(count: int) -> bool:
+        return count in (1, 10, 100) or count % 1000 == 0
+
+
+REFUSED = Tally()  # side-channel connections refused at the handshake
 
 
 def names(me: Listening, host: str, port: int) -> bool:

@@ -4,6 +4,7 @@ handshake, the secret, and the connecting side's retries - against real endpoint
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 
@@ -21,6 +22,12 @@ from tests.kv_pipe.side_channel import free_address, hello_fields, hello_frame, 
 @pytest.fixture
 def cfg():
     return make_config()
+
+
+def every_refusal_logged(caplog) -> None:
+    """Refusals are told at WARNING only now and then (``handshake.Tally``), the others at DEBUG: capture those too
+    (called in the test's body: pytest sets the capture level again when the body starts)."""
+    caplog.set_level(logging.DEBUG, logger="kv_pipe.handshake")
 
 
 def test_channel_names_and_host_names():
@@ -91,6 +98,7 @@ def test_a_stranger_cannot_tell_which_ranks_and_peers_this_pipe_takes(caplog, wr
     with a CHALLENGE: which ranks and peers a pipe serves could be read from the answers. Now every well-formed HELLO
     gets a CHALLENGE, and a stranger without the secret gets the same ERROR whatever it claimed; only a peer that
     proves the secret is told what was wrong (its own log says it too)."""
+    every_refusal_logged(caplog)
     allowed = free_address()
     cfg = make_config(auth_secret=SECRET)
     with open_endpoint(cfg, 1, free_address(), peers={allowed}) as endpoint:
@@ -142,6 +150,7 @@ def test_a_relayed_handshake_is_refused(caplog):
     """Finding 3: an intruder on the consumer's host that got a secret-holding consumer to link to it relayed the
     handshake to the real producer and got WELCOME (then injected its own frames). The HELLO now names the endpoint
     it was meant for, under both proofs: the producer refuses a HELLO meant for the relay."""
+    every_refusal_logged(caplog)
     cfg = make_config(auth_secret="r" * 40)
     with socket.create_server(("127.0.0.1", 0)) as relay, open_endpoint(cfg, 0, free_address()) as producer:
         stop = threading.Event()
@@ -223,3 +232,21 @@ def test_the_secret_can_come_from_the_environment(monkeypatch):
         assert same(pipe.recv_tensor(timeout=30), torch.ones(2))
         pipe.send_tensor(None)
     assert peer.result() == 1
+
+
+def test_a_stranger_cannot_fill_the_log(caplog):
+    """#46 finding 6: every malformed HELLO was logged at WARNING with the peer's values uncut, some before it
+    proved the secret: one stranger wrote 30 MB of log in 20 s, lines of 65 KB of its own text. Now what a peer sent
+    is cut to 300 characters, a refusal is told at WARNING the 1st, 10th, 100th time (then every 1,000th; the rest at
+    DEBUG), and nothing a peer claims is logged before it proved the secret."""
+    handshake.REFUSED.count = 0  # (process-wide: other tests' refusals counted too)
+    cfg = make_config(auth_secret=SECRET)
+    claim = "x" * 60_000
+    with open_endpoint(cfg, 1, free_address(), peers={free_address()}) as endpoint:
+        for i in range(30):
+            fields = {"address": f"127.0.0.1:{2000 + i}", "channel": claim} if i % 2 else {"kv_rank": 7, "local_rank": i}
+            _answers(endpoint, fields, b"not the secret")
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "kv_pipe.handshake"]
+    assert len(warnings) == 2, [r.getMessage()[:120] for r in warnings]  # the 1st and the 10th of 30
+    assert all(len(r.getMessage()) < 600 for r in warnings), max(len(r.getMessage()) for r in warnings)
+    assert "kv_rank 7" not in caplog.text and "this pipe takes" not in caplog.text  # claims of an unproven peer

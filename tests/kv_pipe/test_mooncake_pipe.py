@@ -5,6 +5,7 @@ The test process is one end (kv_rank 1 unless said otherwise); a spawned child i
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -418,6 +419,7 @@ def _assert_still_serves(cfg, pipe) -> None:
     b"MKVP",
 ])
 def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, garbage, caplog):
+    caplog.set_level(logging.DEBUG, logger="kv_pipe.handshake")  # (refusals are told at WARNING only now and then)
     with open_pipe(cfg, 1) as pipe:
         with raw_connect(pipe) as sock:
             try:
@@ -437,6 +439,7 @@ def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
     accept loop, which died: the real peer could never connect again. Each is refused now, and the real peer served."""
     hellos = [b'{"kv_rank": ' + b"9" * 5000 + b"}", b"[" * 20_000 + b"]" * 20_000,
               b'{"kv_rank": 0, "local_rank": 0, "session": "' + b"x" * 60_000 + b'"}']
+    caplog.set_level(logging.DEBUG, logger="kv_pipe.handshake")
     with open_pipe(cfg, 1) as pipe:
         for hello in hellos:
             with raw_connect(pipe) as sock:
