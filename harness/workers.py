@@ -1,7 +1,10 @@
 """Connector workers without vLLM (``kv_connector.worker.ConnectorWorker`` over a KV cache of plain tensors), driven
-as vLLM's model runner drives them: prefill steps (``start_step``, ``save_layer`` per layer, ``wait_for_save``) and
-loads (``start_step`` with loads, then ``transfer_results`` until they end). For the data-path tests and the GPU
-benchmark; kv_connector is imported when used (a peer process pays for it then)."""
+in the order vLLM 0.32's model runner drives them (``KVConnectorModelRunnerMixin._get_kv_connector_output``; a step
+of this connector has no synchronous load, so ``start_load_kv`` comes after the forward pass): bind the step's
+metadata, the forward pass (``save_layer`` per layer), ``start_step`` (vLLM's ``start_load_kv``), ``wait_for_save``,
+``transfer_results``. Loads are steps with no forward. Finished requests a producer holds are reported in a later
+step's ``transfer_results`` (``finish``). For the data-path tests and the GPU benchmark; kv_connector is imported
+when used (a peer process pays for it then)."""
 
 from __future__ import annotations
 
@@ -31,13 +34,27 @@ def connector_worker(role: str, cfg: dict[str, Any], caches: dict[str, torch.Ten
     return worker
 
 
-def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, list[int], list[int]]], mode: str,
-                  chunk: int) -> None:
-    """Prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, as vLLM's scheduler tells
-    the worker to: every step pushes (push mode), the step that completes a prompt saves it; in inference mode, as
-    vLLM's model runner calls the connector (tensors made there cannot be written outside it)."""
+def step(worker: Any, meta: Any, layer_names: list[str] = (), forward: Any = None) -> Any:
+    """One step of ``meta``, as vLLM's model runner takes it (see the module docstring): ``forward(name)`` (if
+    given) writes each layer before its ``save_layer``; in inference mode, as vLLM runs it (tensors made there
+    cannot be written outside it). Returns ``transfer_results``."""
     import torch
 
+    with torch.inference_mode():
+        worker.handle_preemptions(meta)
+        for name in layer_names:
+            if forward is not None:
+                forward(name)
+            worker.save_layer(name, meta)
+        worker.start_step(meta)
+        worker.wait_for_save(meta)
+        return worker.transfer_results(idle=not layer_names)
+
+
+def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, list[int], list[int]]], mode: str,
+                  chunk: int, forward: Any = None) -> None:
+    """Prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, as vLLM's scheduler tells
+    the worker to: every step pushes (push mode), the step that completes a prompt saves it (``step``)."""
     from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
 
     for req_id, tokens, block_ids in prompts:
@@ -49,11 +66,23 @@ def prefill_steps(worker: Any, layer_names: list[str], prompts: list[tuple[str, 
                 meta.pushes.append(PushStep(req_id, block_ids, end, len(tokens), tokens if start == 0 else None))
             if end == len(tokens):
                 meta.saves.append(SaveRequest(req_id, tokens, block_ids))
-            with torch.inference_mode():
-                worker.start_step(meta)
-                for name in layer_names:
-                    worker.save_layer(name, meta)
-                worker.wait_for_save(meta)
+            step(worker, meta, layer_names, forward)
+
+
+def finish(worker: Any, req_ids: list[str], timeout: float = 30.0) -> None:
+    """Requests a producer's scheduler held as they finished (``hold_blocks``): steps with no forward until every
+    one was reported in ``finished_sending`` - only then may their blocks be written again, as vLLM frees them."""
+    from kv_connector.metadata import MooncakeConnectorMetadata
+
+    left = set(req_ids)
+    meta = MooncakeConnectorMetadata(held=list(req_ids), idle=True)
+    deadline = time.monotonic() + timeout
+    while left:
+        left -= step(worker, meta).sending
+        meta = MooncakeConnectorMetadata(idle=True)
+        if left and time.monotonic() > deadline:
+            raise TimeoutError(f"requests {sorted(left)} were never reported in finished_sending")
+        time.sleep(0.001)
 
 
 def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp: int, timeout: float = 60.0,
@@ -66,13 +95,14 @@ def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp
     from kv_connector.source import LoadSource
 
     source = LoadSource(producers, from_params=True, same_tp=len(producers) == tp, pushed=pushed)
-    worker.start_step(MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads]))
+    meta = MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in loads], idle=True)
     done: set[str] = set()
     failed: set[str] = set()
     bad: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(done) < len(loads) and time.monotonic() < deadline:
-        finished = worker.transfer_results(idle=True)
+        finished = step(worker, meta)
+        meta = MooncakeConnectorMetadata(idle=True)
         done |= finished.done
         failed |= finished.failed
         bad |= finished.bad_blocks

@@ -47,6 +47,12 @@ KVConnectorMetadata.register(MooncakeConnectorMetadata)  # plain dataclasses, so
 KVConnectorWorkerMetadata.register(MooncakeWorkerMetadata)
 
 
+def holds_blocks(vllm_config: VllmConfig, config: ConnectorConfig) -> bool:
+    """Whether a producer holds finished requests' blocks for their copies out of the cache (``hold_blocks``):
+    always on an accelerator (those copies run after the step that queued them), on the host only if asked."""
+    return config.options.hold_blocks == "always" or vllm_config.device_config.device_type != "cpu"
+
+
 def route_stack_logs() -> None:
     """The pipe and buffer layers log through plain ``logging`` (they know nothing of vLLM): inside a vLLM process,
     send their records through vLLM's handlers and level, else only their warnings reach stderr, bare."""
@@ -75,7 +81,8 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._worker = ConnectorWorker(config)
             self._kv_cache_config = kv_cache_config
         elif config.is_producer:
-            self._scheduler = ProducerScheduler(config, vllm_config.cache_config.block_size)
+            self._scheduler = ProducerScheduler(config, vllm_config.cache_config.block_size,
+                                                hold=holds_blocks(vllm_config, config))
         else:
             self._scheduler = self._consumer_scheduler(vllm_config, config)
 
@@ -110,12 +117,18 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._scheduler.answered(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # a save completes within its step (wait_for_save): blocks can be freed at once
+        # a producer holds the blocks a copy out of a GPU cache may still read (scheduler_producer's ``hold``)
+        if isinstance(self._scheduler, ProducerScheduler):
+            return self._scheduler.finished(request)
         return False, self._scheduler.finished(request)
 
     # ------------------------------------------------------------------ worker side (Worker process)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches, worker_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, MooncakeConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_step(self._meta())
@@ -125,22 +138,25 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Push mode: queue this layer's newly completed blocks for the consumer. (Pull mode saves once per request
-        in wait_for_save, when every layer of the final chunk is written.)"""
-        self._worker.save_layer(layer_name, self._meta())
+        in wait_for_save, when every layer of the final chunk is written.) Nothing in a run without metadata (vLLM's
+        warm-up and CUDA graph capture runs)."""
+        if self.has_connector_metadata():
+            self._worker.save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, MooncakeConnectorMetadata) and meta.idle
         finished = self._worker.transfer_results(idle)
         self._bad_blocks |= finished.bad_blocks
-        return KVConnectorTransferResults(finished_recving=finished.done, failed_recving=finished.failed)
+        return KVConnectorTransferResults(finished_sending=finished.sending, finished_recving=finished.done,
+                                          failed_recving=finished.failed)
 
     def build_connector_worker_meta(self) -> MooncakeWorkerMetadata | None:
         answers = self._worker.lookup_answers()
@@ -162,6 +178,12 @@ class MooncakeConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Push mode copies each layer's blocks out in ``save_kv_layer``, which a replayed full CUDA graph never
+        calls: vLLM then captures piecewise graphs (attention, and the hook, run outside them)."""
+        return isinstance(extra_config, dict) and extra_config.get("transfer_mode") == "push"
 
     # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33 calls these)
     @classmethod

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from kv_connector.kv_layout import LayoutMismatch
 from kv_connector.metadata import LoadRequest
+from kv_connector.pinned import ArenaFull
+from kv_connector.staging import CacheSuspended
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, LoadResult
 from kv_lookup_buffer import BufferClosed
@@ -35,6 +37,7 @@ class Finished:
     done: set[str] = field(default_factory=set)  # every finished load, failed ones included
     failed: set[str] = field(default_factory=set)  # nothing usable: the prompt is recomputed
     bad_blocks: set[int] = field(default_factory=set)  # blocks a partial load did not write (recomputed from there)
+    sending: set[str] = field(default_factory=set)  # producer: held requests whose copies out of the cache ended
 
 
 class Loads:
@@ -76,7 +79,7 @@ class Loads:
             logger.error("MooncakeConnector: %s; request %s: %s", e, req.req_id, self._then)
             self.stats.count("load_failures")
             return None
-        except (PipeError, BufferClosed, TimeoutError, ValueError) as e:
+        except (PipeError, BufferClosed, TimeoutError, ValueError, ArenaFull, CacheSuspended) as e:
             logger.warning("MooncakeConnector: loading the KV of request %s failed (%s): %s", req.req_id, e, self._then)
             self.stats.count("load_failures")
             return None

@@ -111,3 +111,7 @@ class MooncakeConnectorMetadata:
     # end (the consumer frees what it staged)
     abandoned: list[str] = field(default_factory=list)
     idle: bool = False  # nothing to compute in this step (the engine only waits for loads)
+    # producer: requests that ended and whose blocks vLLM holds until the workers report them in finished_sending,
+    # once their copies out of the cache ended (a GPU cache: ``staging``)
+    held: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # producer: requests preempted since the last step

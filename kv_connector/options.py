@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 TRANSFER_MODES = ("pull", "push")
 DIGEST_MODES = ("off", "sampled", "always")  # kv_connector/digest.py
+HOLD_MODES = ("auto", "always")
 
 GiB = 1 << 30
 
@@ -58,6 +59,10 @@ class ConnectorOptions:
       mismatch fails the load. A producer with "off" sends no digests (a consumer with "always" then fails its
       loads, one with "sampled" skips the check).
     - ``kv_digest_sample``: consumer, ``kv_digest`` "sampled": one load in this many is checked (default 16).
+    - ``hold_blocks``: producer: "auto" (the default) or "always": whether vLLM keeps a finished request's blocks
+      until the copies out of them ended (``request_finished`` answers True; the workers report the request in
+      ``finished_sending``). "auto" holds them where those copies are asynchronous (a GPU cache); on the host they
+      end within the step. "always" holds them on the host too, one step longer (tests use it to drive the path).
     - ``allow_test_corruption``: tests only: a request whose ``kv_transfer_params`` hold
       ``{"mooncake_corrupt_kv_for_testing": true}`` gets its loaded KV scrambled, to prove the KV is really used
       (no digest check for it); the values "flip_byte", "wrong_block", "stale" and "forged_digest" (pull: a byte and
@@ -80,6 +85,7 @@ class ConnectorOptions:
     receive_into_cache: bool = False
     kv_digest: str = "sampled"
     kv_digest_sample: int = 16
+    hold_blocks: str = "auto"
     allow_test_corruption: bool = False
 
     @classmethod
@@ -106,6 +112,9 @@ class ConnectorOptions:
         if opts.kv_digest not in DIGEST_MODES:
             raise ConfigError(f"kv_connector_extra_config.kv_digest: expected one of {', '.join(DIGEST_MODES)}, got "
                               f"{opts.kv_digest!r}")
+        if opts.hold_blocks not in HOLD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.hold_blocks: expected \"auto\" or \"always\", got "
+                              f"{opts.hold_blocks!r}")
         if opts.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"kv_connector_extra_config.transfer_mode: expected \"pull\" or \"push\", got "
                               f"{opts.transfer_mode!r}")
@@ -158,3 +167,10 @@ def check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         raise ConfigError(f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves a KV cache in the model's dtype or "
                           f"in {', '.join(FP8)} (with equal k/v scales on both instances); serve both instances with "
                           "one of those")
+    # vLLM releases that still have --calculate-kv-scales (0.32 has none) set the scales from the first batch, after
+    # the connector read them: two instances could then agree on scales that are not the ones they use
+    if cache_dtype in FP8 and getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+        raise ConfigError(f"--calculate-kv-scales with --kv-cache-dtype {cache_dtype}: MooncakeConnector checks that "
+                          "both instances quantize the KV with the same k/v scales when it starts, but this flag has "
+                          "vLLM estimate them later, from the first batch each instance serves; drop "
+                          "--calculate-kv-scales (use a checkpoint's scales, or the default 1.0)")

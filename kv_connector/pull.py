@@ -6,16 +6,17 @@ insert it keyed by the prompt's tokens. The buffer evicts the oldest unclaimed e
 nobody takes within ``entry_ttl``, so a save never waits for a consumer.
 
 Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens from the producer that prefilled it (its
-params name it; else the one in mooncake.json), asking only for rows [first_block,
-first_block + n) - the blocks this instance does not hold in its prefix cache - so only those bytes cross the wire,
-into a pooled receive buffer, then copied into the request's blocks. Not straight into the blocks: a receive the
-network cuts off may resume writing long after, so at the load's deadline (``load_timeout`` from the claim) the load
-ends, the request is recomputed, and the buffer is quarantined until nothing more can land in it (``AnswerAbandoned``);
-the KV cache is never open to a peer's writes. (``receive_into_cache``: straight into the blocks, registered once,
-one copy less per byte; a stalled receive then holds its load until it ends.) The entry's tokens come back with it:
-a block is used only where its tokens agree with the prompt; blocks written with anything else are reported and
-recomputed. Then, for a load the ``kv_digest`` sampler picks, the blocks are read back and checked against the
-digests the producer computed when it saved them (``digest``): a mismatch fails the load.
+params name it; else the one in mooncake.json), asking only for rows [first_block, first_block + n) - the blocks
+this instance does not hold in its prefix cache - so only those bytes cross the wire, into a pooled receive buffer
+(a device cache's: pinned memory of its staging arena), then copied into the request's blocks. Not straight into the
+blocks: a receive the network cuts off may resume writing long after, so at the load's deadline (``load_timeout``
+from the claim) the load ends, the request is recomputed, and the buffer is quarantined until nothing more can land
+in it (``AnswerAbandoned``); the KV cache is never open to a peer's writes. (``receive_into_cache``: straight into
+the blocks, registered once, one copy less per byte; a stalled receive then holds its load until it ends.) The
+entry's tokens come back with it: a block is used only where its tokens agree with the prompt; blocks written with
+anything else are reported and recomputed. Then, for a load the ``kv_digest`` sampler picks, the blocks are read
+back and checked against the digests the producer computed when it saved them (``digest``): a mismatch fails the
+load.
 
 Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
 of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
@@ -39,8 +40,9 @@ from kv_connector.heads import HeadSplit, Piece
 from kv_connector.kv_layout import KVCacheLayout, LayoutMismatch
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, SaveRequest
+from kv_connector.pinned import ArenaFull
 from kv_connector.source import LoadSource
-from kv_connector.staging import KVStaging, Staged
+from kv_connector.staging import CacheSuspended, KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVMiss, KVTransfer, LoadResult
 from kv_lookup_buffer import AnswerAbandoned, BufferClosed
@@ -98,8 +100,9 @@ class PullTransfer(KVTransfer):
         self._pieces: ThreadPoolExecutor | None = None  # a load's pieces from several producer ranks, in parallel
         self.corrupt_ok = corrupt_ok
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
-        # consumer: one receive buffer per load in flight (pinned for a device cache: copied onto it without waits)
-        self.receive = WarmPool(keep=concurrency, pinned=self.staging.on_device)
+        # consumer, host cache: one receive buffer per load in flight (a device cache's come from the staging's
+        # pinned arena: copied onto the device without waits)
+        self.receive = WarmPool(keep=concurrency)
         self.buffer = links.producer_buffer  # producer: the entries every consumer takes from
         self._lock = threading.Lock()
         self._quarantined: list[tuple[threading.Event, torch.Tensor]] = []  # (landed, buffer) of abandoned receives
@@ -113,7 +116,7 @@ class PullTransfer(KVTransfer):
         nbytes = self.layout.kv_bytes(len(save.block_ids))
         scratch = None if self.staging.on_device else self.scratch.get(nbytes)
         try:
-            kv = self.staging.gather(save.block_ids, scratch=scratch)
+            kv = self._gather(save, scratch)
             # The blocks' digests travel with them (``hidden``): hashed now from a host gather, else once the copy
             # off the device is done (before the entry is served).
             sums = None
@@ -135,7 +138,8 @@ class PullTransfer(KVTransfer):
             # oldest entries are evicted).
             self.buffer.insert(torch.tensor(save.token_ids, dtype=torch.int64), None, kv.tensor, descriptor, sums,
                                ready=ready)
-        except (BufferClosed, PipeError, ValueError, torch.OutOfMemoryError) as e:
+        except (BufferClosed, PipeError, ValueError, torch.OutOfMemoryError, ArenaFull, CacheSuspended) as e:
+            # never into vLLM's forward pass: the request is served by pull from elsewhere, or recomputed
             logger.warning("MooncakeConnector: dropped the KV of request %s (%d tokens): %s", save.req_id,
                            len(save.token_ids), e)
             self.stats.count("save_dropped")
@@ -150,6 +154,16 @@ class PullTransfer(KVTransfer):
         logger.info("MooncakeConnector: saved request %s: %d tokens, %d blocks, %.1f MiB in %.1f ms (digest %.1f ms)",
                     save.req_id, len(save.token_ids), len(save.block_ids), nbytes / 2**20, seconds * 1e3,
                     hashed * 1e3)
+
+    def _gather(self, save: SaveRequest, scratch: torch.Tensor | None) -> Staged:
+        """The prompt's blocks, copied out of the cache (from a device: being copied). A device cache's pinned arena
+        holds the buffer's entries: when it has no room, the buffer first lets go of the oldest entries nobody holds."""
+        try:
+            return self.staging.gather(save.block_ids, scratch=scratch, owner=save.req_id)
+        except ArenaFull:
+            if self.buffer is None or not self.buffer.make_room(self.layout.kv_bytes(len(save.block_ids))):
+                raise
+        return self.staging.gather(save.block_ids, scratch=scratch, owner=save.req_id)
 
     # ---------------------------------------------------------------- consumer
     def _plan(self, source: LoadSource) -> list[Piece]:
@@ -226,7 +240,7 @@ class PullTransfer(KVTransfer):
         # the buffer to the writes still on their way (quarantined), never the blocks vLLM recomputes into. With
         # receive_into_cache, straight into the blocks: the load then waits for a stalled receive to end.
         self._reclaim()
-        buf = None if self.into_cache else self.receive.get(wanted * (count or 1))
+        buf = None if self.into_cache else self._receive_buffer(wanted * (count or 1), deadline)
         target = buf if buf is not None else (self.layout.scatter(req.block_ids) if count is None else
                                               self.layout.scatter(req.block_ids, piece.at, count))
         buffer = self.links.pull_buffer(producers[piece.producer])
@@ -276,8 +290,8 @@ class PullTransfer(KVTransfer):
                                        piece.at, span[1] - span[0])
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
         finally:
-            if buf is not None:
-                self.receive.put(buf)  # the pipe is done with it: the receive completed
+            if buf is not None and not self.staging.on_device:
+                self.receive.put(buf)  # the pipe is done with it: the receive completed (an arena's: freed with it)
         where = ("received into the KV cache blocks" if received_in_place
                  else f"copy into the KV cache {(copied - fetched) * 1e3:.1f} ms") + checked
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
@@ -361,12 +375,15 @@ class PullTransfer(KVTransfer):
             raise DigestMismatch(f"KV digest mismatch: {wrong}")
         return True
 
+    def _receive_buffer(self, nbytes: int, deadline: float) -> torch.Tensor:
+        pinned = self.staging.host(nbytes, max(deadline - time.monotonic(), 0.0))
+        return pinned if pinned is not None else self.receive.get(nbytes)
+
     def _landed(self, ids: list[int], heads: tuple[int, int] | None) -> torch.Tensor:
         """The digests of blocks ``ids`` as they lie in the KV cache (all heads of each, or ``heads``)."""
         if self.staging.on_device:
-            landed = self.staging.gather(ids)
-            landed.wait()
-            rows = landed.tensor if heads is None else landed.tensor[:, :, heads[0]:heads[1]]
+            landed = self.staging.readback(ids)
+            rows = landed if heads is None else landed[:, :, heads[0]:heads[1]]
             return digest.block_digests(rows, 1 if heads is None else heads[1] - heads[0])
         return digest.cache_digests(self.layout.layers, self.layout.block_dim, ids, heads)
 
@@ -376,7 +393,8 @@ class PullTransfer(KVTransfer):
             landed = [buf for done, buf in self._quarantined if done.is_set()]
             self._quarantined = [(done, buf) for done, buf in self._quarantined if not done.is_set()]
         for buf in landed:
-            self.receive.put(buf)
+            if not self.staging.on_device:
+                self.receive.put(buf)
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

@@ -33,9 +33,10 @@ from kv_connector.digest import BlockHasher
 from kv_connector.kv_layout import KVCacheLayout
 from kv_connector.links import PeerLinks
 from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.pinned import ArenaFull
 from kv_connector.pull import PullTransfer
 from kv_connector.source import LoadSource, push_link_source
-from kv_connector.staging import KVStaging, Staged
+from kv_connector.staging import CacheSuspended, KVStaging, Staged
 from kv_connector.stats import StatsRecorder
 from kv_connector.transfer import KVTransfer, LoadResult
 from kv_lookup_buffer.push_buffer import PushedEntry, PushReceiver, PushSender, entry_key
@@ -47,6 +48,7 @@ _PREFERRED = {STAGED: 0, PULL: 1, DROPPED: 2}  # which link's news of a key an a
 
 @dataclass
 class _PushState:
+    req_id: str
     key: bytes
     num_blocks: int
     push: PushSender  # the link to the consumer it goes to
@@ -97,7 +99,7 @@ class PushTransfer(KVTransfer):
                 if push.begin(key, nbytes, len(self.layout.layers), nblocks):
                     hasher = None if not hashed else BlockHasher(nblocks, len(self.layout.layers),
                                                                  self.pull.digest_groups)
-                    self.pushing[step.req_id] = _PushState(key, nblocks, push, hasher=hasher)
+                    self.pushing[step.req_id] = _PushState(step.req_id, key, nblocks, push, hasher=hasher)
                 else:
                     logger.info("MooncakeConnector: the consumer has no push room for request %s (%.1f MiB), or has "
                                 "not answered on this link yet: pull", step.req_id, nbytes / 2**20)
@@ -123,7 +125,17 @@ class PushTransfer(KVTransfer):
             return
         self.begin_step(meta)
         for state, first, ids in self.step_pushes:
-            piece = self.staging.gather(ids, layer=layer)  # [n, 1, *block]; from a device: still being copied
+            if self.pushing.get(state.req_id) is not state:
+                continue  # its push was given up earlier in this step
+            try:  # [n, 1, *block]; from a device: still being copied
+                piece = self.staging.gather(ids, layer=layer, owner=state.req_id)
+            except (ArenaFull, CacheSuspended) as e:  # never into vLLM's forward pass: this prompt goes by pull
+                logger.warning("MooncakeConnector: request %s: its push is given up (%s): it is saved for pull",
+                               state.req_id, e)
+                self.pushing.pop(state.req_id, None)
+                state.push.abort(state.key)
+                self.stats.count("push_dropped")
+                continue
             state.push.push(state.key, layer, first, piece.tensor, len(ids),
                             ready=_sending(piece, first, layer, state.hasher))
 

@@ -6,6 +6,10 @@ it waits); in push mode each step of a prefill is also announced to the worker (
 blocks that step completes. A request that asked for remote decode finishes with params saying where its KV waits
 (``params.producer_params``). Only a request whose params say ``"do_remote_decode": false`` is neither saved nor
 pushed: it is served here whole (a proxy that skipped its disaggregation, see ``params.py``).
+
+``hold``: a finished request whose blocks a save or a push copied from is held (vLLM keeps its blocks) until every
+worker reported it in ``finished_sending`` - on a GPU those copies run after the step that queued them, while the
+next step may already reuse the blocks (``staging``). The workers learn of it in the next step's ``held``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 class ProducerScheduler:
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, hold: bool = False) -> None:
         self.config = config
+        self.hold = hold
+        self.held: list[str] = []  # finished and held since the last step
         self.block_size = block_size
         self.push = config.push_mode
         self.pipes = config.pipes  # where consumers find this instance's KV (one pipe per TP rank)
@@ -62,8 +68,9 @@ class ProducerScheduler:
             return []
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(idle=out.total_num_scheduled_tokens == 0, abandoned=self.abandoned)
-        self.abandoned = []
+        meta = MooncakeConnectorMetadata(idle=out.total_num_scheduled_tokens == 0, abandoned=self.abandoned,
+                                         held=self.held, preempted=sorted(out.preempted_req_ids or ()))
+        self.abandoned, self.held = [], []
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -90,11 +97,15 @@ class ProducerScheduler:
         return PushStep(req_id, block_ids, min(end, len(prompt)), len(prompt), prompt if first else None,
                         self.push_to.get(req_id) if first else None)
 
-    def finished(self, request: Request) -> dict[str, Any] | None:
-        """A request ended: forget it; one that asked for remote decode gets params saying where its KV waits (its
-        prompt was saved in the step that completed it)."""
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """A request ended: forget it; whether its blocks are held (``hold``: a save or a push copied from them),
+        and for one that asked for remote decode, params saying where its KV waits (its prompt was saved in the step
+        that completed it)."""
         req_id = request.request_id
         saved = req_id in self.saved
+        held = self.hold and (saved or req_id in self.pushing)
+        if held:
+            self.held.append(req_id)
         self.saved.discard(req_id)
         self.prompts.pop(req_id, None)
         if req_id in self.pushing:  # its push began, its prompt never completed: the worker ends the push
@@ -103,5 +114,5 @@ class ProducerScheduler:
         pushed = self.push and self.push_to.pop(req_id, None) != []  # [] : kept for pull, nothing was sent
         params = request.kv_transfer_params
         if not saved or not isinstance(params, dict) or not params.get("do_remote_decode") or not self.pipes:
-            return None
-        return kv_params.producer_params(self.pipes, self.config.engine_id, req_id, self.config.secret, pushed)
+            return held, None
+        return held, kv_params.producer_params(self.pipes, self.config.engine_id, req_id, self.config.secret, pushed)

@@ -25,6 +25,8 @@ COUNTERS = {  # name -> help text
     "expired": "Saved entries dropped because no consumer took them within entry_ttl.",
     "evicted": "Saved entries dropped to make room for newer ones (buffer_size reached).",
     "pushed": "Prompts whose KV the producer pushed to the consumer in full (push mode).",
+    "push_dropped": "Pushes the producer gave up mid-prefill (no room in its pinned memory, sleep mode): served by "
+                    "pull instead (push mode).",
     "loaded": "Loads that wrote the producer's KV into this instance's cache.",
     "push_loaded": "Loads served from KV the producer had pushed (push mode).",
     "await_push_loads": "Loads of decodes sent together with their prefill (mooncake_await_push) that got the KV: "

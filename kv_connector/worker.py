@@ -72,6 +72,7 @@ class ConnectorWorker:
         self.links: PeerLinks | None = None
         self.layout_checked = False
         self.suspended = False
+        self.held: set[str] = set()  # producer: requests vLLM holds for their copies out of the cache
 
     def register(self, kv_caches: dict[str, torch.Tensor], spec: WorkerSpec) -> None:
         """Set up this worker (TP rank) once vLLM has allocated its KV cache: ``kv_caches`` maps each attention layer's
@@ -84,10 +85,17 @@ class ConnectorWorker:
         self.links = self._links(endpoint)
         endpoint.start()
         peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
-        self.staging = KVStaging(self.layout.layers, self.layout.block_dim)
+        self.staging = KVStaging(self.layout.layers, self.layout.block_dim, self.pinned_bytes())
         self.transfer = self._transfer(self.layout, self.links, split, spec.block_size, peer)
         self._connect(peer, spec.rank)
         self._log_ready(spec.rank, split, endpoint.address, peer)
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory a rank with a GPU cache allocates at start-up (``staging``'s arena): its buffer's
+        entries or its loads' receive buffers (``buffer_size``), and a producer's pushes in flight
+        (``push_staging_size``)."""
+        opts = self.options
+        return opts.buffer_size + (opts.push_staging_size if self.push_mode and self.is_producer else 0)
 
     def _set_switch_interval(self) -> None:
         interval = self.options.gil_switch_interval
@@ -173,8 +181,10 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- per step
     def start_step(self, meta: MooncakeConnectorMetadata) -> None:
+        """vLLM's ``start_load_kv``: after this step's forward pass was queued (or before it, when the step has a
+        synchronous load - never with this connector)."""
         assert self.transfer is not None and self.staging is not None
-        self.staging.fence()
+        self.held.update(meta.held)
         if meta.loads:
             self.staging.mark()
         if self.loads is not None:
@@ -189,6 +199,12 @@ class ConnectorWorker:
             self.transfer.begin_step(meta)
         if meta.abandoned:
             self.transfer.abandon(meta.abandoned)
+
+    def handle_preemptions(self, meta: MooncakeConnectorMetadata) -> None:
+        """Before the forward pass: vLLM frees a preempted request's blocks without asking, so the next kernels
+        wait (on the device) for the copies still reading them."""
+        if self.staging is not None and meta.preempted:
+            self.staging.protect(meta.preempted)
 
     def save_layer(self, layer_name: str, meta: MooncakeConnectorMetadata) -> None:
         if self.transfer is None or self.layout is None or not meta.pushes:
@@ -205,9 +221,12 @@ class ConnectorWorker:
     def transfer_results(self, idle: bool) -> Finished:
         """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed. ``idle``: the
         step had nothing to compute: wait a moment for a load or a lookup to end (vLLM would spin its engine loop,
-        taking the CPU and the GIL from them)."""
+        taking the CPU and the GIL from them). A producer's ``sending``: the requests held for their copies out of
+        the cache whose copies all ended."""
         if self.loads is None:
-            return Finished()
+            sending = self.staging.sent(self.held) if self.held and self.staging is not None else set()
+            self.held -= sending
+            return Finished(sending=sending)
         if idle:
             pending = self.loads.pending() + (self.lookups.pending() if self.lookups is not None else [])
             if pending:
@@ -221,26 +240,28 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- sleep mode (vLLM >= 0.33)
     def suspend(self) -> None:
         """The KV cache's memory is about to be released (vLLM's sleep mode; its scheduler is paused, so no step
-        starts a transfer): wait for the loads in flight and the copies out of the cache to end. No registration of
-        KV memory is left to drop: a GPU cache is never registered with the engine (it is staged; only a host cache
-        is, with ``receive_into_cache``, and sleep mode exists only on GPUs). Entries already saved or pushed are host
-        copies: they stay servable. Idempotent."""
+        starts a transfer): give the loads in flight a while to end, then let no copy start into or out of the cache
+        (a load still running fails, and is recomputed) and wait for the copies queued on both streams. No
+        registration of KV memory is left to drop: a GPU cache is never registered with the engine (it is staged;
+        only a host cache is, with ``receive_into_cache``, and sleep mode exists only on GPUs). Entries already saved
+        or pushed are host copies: they stay servable. Idempotent."""
         if self.suspended:
             return
         self.suspended = True
-        if self.loads is not None:
-            left = self.loads.drain(self.options.load_timeout + DRAIN_MARGIN)
-            if left:
-                logger.error("MooncakeConnector: %d load(s) still running as the KV cache is released for sleep "
-                             "mode", left)
+        left = 0 if self.loads is None else self.loads.drain(self.options.load_timeout + DRAIN_MARGIN)
         if self.staging is not None:
-            self.staging.drain()
+            self.staging.suspend()
+        if left:
+            logger.warning("MooncakeConnector: %d load(s) still running as the KV cache is released for sleep mode: "
+                           "they fail (recomputed after wake-up) and write nothing into it", left)
         logger.info("MooncakeConnector: KV cache released for sleep mode")
 
     def resume(self) -> None:
         """The KV cache's memory is back (at the same addresses). Idempotent."""
         if self.suspended:
             self.suspended = False
+            if self.staging is not None:
+                self.staging.resume()
             logger.info("MooncakeConnector: KV cache restored after sleep mode")
 
     def take_stats(self) -> TransferStats | None:

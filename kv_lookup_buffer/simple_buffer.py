@@ -112,6 +112,12 @@ class SimpleBuffer(KVLookupBufferBase):
         self._take_role("producer")
         self.producer.insert((input_tokens, roi, key, value, hidden), copy and ready is None, ready)
 
+    def make_room(self, nbytes: int) -> bool:
+        """Producer, ``evict`` (an extension): drop the oldest entries no lease holds, ``nbytes`` of them at least
+        (or all); whether any was dropped. For memory the buffer's entries live in beyond its own count."""
+        self._take_role("producer")
+        return self.producer.make_room(nbytes)
+
     def start_serving(self) -> None:
         """Start answering the consumer's requests on the constructor's pipes (idempotent; insert calls it)."""
         self._take_role("producer")

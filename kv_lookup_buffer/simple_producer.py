@@ -178,6 +178,20 @@ class BufferProducer:
             self._index.add(tokens, _Entry(tensors, nbytes, copy, ready), hashes)
         self.start_serving()
 
+    def make_room(self, nbytes: int) -> bool:
+        """Drop the oldest entries no lease holds until they add up to ``nbytes`` or none is left (an ``evict``
+        buffer's room lies elsewhere too: a device cache's pinned memory); whether any was dropped."""
+        if not self.evict:
+            return False
+        freed = 0
+        with self._cv:
+            while freed < nbytes:
+                before = self.buffer_size
+                if not self._drop_oldest("evicted", f"to make room for an entry of {nbytes} bytes"):
+                    break
+                freed += before - self.buffer_size
+        return freed > 0
+
     def _drop_oldest(self, why: str, detail: str) -> bool:
         """Forget the oldest entry no lease holds (under the lock), counted under ``why`` and logged; False if there
         is none."""

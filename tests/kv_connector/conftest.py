@@ -20,7 +20,6 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, fork_starts, mooncake_json, start_vllm
 from kv_connector.protocol import PUSH_PROOF
-from proxy.discovery import push_target
 from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",
@@ -343,6 +342,8 @@ def proxy_for(tmp_path_factory: pytest.TempPathFactory):
 def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) -> None:
     """A producer links to a consumer it pushes to on the first request for it, and serves that request by pull
     (the link is made in the background): open every producer-to-consumer link before measuring."""
+    from proxy.discovery import push_target  # here: the GPU machines running this folder's cuda tests have no aiohttp
+
     for consumer in consumers:
         with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
             target = push_target(resp.read().decode())

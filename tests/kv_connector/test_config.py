@@ -80,3 +80,38 @@ def test_sleep_mode_is_supported_under_both_hook_names():
 
     assert MooncakeConnector.supports_sleep_mode(None) is True
     assert MooncakeConnector.release_kv_caches is MooncakeConnector.unregister_kv_caches
+
+
+def test_push_mode_asks_vllm_for_piecewise_cuda_graphs():
+    """A replayed full CUDA graph runs no Python: push mode's ``save_kv_layer`` would never be called. vLLM asks
+    the connector class with the extra config only (no role), before it exists."""
+    from kv_connector.connector import MooncakeConnector
+
+    assert MooncakeConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
+    for extra in ({"transfer_mode": "pull"}, {}, None, ["push"]):
+        assert MooncakeConnector.requires_piecewise_for_cudagraph(extra) is False
+
+
+def test_a_run_without_metadata_saves_nothing():
+    """vLLM's warm-up and CUDA graph capture runs call the attention layers' ``save_kv_layer`` with no metadata
+    bound: nothing to save, and no error."""
+    import torch
+
+    from kv_connector.connector import MooncakeConnector
+
+    connector = MooncakeConnector.__new__(MooncakeConnector)  # only the facade's own guard is under test here
+    connector._connector_metadata = None
+    connector._worker = None  # reaching the worker would raise
+    connector.save_kv_layer("model.layers.0.self_attn.attn", torch.zeros(1), None)
+
+
+@pytest.mark.parametrize("device_type, option, holds", [
+    ("cuda", "auto", True), ("cpu", "auto", False), ("cpu", "always", True), ("cuda", "always", True),
+])
+def test_a_producer_holds_finished_requests_blocks_where_its_copies_are_asynchronous(device_type, option, holds):
+    from kv_connector.connector import holds_blocks
+    from kv_connector.options import ConnectorOptions
+
+    cfg = config("kv_producer")
+    cfg = ConnectorConfig(cfg.kv_role, ConnectorOptions(hold_blocks=option), cfg.mooncake, 1, "e")
+    assert holds_blocks(SimpleNamespace(device_config=SimpleNamespace(device_type=device_type)), cfg) is holds

@@ -42,11 +42,11 @@ def load(req_id: str, tokens: list[int], cached: int, block_ids: list[int]) -> d
 def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, list[int], list[int]]],
              loads: list[dict], producer_tp: int = 1, chunk: int = 1 << 30,
              scales: tuple[list | None, list | None] = (None, None), sleep: bool = False, stall: float = 0.0,
-             consumer_options: dict | None = None, producer_options: dict | None = None, secret: str = ""
-             ) -> tuple[dict, list[dict]]:
+             consumer_options: dict | None = None, producer_options: dict | None = None, secret: str = "",
+             reuse: str = "") -> tuple[dict, list[dict]]:
     """Producer ranks (``producer_tp``) and one consumer (TP 1) in processes of their own: the consumer's result
     and each producer rank's stats. ``scales``: the producer's and the consumer's KV scales (an fp8 cache);
-    ``secret``: the pipes' ``auth_secret``."""
+    ``secret``: the pipes' ``auth_secret``; ``reuse``: see ``worker_peers.produce``."""
     cfg = make_config(prefill_url=f"127.0.0.1:{port_pair()}", timeout=20.0, auth_secret=secret)
     producers = [f"127.0.0.1:{int(cfg['prefill_url'].rsplit(':', 1)[1]) + r}" for r in range(producer_tp)]
     registered, go, done = ctx().Event(), ctx().Event(), ctx().Event()
@@ -60,7 +60,7 @@ def transfer(layout_name: str, mode: str, device: str, prompts: list[tuple[str, 
     assert registered.wait(60), "the consumer did not start"
     readies = [ctx().Event() for _ in range(producer_tp)]
     ranks = [Peer(worker_peers.produce, cfg, layout_name, producer_tp, r, mode, device, prompts, chunk, readies[r],
-                  done, scales[0], stall, producer_options) for r in range(producer_tp)]
+                  done, scales[0], stall, producer_options, reuse) for r in range(producer_tp)]
     try:
         assert all(ready.wait(90) for ready in readies), "a producer rank did not finish its prefills"
         go.set()
@@ -130,6 +130,27 @@ def test_push_streams_chunked_prefills_and_loads_only_the_missing_blocks(layout_
     assert result["stats"]["digest_checks"] == 1 and not result["stats"]["digest_missing"], result["stats"]
     assert result["stats"]["loaded_bytes"] == (5 + 4) * row_bytes(layout), result["stats"]
     assert stats["pushed"] == 2 and stats["pushed_bytes"] == (5 + 6) * row_bytes(layout), stats
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("reuse", ["held", "freed"])
+def test_a_save_is_never_torn_by_the_next_steps_writes_into_its_blocks(mode, reuse, device):
+    """vLLM's order: a step's ``start_load_kv`` comes after its forward pass, and a finished request's blocks are
+    reused by the next step. The producer's scheduler holds a request whose blocks a save or push copies from
+    (``"held"``: reported in ``finished_sending`` once the copy ended); then the next step's writes never reach
+    the saved KV. A request freed at once (``"freed"``, as before ``hold_blocks``) is torn on a GPU, where the copy
+    runs after the step that queued it (slowed here, the next forward on a stream of its own); on the host copies end
+    within the step, so the KV is intact either way."""
+    layout = LAYOUTS["gqa-flash"]
+    a = prompt(5 * BLOCK - 3, 5)
+    prompts = [("a", a, [7, 3, 12, 20, 5])]
+    loads = [load("a", a, 0, [14, 2, 21, 8, 6])]
+    result, _ = transfer("gqa-flash", mode, device, prompts, loads, chunk=40, reuse=reuse)
+    if reuse == "freed" and device == "cuda":
+        with pytest.raises(AssertionError, match="differs"):
+            expect_loaded(result, layout, prompts, loads)
+        return
+    expect_loaded(result, layout, prompts, loads)
 
 
 @pytest.mark.parametrize("layout_name", ["gqa-cpu", "sliding", "mla"])

@@ -33,6 +33,7 @@ def test_defaults():
     ({"gil_switch_interval": -0.001}, "gil_switch_interval: expected seconds"),
     ({"recompute_tokens": -1}, "recompute_tokens: expected an integer from 1 to 4096"),
     ({"recompute_tokens": True}, "recompute_tokens: expected an integer"),
+    ({"hold_blocks": "never"}, "hold_blocks: expected \"auto\" or \"always\""),
     ([1], "must be a JSON object"),
 ])
 def test_bad_options(extra, message):
@@ -50,6 +51,18 @@ def test_other_quantized_kv_caches_are_refused_with_what_to_use(cache_dtype):
     with pytest.raises(ConfigError, match=f"--kv-cache-dtype {cache_dtype}: MooncakeConnector moves a KV cache in the "
                                           "model's dtype or in fp8, fp8_e4m3, fp8_e5m2"):
         check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype)))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_with_scales_vllm_estimates_later_is_refused_naming_the_flag(cache_dtype):
+    """vLLM releases that still have ``--calculate-kv-scales`` (0.32 has none) estimate the scales from the first
+    batch, after the connector read them at start-up: refused, with what to do. Unquantized caches ignore the flag."""
+    with pytest.raises(ConfigError, match="--calculate-kv-scales with --kv-cache-dtype .*drop --calculate-kv-scales"):
+        check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype,
+                                                                          calculate_kv_scales=True)))
+    check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype,
+                                                                      calculate_kv_scales=False)))
+    check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=True)))
 
 
 def test_vllm_refuses_to_start_with_a_bad_option(refused_starts: dict[str, VllmServer]):

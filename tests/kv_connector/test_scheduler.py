@@ -356,7 +356,7 @@ def test_a_request_served_whole_on_the_producer_is_neither_saved_nor_pushed(mode
     meta = sched.build_meta(step(new={"w": (0, 40), "k": (0, 40)}, block_ids={"w": [1, 2, 3], "k": [4, 5, 6]}))
     assert [s.req_id for s in meta.saves] == ["k"]
     assert [p.req_id for p in meta.pushes] == (["k"] if mode == "push" else [])
-    assert sched.finished(whole) is None and sched.finished(kept) is not None
+    assert sched.finished(whole) == (False, None) and sched.finished(kept)[1] is not None
 
 
 def test_requests_the_producer_never_allocated_are_not_saved():
@@ -370,11 +370,12 @@ def test_a_finished_request_that_asked_for_remote_decode_says_where_its_kv_waits
     for req in (wants, plain):
         sched.after_alloc(req, kv_blocks([]), 0)
     sched.build_meta(step(new={"r": (0, 40), "s": (0, 40)}, block_ids={"r": [1, 2, 3], "s": [4, 5, 6]}))
-    answer = sched.finished(wants)
+    held, answer = sched.finished(wants)
+    assert not held  # a host cache: its save's copy ended within the step
     assert answer == kv_params.producer_params([PREFILL, "10.0.0.1:13004"], "engine-1", "r", SECRET.encode())
     assert kv_params.decode_params(answer, SECRET.encode()).pipes == [PREFILL, "10.0.0.1:13004"]
-    assert sched.finished(plain) is None
-    assert sched.finished(wants) is None  # forgotten
+    assert sched.finished(plain) == (False, None)
+    assert sched.finished(wants) == (False, None)  # forgotten
 
 
 def test_a_request_aborted_before_its_prompt_completed_gets_no_params():
@@ -382,7 +383,7 @@ def test_a_request_aborted_before_its_prompt_completed_gets_no_params():
     req = request("r", 40, {"do_remote_decode": True})
     sched.after_alloc(req, kv_blocks([]), 0)
     sched.build_meta(step(new={"r": (0, 16)}, block_ids={"r": [1, 2, 3]}))
-    assert sched.finished(req) is None and not sched.prompts
+    assert sched.finished(req) == (False, None) and not sched.prompts
 
 
 def test_push_mode_announces_every_prefill_step_and_the_target_once():
@@ -456,6 +457,31 @@ def test_a_pushed_prompts_answer_tells_the_consumer_to_wait_for_the_push(mode, p
     req = request("r", 40, params)
     sched.after_alloc(req, kv_blocks([]), 0)
     sched.build_meta(step(new={"r": (0, 40)}, block_ids={"r": [1, 2, 3]}))
-    answer = sched.finished(req)
+    _, answer = sched.finished(req)
     assert answer.get("mooncake_pushed", False) is pushed
     assert kv_params.decode_params(answer).pushed is pushed
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_held_requests_are_the_ones_whose_blocks_were_copied_from_told_once_in_the_next_step(mode):
+    """``hold`` (a GPU cache): a finished request whose prompt was saved, or whose push began, keeps its blocks until
+    the workers report it (they learn of it in the next step's ``held``); one that never reached a save or a push,
+    or that is served here whole, is freed at once. Preempted requests are told as they happen."""
+    sched = ProducerScheduler(config("kv_producer", mode=mode), BLOCK, hold=True)
+    names = ("saved", "cut", "queued")
+    for name in names:
+        sched.after_alloc(request(name, 40, {"do_remote_decode": True}), kv_blocks([]), 0)
+    whole = request("whole", 40, {"do_remote_decode": False})
+    sched.after_alloc(whole, kv_blocks([]), 0)
+    sched.build_meta(step(new={"saved": (0, 40), "cut": (0, 20), "whole": (0, 40)},
+                          block_ids={"saved": [1, 2, 3], "cut": [4, 5, 6], "whole": [7, 8, 9]}))
+    answers = {name: sched.finished(request(name, 40, {"do_remote_decode": True})) for name in names}
+    assert answers["saved"][0] is True and answers["saved"][1] is not None  # held, and its params
+    assert answers["cut"][0] is (mode == "push")  # its push began (pull: nothing was copied yet)
+    assert answers["queued"] == (False, None)
+    assert sched.finished(whole) == (False, None)
+    out = step()
+    out.preempted_req_ids = {"other"}
+    meta = sched.build_meta(out)
+    assert meta.held == ["saved", "cut"][:1 + (mode == "push")] and meta.preempted == ["other"]
+    assert sched.build_meta(step()).held == []

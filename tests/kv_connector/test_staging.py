@@ -1,14 +1,18 @@
 """KVStaging: copies between the paged cache and host memory. On the host they are block_copy's; on a GPU they run
 on streams of their own, ordered after the forward stream's work by events, without a synchronizing CUDA call (the
-``cuda`` cases, where a GPU is, run under ``torch.cuda.set_sync_debug_mode("error")``)."""
+``cuda`` cases, where a GPU is, run under ``torch.cuda.set_sync_debug_mode("error")``), from pinned memory taken
+once. Sleep mode's gate; loader threads writing a cache vLLM made of inference tensors."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
 from kv_connector import staging as staging_module
-from kv_connector.staging import KVStaging
+from kv_connector.staging import CacheSuspended, KVStaging
 from tests.kv_connector.test_block_copy import IDS, LAYOUTS, make_layers, reference_gather
 from tests.kv_connector.worker_peers import strict_sync
 
@@ -24,13 +28,13 @@ def test_gather_gives_the_blocks_in_host_memory(block_dim, shape, ids, device, p
     host = make_layers(shape, torch.bfloat16)
     staging = KVStaging([t.to(device) for t in host], block_dim)
     with strict_sync(device):
-        staging.fence()
-        staged = staging.gather(ids)
+        staged = staging.gather(ids, owner="r")
         one = staging.gather(ids, layer=1)
         staged.wait()
         one.wait()
     assert staged.tensor.device.type == "cpu" and torch.equal(staged.tensor, reference_gather(host, block_dim, ids))
     assert torch.equal(one.tensor, reference_gather(host[1:2], block_dim, ids))
+    assert staging.sent(["r", "other"]) == {"r", "other"}  # its copy ended (waited for above)
 
 
 @PIECES
@@ -65,12 +69,75 @@ def test_scatter_of_some_heads(device):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(layers, host, strict=True))
 
 
+def test_readback_gives_what_lies_in_the_cache(device):
+    host = make_layers((12, 2, 4, 2, 8), torch.float32)
+    staging = KVStaging([t.to(device) for t in host], 0)
+    with strict_sync(device):
+        landed = staging.readback([5, 1])
+    assert torch.equal(landed, reference_gather(host, 0, [5, 1]))
+
+
+def test_loader_threads_write_a_cache_made_of_inference_tensors():
+    """vLLM may allocate the KV cache in inference mode; a loader thread (not in it) must still write into it,
+    whole blocks and parts of them (an in-place op on an inference tensor outside inference mode raises)."""
+    with torch.inference_mode():
+        layers = [torch.zeros(12, 4, 4, 8) for _ in range(3)]
+    staging = KVStaging(layers, 0)
+    rows = torch.randn(2, 3, 2, 4, 8)
+    errors = []
+
+    def load() -> None:
+        try:
+            staging.scatter([6, 2], rows, heads=(1, 3))
+            staging.scatter([4], torch.randn(1, 3, 4, 4, 8))
+        except Exception as e:
+            errors.append(e)
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert torch.equal(layers[1][[6, 2], 1:3], rows[:, 1])
+
+
+def test_suspend_waits_for_copies_being_queued_and_lets_none_start_until_resumed():
+    """Sleep mode: a copy already being queued ends before ``suspend`` returns; after it, no copy starts into or out
+    of the cache (a load then fails, and is recomputed) until ``resume``."""
+    layers = [torch.zeros(8, 2, 4) for _ in range(2)]
+    staging = KVStaging(layers, 0)
+    inside, leave = threading.Event(), threading.Event()
+
+    def copying() -> None:
+        with staging._copy():  # a copy being queued: sleep mode must not release the memory under it
+            inside.set()
+            leave.wait(10)
+    thread = threading.Thread(target=copying)
+    thread.start()
+    inside.wait(10)
+    suspended = threading.Event()
+    waiter = threading.Thread(target=lambda: (staging.suspend(), suspended.set()))
+    waiter.start()
+    time.sleep(0.2)
+    assert not suspended.is_set()  # waits for the copy in flight
+    leave.set()
+    thread.join(10)
+    waiter.join(10)
+    assert suspended.is_set()
+    with pytest.raises(CacheSuspended, match="sleep mode"):
+        staging.scatter([1], torch.ones(1, 2, 2, 4))
+    with pytest.raises(CacheSuspended):
+        staging.gather([1])
+    assert not layers[0].any()
+    staging.resume()
+    staging.scatter([1], torch.ones(1, 2, 2, 4))
+    assert layers[0][1].eq(1).all()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process")
 def test_device_copies_are_ordered_by_events_not_by_waiting():
     """A gather sees what the forward stream wrote before it (queued, not finished, when the gather was asked for);
-    after ``fence`` the forward stream's next writes wait for the gather; a scatter after ``mark`` lands after the
-    forward stream's queued reads. The forward pass's thread never waits."""
+    a request's blocks are ``sent`` only once its copy ended; ``protect`` (a preempted request) makes the forward
+    stream's next writes wait for it. The forward pass's thread never waits."""
     layer = torch.zeros(8, 2, 16, 64, device="cuda")
     staging = KVStaging([layer], 0)
     big = torch.randn(4096, 4096, device="cuda")
@@ -78,10 +145,12 @@ def test_device_copies_are_ordered_by_events_not_by_waiting():
         for _ in range(20):  # keep the forward stream busy for a while
             big = big @ big / 64
         layer[2].fill_(7.0)  # the forward pass writes block 2
-        staged = staging.gather([2])
-        staging.fence()
+        staged = staging.gather([2], owner="r")
+        assert staging.sent(["r"]) == set()  # still queued behind the forward stream's work
+        staging.protect(["r"])
         layer[2].fill_(9.0)  # the next step's write into the same block
     staged.wait()
     assert torch.all(staged.tensor == 7.0)
     torch.cuda.synchronize()
     assert torch.all(layer[2] == 9.0)
+    assert staging.sent(["r"]) == {"r"}

@@ -6,6 +6,9 @@ Proof: the answers equal the producer's own (colocated, same TP) answers; the pr
 rank; every request is loaded by both ranks, and the bytes fetched are the whole prompt's KV (half from each rank's
 link: a rank that fetched the other rank's heads would give other text). Instances of different TP sizes: TP 2 -> 1
 and 1 -> 2 against a colocated instance of the consumer's TP size, each rank reading exactly the heads it holds.
+
+The producer holds each finished request's blocks until both ranks report it (``hold_blocks`` "always": what a GPU
+producer does by default), so vLLM's count of ``finished_sending`` across ranks is driven too.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config = mooncake_json(work / "mooncake.json", prefill_url=f"127.0.0.1:{port_pair()}",
                            decode_url=f"127.0.0.1:{port_pair()}")
     args, env = [*SERVE_ARGS, "--tensor-parallel-size", str(TP)], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    producer = VllmServer("tp2-producer", tiny_model, free_port(), 0, work, connector_config("kv_producer"), config,
-                          args, env)
+    producer = VllmServer("tp2-producer", tiny_model, free_port(), 0, work,
+                          connector_config("kv_producer", hold_blocks="always"), config, args, env)
     consumer = VllmServer("tp2-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", allow_test_corruption=True), config, args, env)
     try:
@@ -79,6 +82,18 @@ def test_each_rank_loads_its_half_from_the_same_rank(tp2_pair):
         assert change.get("loaded") == TP, change  # one load per rank
         assert not change.get("load_failures") and not change.get("load_misses"), change
         assert change.get("fetched_bytes") == blocks(length - 1) * ROW_BYTES, change  # both halves: the whole KV
+
+
+def test_held_blocks_are_freed_once_both_ranks_reported_them(tp2_pair):
+    """Every request above was held as it finished; vLLM frees its blocks once both ranks' workers reported it in
+    ``finished_sending``: the producer's KV cache is back to unused (a request never reported would keep its blocks,
+    and the engine would step for it forever)."""
+    producer, _ = tp2_pair
+    settled_prefill(producer, prompt(8205, 800))
+    deadline = time.monotonic() + 10
+    while (usage := producer.metric("vllm:kv_cache_usage_perc")) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert usage == 0
 
 
 def test_without_params_each_rank_uses_the_configured_producer(tp2_pair):

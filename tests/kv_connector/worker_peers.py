@@ -1,6 +1,7 @@
 """Programs for the data-path tests: one connector worker (``kv_connector.worker.ConnectorWorker``, no vLLM) per
 process, over real pipe endpoints and Transfer Engines on 127.0.0.1, driven step by step as vLLM's model runner
-drives it (``start_step``, ``save_layer`` per layer, ``wait_for_save``, ``transfer_results``), on a KV cache of
+drives it (``harness.workers.step``: ``save_layer`` per layer in the forward pass, then ``start_step``,
+``wait_for_save``, ``transfer_results``), on a KV cache of
 plain tensors laid out as an attention backend lays it out (``LAYOUTS``).
 
 Every cache is filled with bytes drawn from a seed, so the test recomputes what a producer rank holds without asking
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness.workers import connector_worker, prefill_steps, push_link, run_loads, wait_until
+from harness.workers import connector_worker, finish, prefill_steps, push_link, run_loads, step, wait_until
 
 NUM_BLOCKS = 24
 
@@ -108,6 +109,23 @@ def _worker(role: str, cfg: dict[str, Any], layout: Layout, tp: int, rank: int, 
     return worker, cache
 
 
+def _reuse(worker: Any, cache: dict[str, torch.Tensor], layout: Layout,
+           prompts: list[tuple[str, list[int], list[int]]], held: bool) -> None:
+    """The requests of ``prompts`` finished (reported first if ``held``); the next step's forward pass writes into
+    their blocks before that step's ``start_load_kv``."""
+    from kv_connector.metadata import MooncakeConnectorMetadata
+
+    if held:
+        finish(worker, [req_id for req_id, _, _ in prompts])
+    ids = torch.tensor(sorted({b for _, _, block_ids in prompts for b in block_ids}), dtype=torch.long)
+    if next(iter(cache.values())).is_cuda:
+        ids = ids.pin_memory()  # copied to the device without a wait
+
+    def overwrite(name: str) -> None:
+        cache[name].index_fill_(layout.block_dim, ids.to(cache[name].device, non_blocking=True), 0)
+    step(worker, MooncakeConnectorMetadata(), list(cache), overwrite)
+
+
 def stall_first_entry(seconds: float) -> None:
     """Make this process's pipes wait ``seconds`` before sending the first tensor larger than 4 KiB (the first
     entry's KV, after its answer's header and tokens went out): a producer whose writes come late."""
@@ -128,19 +146,29 @@ def stall_first_entry(seconds: float) -> None:
 def produce(cfg: dict[str, Any], layout_name: str, tp: int, rank: int, mode: str, device: str,
             prompts: list[tuple[str, list[int], list[int]]], chunk: int, ready: Any, done: Any,
             kv_scales: list[list[float]] | None = None, stall: float = 0.0,
-            options: dict[str, Any] | None = None) -> dict[str, Any]:
+            options: dict[str, Any] | None = None, reuse: str = "") -> dict[str, Any]:
     """A producer rank: prefill ``prompts`` (request id, tokens, its blocks) in steps of ``chunk`` tokens, saving or
     pushing each as vLLM's scheduler tells the worker to; set ``ready``, serve until ``done``; its stats. ``stall``:
     the first entry it serves comes that many seconds late (``stall_first_entry``); ``options``: more connector
-    options."""
+    options. ``reuse``: then the prompts' blocks are written by a next step, as vLLM reuses the blocks of finished
+    requests: once the workers reported them (``"held"``: the scheduler held them, ``hold_blocks``) or at once
+    (``"freed"``: it did not) - the forward pass on a stream of its own, and the copies out of a GPU cache slowed
+    down, as behind a busy copy engine."""
     if stall:
         stall_first_entry(stall)
     layout = LAYOUTS[layout_name]
     worker, cache = _worker("kv_producer", cfg, layout, tp, rank, mode, seed=1, device=device, kv_scales=kv_scales,
                             **(options or {}))
+    forward = torch.cuda.Stream() if reuse and device == "cuda" else None
     try:
-        with strict_sync(device):  # push: the first prompt is the link's first use (it waits for the first credit)
+        with strict_sync(device), torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext():
+            if forward is not None:
+                with torch.cuda.stream(worker.staging._out):
+                    torch.cuda._sleep(500_000_000)  # ~0.3 s of a busy copy engine before the save's copy
+            # push: the first prompt is the link's first use (it waits for the first credit)
             prefill_steps(worker, list(cache), prompts, mode, chunk)
+            if reuse:
+                _reuse(worker, cache, layout, prompts, held=reuse == "held")
         if mode == "push":  # what vLLM's answer to the prefill would take: the pushes reach the consumer
             link = push_link(worker)
             wait_until(lambda: link.stats["committed"] >= len(prompts), "the pushes were not all committed")
@@ -236,11 +264,13 @@ def look_then_load(cfg: dict[str, Any], layout_name: str, lookups: list[tuple[st
         source = LoadSource([producer], from_params=True, same_tp=True)
         leases = {req_id: 1000 + i for i, (req_id, _) in enumerate(lookups)}
         start = time.monotonic()
-        worker.start_step(MooncakeConnectorMetadata(lookups=[
-            LookupRequest(req_id, leases[req_id], tokens, source, lease_seconds) for req_id, tokens in lookups]))
+        meta = MooncakeConnectorMetadata(lookups=[
+            LookupRequest(req_id, leases[req_id], tokens, source, lease_seconds) for req_id, tokens in lookups],
+            idle=True)
         answers: dict[str, Any] = {}
         while len(answers) < len(lookups) and time.monotonic() - start < 30:
-            worker.transfer_results(idle=True)
+            step(worker, meta)
+            meta = MooncakeConnectorMetadata(idle=True)
             answers.update({a.req_id: (a.tokens, a.error) for a in worker.lookup_answers()})
         looked = time.monotonic() - start
         cue.set()

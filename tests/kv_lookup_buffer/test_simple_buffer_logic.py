@@ -550,3 +550,18 @@ def test_an_entry_still_being_filled_is_served_once_ready(link):
     filled.set()
     asking.join(5)
     assert answers and torch.equal(answers[0][2], torch.full((4, 8), 3.0))
+
+
+def test_make_room_drops_the_oldest_unleased_entries_adding_up_to_what_is_asked(link):
+    """Where the entries live in memory of their own (a GPU cache's pinned arena), a save that finds no room there
+    asks the buffer to let the oldest entries go first; a leased one stays."""
+    producer, consumer = link(thresh=1 << 20, evict=True)
+    for i in range(4):
+        producer.insert(torch.arange(i * 10, i * 10 + 10), None, torch.zeros(100, dtype=torch.float64), None, None)
+    assert consumer.lookup(torch.arange(0, 10), lease=3, lease_seconds=60) == (10, 10)  # the oldest, leased
+    assert producer.make_room(900)  # two entries of 880 bytes: the 2nd and 3rd oldest
+    assert len(producer) == 2 and producer.stats["evicted"] == 2
+    assert same(consumer.drop_select(torch.arange(0, 10), None, lease=3)[0], torch.arange(0, 10))
+    assert same(consumer.drop_select(torch.arange(30, 40), None)[0], torch.arange(30, 40))
+    assert not producer.make_room(1)  # nothing left
+    assert not link(evict=False)[0].make_room(1)  # a buffer that never evicts lets nothing go
