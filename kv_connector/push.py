@@ -129,7 +129,8 @@ class PushTransfer(KVTransfer):
                 continue  # its push was given up earlier in this step
             try:  # [n, 1, *block]; from a device: still being copied
                 piece = self.staging.gather(ids, layer=layer, owner=state.req_id)
-            except (ArenaFull, CacheSuspended) as e:  # never into vLLM's forward pass: this prompt goes by pull
+            # never into vLLM's forward pass: this prompt goes by pull
+            except (ArenaFull, CacheSuspended, torch.OutOfMemoryError) as e:
                 logger.warning("MooncakeConnector: request %s: its push is given up (%s): it is saved for pull",
                                state.req_id, e)
                 self.pushing.pop(state.req_id, None)
