@@ -1,6 +1,6 @@
 """mooncake-kv-transfer: prefill/decode disaggregation for vLLM over the Mooncake Transfer Engine."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="mooncake-kv-transfer",
@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=["kv_pipe", "kv_lookup_buffer", "kv_connector", "proxy"],
+    packages=find_packages(include=["kv_pipe", "kv_lookup_buffer", "kv_connector", "kv_connector.*", "proxy"]),
     py_modules=["proxy_server"],
     install_requires=[
         "torch",
@@ -17,7 +17,7 @@ setup(
         "quart>=0.19",
         "aiohttp>=3.9",
         "prometheus_client>=0.17",
-        "xxhash>=4.1",  # the end-to-end KV digest (kv_connector/digest.py)
+        "xxhash>=4.1",  # the end-to-end KV digest (kv_connector/worker/digest.py)
     ],
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.

@@ -45,8 +45,7 @@ def bare_pipe_round(cfg: dict[str, Any], sizes: list[int], pinned: bool) -> dict
 
     import torch
 
-    from kv_pipe import MooncakePipe
-    from kv_pipe.memory import WarmPool
+    from kv_pipe import MooncakePipe, WarmPool
 
     cfg = {**cfg, "prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}"}
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -104,8 +103,7 @@ def _bare_receiver(cfg: dict[str, Any], largest: int, conn: Any, core: int) -> N
 
     import torch
 
-    from kv_pipe import MooncakePipe
-    from kv_pipe.scatter import Scatter
+    from kv_pipe import MooncakePipe, Scatter
 
     os.sched_setaffinity(0, {core})
     sys.setswitchinterval(SWITCH_INTERVAL)

@@ -365,7 +365,7 @@ def forward_loop_run(device: str, layers: int, nblocks: int, steps: int) -> dict
 
 # ------------------------------------------------------------------------------------------------ 6. gather
 def gather_run(nbytes: int) -> list[dict[str, Any]]:
-    from kv_connector.staging import KVStaging
+    from kv_connector.cache.staging import KVStaging
 
     layers = 4
     per_block = layers * 2 * BLOCK * HEADS * HEAD_DIM * 2

@@ -7,7 +7,7 @@ between two processes, and how it holds when several senders fan in to one recei
 Columns (each: one receiving process; ``--senders`` sending processes; every message 4 KiB; the receiver answers each
 message with a 16-byte reply before the sender sends its next one, so messages never queue):
 
-- ``socket frames``: what ``kv_pipe.channel`` does: one TCP connection per sender, a 12-byte header + payload written
+- ``socket frames``: what ``kv_pipe.connections`` does: one TCP connection per sender, a 12-byte header + payload written
   with ``sendall``, read with ``recv_into`` in a blocking thread per connection (the receiving side of a pipe reads
   its connection in the caller's thread).
 - ``zmq``: a DEALER per sender connected to one ROUTER (pyzmq, the same message sizes); the receiver polls the ROUTER

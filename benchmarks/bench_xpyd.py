@@ -1,7 +1,7 @@
 """XpYd at the pipe/buffer layer (no vLLM): P producer processes x C consumer processes on 127.0.0.1.
 
 Every process is a real, separate process (multiprocessing "spawn") with its own Transfer Engine, laid out as the
-connector does it (``kv_connector/links.py``):
+connector does it (``kv_connector/worker/links.py``):
 
 - producer: one ``PipeEndpoint`` on its own address and one ``SimpleBuffer(None, None, size, role="producer")`` that
   serves every consumer link (``endpoint.on_link`` -> ``buffer.serve_link`` for channel "kv", set before

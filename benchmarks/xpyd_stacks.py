@@ -110,7 +110,7 @@ def split_address(address: str) -> tuple[str, int]:
 class OursProducer:
     def __init__(self, spec: Spec, index: int) -> None:
         from kv_lookup_buffer import SimpleBuffer
-        from kv_pipe.endpoint import PipeEndpoint
+        from kv_pipe import PipeEndpoint
 
         self.spec = spec
         host, port = split_address(spec.producers[index])
@@ -145,7 +145,7 @@ class OursProducer:
 
 class OursConsumer:
     def __init__(self, spec: Spec, index: int) -> None:
-        from kv_pipe.endpoint import PipeEndpoint
+        from kv_pipe import PipeEndpoint
 
         self.spec = spec
         host, port = split_address(spec.consumers[index])

@@ -20,9 +20,8 @@ def connector_worker(role: str, cfg: dict[str, Any], caches: dict[str, torch.Ten
                      kv_scales: list[list[float]] | None = None, **options: Any) -> Any:
     """A registered worker of ``role`` (kv_producer or kv_consumer), TP ``rank`` of ``tp``, for mooncake.json fields
     ``cfg`` and connector ``options``."""
-    from kv_connector.config import ConnectorConfig
-    from kv_connector.options import ConnectorOptions
-    from kv_connector.worker import ConnectorWorker, WorkerSpec
+    from kv_connector.config import ConnectorConfig, ConnectorOptions
+    from kv_connector.worker.connector_worker import ConnectorWorker, WorkerSpec
     from kv_pipe import MooncakeTransferEngineConfig
 
     config = ConnectorConfig(role, ConnectorOptions(transfer_mode=mode, **options), MooncakeTransferEngineConfig(**cfg),

@@ -1,10 +1,8 @@
 """Layer 3: the vLLM v1 KV connector (``MooncakeConnector``) built on the lookup buffer.
 
-Import ``kv_connector.mooncake_connector`` (what vLLM does): this package itself imports nothing heavy.
-
-Only the glue imports vLLM: ``connector.py`` (the facade vLLM creates), the scheduler side
-(``scheduler_producer.py``, ``scheduler_consumer.py``), ``vllm_glue.py`` (a worker's description read off vLLM's
-objects) and ``metrics.py`` (vLLM's stats and Prometheus classes). The worker's data path - ``worker.py``, pull and
-push, loads, layouts, block copies, staging - takes plain tensors and a ``WorkerSpec`` and runs without vLLM; its
-modules log under ``vllm.<module>`` so that inside vLLM its handlers and level apply.
+vLLM imports ``kv_connector.mooncake_connector`` (the facade it creates); this package itself imports nothing heavy.
+``scheduler/`` decides what to save and load (requests and block ids), ``worker/`` moves the KV (links, pull, push,
+lookups, loads) and ``cache/`` holds the KV-cache mechanics; the modules at the top are shared. Only the facade,
+``scheduler/``, ``worker/vllm_spec.py`` and ``vllm_stats.py`` import vLLM: the worker's data path takes plain tensors
+and a ``WorkerSpec``. Where each concern lives: docs/architecture.md.
 """

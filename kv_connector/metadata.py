@@ -1,6 +1,6 @@
 """What the scheduler-side connector tells the worker-side connector each step, and what the workers answer (pickled
 by vLLM between its own processes; nothing here crosses to another instance). Plain dataclasses: the worker's data
-path runs without vLLM (``connector.py`` registers ``MooncakeConnectorMetadata`` as vLLM's ``KVConnectorMetadata``
+path runs without vLLM (``mooncake_connector.py`` registers ``MooncakeConnectorMetadata`` as vLLM's ``KVConnectorMetadata``
 and ``MooncakeWorkerMetadata`` as its ``KVConnectorWorkerMetadata``)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LoadRequest:
 @dataclass
 class LookupRequest:
     """Consumer: ask the producer(s) ``source`` names how much of this prompt they hold, and have them hold it for
-    ``lease`` for ``lease_seconds`` (find before you claim: ``scheduler_consumer``). Every TP rank asks the producer
+    ``lease`` for ``lease_seconds`` (find before you claim: ``scheduler.consumer``). Every TP rank asks the producer
     ranks it would load from."""
 
     req_id: str
@@ -77,7 +77,7 @@ class LookupAnswer:
 @dataclass
 class MooncakeWorkerMetadata:
     """What the workers tell the scheduler-side connector each step (vLLM's ``KVConnectorWorkerMetadata``, which
-    ``connector.py`` registers this as): the answers of lookups that ended. vLLM adds up every rank's."""
+    ``mooncake_connector.py`` registers this as): the answers of lookups that ended. vLLM adds up every rank's."""
 
     lookups: list[LookupAnswer] = field(default_factory=list)
 

@@ -39,7 +39,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-from kv_connector.protocol import (
+from kv_connector.param_keys import (
     AWAIT_PUSH,
     DO_REMOTE_PREFILL,
     ENGINE,
@@ -51,8 +51,7 @@ from kv_connector.protocol import (
     REQUEST,
     TP_SIZE,
 )
-from kv_pipe import ConfigError, auth
-from kv_pipe.config import join_host_port, parse_host_port
+from kv_pipe import ConfigError, auth, join_host_port, parse_host_port
 
 MAX_RANKS = 1024
 

@@ -2,7 +2,7 @@
 ``do_remote_prefill: false``; the producer the request's params name (checked against the secret), else the one
 mooncake.json names; or, for a decode sent together with its prefill (``mooncake_await_push``, push mode), whichever
 producer pushes the prompt to this consumer. Pull reads from ``LoadSource.pipes``; push takes the entry from the link
-of ``LoadSource.peer(rank)`` (an awaited push: from any push link, see ``push.PushTransfer``). The scheduler decides
+of ``LoadSource.peer(rank)`` (an awaited push: from any push link, see ``worker.push.PushTransfer``). The scheduler decides
 when it claims the load; the worker only follows.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from kv_connector import params as kv_params
 from kv_connector.config import ConnectorConfig
-from kv_connector.protocol import AWAIT_PUSH
+from kv_connector.param_keys import AWAIT_PUSH
 
 logger = logging.getLogger(f"vllm.{__name__}")
 _told_await_push_in_pull_mode = False

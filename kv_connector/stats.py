@@ -1,5 +1,5 @@
 """Transfer statistics: counted in the worker (``StatsRecorder``), carried to vLLM's metrics as plain, msgpack-able
-data (``metrics.py`` wraps them in vLLM's classes), logged in its periodic "KV Transfer metrics" line and exported on
+data (``vllm_stats.py`` wraps them in vLLM's classes), logged in its periodic "KV Transfer metrics" line and exported on
 ``/metrics`` as ``vllm:mooncake_kv_*``. No vLLM here: the worker's data path runs without it.
 
 Bytes are counted where they really moved, never inferred from a claim (vLLM counts a claimed load as an external

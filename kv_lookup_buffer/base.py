@@ -5,11 +5,18 @@ Same names as vLLM v0's ``kv_transfer.kv_lookup_buffer.base.KVLookupBufferBase``
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
+
+
+def entry_key(tokens: torch.Tensor | list[int]) -> bytes:
+    """The key of an entry: SHA-256 of its tokens as little-endian int64."""
+    t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).contiguous()
+    return hashlib.sha256(t.numpy().tobytes()).digest()
 
 
 class BufferClosed(RuntimeError):

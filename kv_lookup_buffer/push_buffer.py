@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from kv_lookup_buffer.base import entry_key
 from kv_lookup_buffer.push_receiver import PushArrivals, PushedEntry, PushReceiver
 from kv_lookup_buffer.push_sender import PushSender
-from kv_lookup_buffer.push_wire import entry_key
 from kv_pipe import KVPipeBase
 
 __all__ = ["PushArrivals", "PushBuffer", "PushEnd", "PushReceiver", "PushSender", "PushedEntry", "entry_key"]

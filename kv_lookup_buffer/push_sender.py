@@ -99,12 +99,6 @@ class PushSender:
             logger.error("push channel: thread(s) %s died; this end stops pushing (entries go by pull)", dead)
         return not dead and not self._closed.is_set()
 
-    @property
-    def credited(self) -> bool:
-        """The consumer has told this end how much room it has (``begin`` can succeed)."""
-        with self._cv:
-            return self._credit_epoch == self._epoch
-
     def begin(self, key: bytes, nbytes: int, num_layers: int, num_blocks: int) -> bool:
         """Announce an entry if the consumer's credit covers it: True means push its pieces, then ``commit``;
         False means the consumer has no room (or has not been heard from): serve this entry by pull instead. The

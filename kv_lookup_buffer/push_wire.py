@@ -24,7 +24,6 @@ receiver's to check). Nothing on the wire is executed.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -40,12 +39,6 @@ KIND_NAMES = {HELLO: "HELLO", BEGIN: "BEGIN", DATA: "DATA", COMMIT: "COMMIT", PU
 HEADER_LEN = 11
 NO_KEY = b"\0" * 32
 _FIELDS = 4  # header words after the key
-
-
-def entry_key(tokens: torch.Tensor | list[int]) -> bytes:
-    """The key of an entry: SHA-256 of its tokens as little-endian int64."""
-    t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).contiguous()
-    return hashlib.sha256(t.numpy().tobytes()).digest()
 
 
 @dataclass(frozen=True)

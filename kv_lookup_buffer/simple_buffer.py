@@ -32,8 +32,7 @@ from kv_lookup_buffer.base import BufferClosed, Counts, KVLookupBufferBase
 from kv_lookup_buffer.simple_consumer import BufferConsumer, died_error
 from kv_lookup_buffer.simple_producer import BufferProducer
 from kv_lookup_buffer.simple_wire import MAX_LEASE_MS, MAX_SHARES, masked_tokens
-from kv_pipe import KVPipeBase
-from kv_pipe.scatter import Scatter
+from kv_pipe import KVPipeBase, Scatter
 
 __all__ = ["DEFAULT_TIMEOUT", "BufferClosed", "SimpleBuffer"]
 

@@ -25,8 +25,7 @@ from kv_lookup_buffer.simple_wire import (
     read_answer,
     request_frame,
 )
-from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout
-from kv_pipe.scatter import Scatter
+from kv_pipe import KVPipeBase, PipeClosed, PipeError, PipeStalled, PipeTimeout, Scatter
 
 logger = logging.getLogger(__name__)
 

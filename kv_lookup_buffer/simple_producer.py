@@ -27,8 +27,7 @@ from kv_lookup_buffer.simple_wire import (
     read_request,
 )
 from kv_lookup_buffer.token_index import TokenIndex, prefix_hashes
-from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout
-from kv_pipe.memory import RecyclePool, copy_bytes
+from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeError, PipeStalled, PipeTimeout, RecyclePool, copy_bytes
 
 logger = logging.getLogger(__name__)
 

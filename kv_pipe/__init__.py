@@ -1,7 +1,12 @@
-"""Layer 1: a FIFO of tensors between two processes over the Mooncake Transfer Engine."""
+"""Layer 1: a FIFO of tensors between two processes over the Mooncake Transfer Engine.
 
+Upper layers import from this package only (its API: docs/api.md)."""
+
+from kv_pipe import auth
+from kv_pipe.addresses import is_loopback, join_host_port, parse_host_port
 from kv_pipe.base import KVPipeBase
-from kv_pipe.config import MooncakeTransferEngineConfig
+from kv_pipe.config import CONFIG_ENV, SECRET_ENV, MooncakeTransferEngineConfig
+from kv_pipe.endpoint import PipeEndpoint
 from kv_pipe.errors import (
     ConfigError,
     PeerDisconnected,
@@ -11,10 +16,15 @@ from kv_pipe.errors import (
     PipeTimeout,
     ProtocolError,
     TransferError,
+    unknown_keys_error,
 )
+from kv_pipe.memory import RecyclePool, WarmPool, copy_bytes
 from kv_pipe.mooncake_pipe import MooncakePipe
+from kv_pipe.scatter import Scatter
 
 __all__ = [
-    "ConfigError", "KVPipeBase", "MooncakePipe", "MooncakeTransferEngineConfig", "PeerDisconnected", "PipeClosed",
-    "PipeError", "PipeStalled", "PipeTimeout", "ProtocolError", "TransferError",
+    "CONFIG_ENV", "SECRET_ENV", "ConfigError", "KVPipeBase", "MooncakePipe", "MooncakeTransferEngineConfig",
+    "PeerDisconnected", "PipeClosed", "PipeEndpoint", "PipeError", "PipeStalled", "PipeTimeout", "ProtocolError",
+    "RecyclePool", "Scatter", "TransferError", "WarmPool", "auth", "copy_bytes", "is_loopback", "join_host_port",
+    "parse_host_port", "unknown_keys_error",
 ]

@@ -5,9 +5,24 @@ if a tensor had begun to arrive) from a dead one (``PeerDisconnected``), a hosti
 and a misconfiguration (``ConfigError``).
 """
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
 
 class ConfigError(ValueError):
     """mooncake.json (or the arguments standing in for it) is wrong; the message says which field and how to fix it."""
+
+
+def unknown_keys_error(source: str, unknown: Iterable[str], known: Iterable[str]) -> ConfigError:
+    """The error for keys a config does not have: each with the nearest known key (a typo is the usual cause)."""
+    known = sorted(known)
+    named = []
+    for key in sorted(unknown):
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key))
+    return ConfigError(f"{source}: unknown key(s) {', '.join(named)}; known keys: {', '.join(known)}")
 
 
 class PipeError(RuntimeError):

@@ -44,8 +44,8 @@ import torch
 
 from kv_pipe import auth, handshake
 from kv_pipe.base import KVPipeBase
-from kv_pipe.channel import Inbound, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.connections import Inbound, Outbound
 from kv_pipe.errors import PeerDisconnected, PipeClosed
 from kv_pipe.handshake import DEFAULT_CHANNEL
 from kv_pipe.node import Node

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from kv_pipe import handshake, wire
-from kv_pipe.channel import DIRECT_MIN, Outbound
 from kv_pipe.config import MooncakeTransferEngineConfig
+from kv_pipe.connections import DIRECT_MIN, Outbound
 from kv_pipe.devices import to_host
 from kv_pipe.errors import PipeError, PipeTimeout
 from kv_pipe.memory import copy_bytes

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.protocol import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
+from kv_connector.param_keys import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
 from proxy.balancer import Upstream
 from proxy.prefix_index import CacheInfo, cache_info
 

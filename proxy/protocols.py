@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
+from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
 from proxy.balancer import Upstream
 from proxy.config import PREFILL
 from proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)

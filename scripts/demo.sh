@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 if [ "${1:-}" = "--pipe" ]; then
     shift
-    exec .venv/bin/python -m kv_pipe.demo "$@"
+    exec .venv/bin/python scripts/demo_pipe.py "$@"
 fi
 exec .venv/bin/python scripts/demo_stack.py "$@"

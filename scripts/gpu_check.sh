@@ -20,8 +20,8 @@ torch.cuda.get_device_name() if ok else ""); sys.exit(0 if ok else 1)' || { echo
     { echo "gpu_check: missing a package (run scripts/gpu_prepare.sh here first, then .gpu/device.sh there)"; exit 2; }
 echo "[gpu_check] cuda tests"
 timeout 300 "$python" -m pytest -q -p no:cacheprovider -m cuda -o addopts=-ra tests/kv_pipe tests/kv_lookup_buffer \
-    tests/kv_connector/test_block_copy.py tests/kv_connector/test_pinned.py tests/kv_connector/test_staging.py \
-    tests/kv_connector/test_data_path.py \
+    tests/kv_connector/cache/test_block_copy.py tests/kv_connector/cache/test_pinned.py tests/kv_connector/cache/test_staging.py \
+    tests/kv_connector/worker/test_data_path.py \
     2>&1 | tee "$out/gpu_check_tests.log" | grep -v -E '^(I|W)[0-9]{4} ' | tail -60
 tests_rc=${PIPESTATUS[0]}
 echo "[gpu_check] benchmark"

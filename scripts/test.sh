@@ -17,13 +17,12 @@ echo "[test] ruff check"
 .venv/bin/ruff check .
 # The quick tier is two runs side by side: the pipe and buffer tests (real processes and engines; they mostly wait, so
 # they run on several workers) and the unit tests (connector logic, proxy; one process: each worker would import vLLM).
-PIPES=(tests/kv_pipe tests/kv_lookup_buffer tests/kv_connector/test_data_path.py)
-UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py tests/kv_connector/test_heads.py
-       tests/kv_connector/test_params.py tests/kv_connector/test_scheduler.py tests/kv_connector/test_blocks.py
-       tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
-       tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py
-       tests/kv_connector/test_staging.py tests/kv_connector/test_digest.py tests/kv_connector/test_lookups.py
-       tests/kv_connector/test_pinned.py)
+PIPES=(tests/kv_pipe tests/kv_lookup_buffer tests/kv_connector/worker/test_data_path.py)
+UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/cache tests/kv_connector/scheduler
+       tests/kv_connector/worker/test_digest.py tests/kv_connector/worker/test_loads.py
+       tests/kv_connector/worker/test_lookups.py tests/kv_connector/worker/test_push.py
+       tests/kv_connector/test_params.py tests/kv_connector/test_prompt_blocks.py tests/kv_connector/test_source.py
+       tests/kv_connector/test_config.py tests/kv_connector/test_stats.py)
 WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -30,7 +30,7 @@ def test_main_serves_in_a_subprocess() -> None:
 
 
 def test_the_proxy_imports_neither_torch_nor_vllm() -> None:
-    """The proxy shares the connector's protocol facts (kv_connector/protocol.py) without loading the connector: a
+    """The proxy shares the connector's protocol facts (kv_connector/param_keys.py) without loading the connector: a
     front door host need not have torch or vLLM."""
     code = "import sys, proxy_server; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm'}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout

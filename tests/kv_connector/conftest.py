@@ -19,7 +19,7 @@ from harness.netns import Host
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, fork_starts, mooncake_json, start_vllm
-from kv_connector.protocol import PUSH_PROOF
+from kv_connector.param_keys import PUSH_PROOF
 from tests import servers
 
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100", "--kv-cache-memory-bytes", "67108864",

@@ -9,9 +9,8 @@ import pytest
 
 from kv_connector import params as kv_params
 from kv_connector.config import ConnectorConfig, kv_rank, role_pipe, role_pipes
-from kv_connector.metrics import endpoint_info
-from kv_pipe import ConfigError
-from kv_pipe.config import CONFIG_ENV
+from kv_connector.vllm_stats import endpoint_info
+from kv_pipe import CONFIG_ENV, ConfigError
 from tests.kv_connector.units import SECRET, config
 
 
@@ -76,7 +75,7 @@ def test_sleep_mode_is_supported_under_both_hook_names():
     """vLLM 0.33 calls unregister_kv_caches / restore_kv_caches around sleep mode (and refuses to start with sleep mode
     on if supports_sleep_mode says no); its newer releases call the first release_kv_caches. (What they do:
     test_data_path.py's sleep test.)"""
-    from kv_connector.connector import MooncakeConnector
+    from kv_connector.mooncake_connector import MooncakeConnector
 
     assert MooncakeConnector.supports_sleep_mode(None) is True
     assert MooncakeConnector.release_kv_caches is MooncakeConnector.unregister_kv_caches
@@ -85,7 +84,7 @@ def test_sleep_mode_is_supported_under_both_hook_names():
 def test_push_mode_asks_vllm_for_piecewise_cuda_graphs():
     """A replayed full CUDA graph runs no Python: push mode's ``save_kv_layer`` would never be called. vLLM asks
     the connector class with the extra config only (no role), before it exists."""
-    from kv_connector.connector import MooncakeConnector
+    from kv_connector.mooncake_connector import MooncakeConnector
 
     assert MooncakeConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"}) is True
     for extra in ({"transfer_mode": "pull"}, {}, None, ["push"]):
@@ -97,7 +96,7 @@ def test_a_run_without_metadata_saves_nothing():
     bound: nothing to save, and no error."""
     import torch
 
-    from kv_connector.connector import MooncakeConnector
+    from kv_connector.mooncake_connector import MooncakeConnector
 
     connector = MooncakeConnector.__new__(MooncakeConnector)  # only the facade's own guard is under test here
     connector._connector_metadata = None
@@ -109,8 +108,8 @@ def test_a_run_without_metadata_saves_nothing():
     ("cuda", "auto", True), ("cpu", "auto", False), ("cpu", "always", True), ("cuda", "always", True),
 ])
 def test_a_producer_holds_finished_requests_blocks_where_its_copies_are_asynchronous(device_type, option, holds):
-    from kv_connector.connector import holds_blocks
-    from kv_connector.options import ConnectorOptions
+    from kv_connector.config import ConnectorOptions
+    from kv_connector.mooncake_connector import holds_blocks
 
     cfg = config("kv_producer")
     cfg = ConnectorConfig(cfg.kv_role, ConnectorOptions(hold_blocks=option), cfg.mooncake, 1, "e")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness.vllm import VllmServer
-from kv_connector.options import ConnectorOptions, check_kv_cache_dtype
+from kv_connector.config import ConnectorOptions, check_kv_cache_dtype
 from kv_pipe import ConfigError
 from tests.kv_connector.conftest import BAD_STARTS
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from kv_connector.stats import COUNTERS, StatsRecorder
-from kv_connector.worker import BUFFER_COUNTS, PUSH_COUNTS
+from kv_connector.worker.connector_worker import BUFFER_COUNTS, PUSH_COUNTS
 from kv_lookup_buffer import SimpleBuffer
 
 

@@ -11,8 +11,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-from kv_connector.config import ConnectorConfig
-from kv_connector.options import ConnectorOptions
+from kv_connector.config import ConnectorConfig, ConnectorOptions
 from kv_pipe import MooncakeTransferEngineConfig
 
 PREFILL, DECODE = "10.0.0.1:13003", "10.0.0.2:13103"

@@ -389,7 +389,7 @@ def pause_after_frames(kinds: set[str], seconds: float, times: int | None = None
     import time
 
     from kv_pipe import wire
-    from kv_pipe.channel import Outbound
+    from kv_pipe.connections import Outbound
 
     send = Outbound.send
     left = [times]

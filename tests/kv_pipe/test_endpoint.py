@@ -80,7 +80,7 @@ def test_an_answer_on_a_new_link_is_not_lost_while_the_old_link_closes(cfg, monk
     """The idle-link test failed under load: the old link showed closed (and a new one was made and used) while its
     connections were still open, so the producer answered on the old one, where nobody read, and the consumer waited
     for an answer that never came. A slow close (its reader threads ending late) makes that window wide here."""
-    from kv_pipe.channel import Outbound
+    from kv_pipe.connections import Outbound
 
     server = free_address()
     producer = Peer(peers.endpoint_server, cfg, server, 1)
@@ -133,7 +133,7 @@ def test_a_link_asked_for_while_the_old_one_closes_is_a_new_one_that_works(cfg, 
     show closed and makes a new one, rather than handing out the closing link (whose sends fail)."""
     import threading
 
-    from kv_pipe.channel import Outbound
+    from kv_pipe.connections import Outbound
 
     server = free_address()
     producer = Peer(peers.endpoint_server, cfg, server, 1)

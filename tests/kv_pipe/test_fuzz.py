@@ -16,7 +16,7 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PipeError, ProtocolError, auth, wire
-from kv_pipe.channel import Inbound
+from kv_pipe.connections import Inbound
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same

@@ -17,7 +17,7 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, handshake, wire
-from kv_pipe.channel import DIRECT_MIN
+from kv_pipe.connections import DIRECT_MIN
 from kv_pipe.devices import canonical
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind

@@ -18,7 +18,7 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, wire
-from kv_pipe.channel import DIRECT_MIN
+from kv_pipe.connections import DIRECT_MIN
 from kv_pipe.memory import ResultPool
 from kv_pipe.wire import Kind
 from tests.kv_pipe import peers

@@ -4,7 +4,7 @@ answer's params. Real HTTP through the proxy."""
 
 from __future__ import annotations
 
-from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
+from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
 from tests.proxy.test_protocols import endpoint_info
 from tests.proxy.upstreams import COMPLETION, Environment, assert_idle, proxy_metric, read_sse, run, wait_until
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kv_connector.protocol import ENDPOINT_INFO, PUSH_PROOF, PUSH_TO
+from kv_connector.param_keys import ENDPOINT_INFO, PUSH_PROOF, PUSH_TO
 from tests.proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)

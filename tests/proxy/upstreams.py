@@ -25,7 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
+from kv_connector.param_keys import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.gate import ClientGate

@@ -1,0 +1,193 @@
+"""The consumer's scheduler side (vLLM's EngineCore process of the decode instance): decides what to load; knows
+requests and block ids, never touches KV.
+
+Find before you claim (vLLM's contract for ``get_num_new_matched_tokens``: claim only KV that is available). A
+request's first ask sends a lookup to the workers (``lookups.py``): each TP rank asks the producer ranks it would load
+from - the producer the request's params name, else mooncake.json's - how much of the prompt they hold, and has them
+hold that entry for a lease. Until every rank answered, vLLM is told ``None`` ("ask again next step"); the engine
+loop never waits on the network. Then the request claims the blocks found beyond its own prefix-cache hit, except its
+last ``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly the
+blocks it lacks, under the lease; found nothing (or no answer within ``lookup_timeout`` plus a margin): it claims
+nothing and is computed here. So vLLM's ``kv_load_failure_policy`` means what vLLM says: only a load of KV that was
+found and then broke fails (``fail``: its request ends with an error; ``recompute``: it is recomputed).
+
+Not looked up: a request whose params say ``do_remote_prefill: false`` (claims nothing), and one whose producer
+pushes its prompt here (``mooncake_await_push``, ``mooncake_pushed``: it claims at once and waits for the push, as
+the push protocol says). A request gets one load attempt: a failed one is not retried.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from kv_connector import params as kv_params
+from kv_connector import prompt_blocks as blocks
+from kv_connector.metadata import (
+    CORRUPT_PARAM,
+    TEST_FAULTS,
+    LeaseRelease,
+    LoadRequest,
+    LookupRequest,
+    MooncakeConnectorMetadata,
+    MooncakeWorkerMetadata,
+)
+from kv_connector.source import LoadSource, load_source
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kv_connector.config import ConnectorConfig
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+ANSWER_MARGIN = 1.0  # seconds past lookup_timeout the scheduler waits for the workers' answers before giving up
+CLAIM_SLACK = 3.0  # seconds an answer may still be claimed after the latest it could come (then it is asked again)
+LEASE_SLACK = 5.0  # seconds a lease outlives the load it is for (the load's request reaching the producer)
+MAX_LEASE = 600.0  # the producer's cap (simple_wire.MAX_LEASE_MS)
+LOOKUPS_PER_STEP = 32  # lookups sent in one step at most (the others are asked again next step)
+
+
+@dataclass
+class _Lookup:
+    """A request's lookup, from its first ask until its load starts or it ends; one lease for all of it (asking again
+    renews the producer's hold on the same entry)."""
+
+    lease: int
+    source: LoadSource
+    asked: float  # time.monotonic() when it was (last) sent to the workers
+    answers: dict[int, int] = field(default_factory=dict)  # TP rank -> tokens its producers hold
+
+
+class ConsumerScheduler:
+    """``recompute``: how many of a prompt's last tokens this instance computes itself (at least the last one).
+    A lookup's answer may be claimed for ``claim_window`` seconds after it was asked (answers come within
+    ``lookup_timeout`` plus a margin); a lease lasts that, plus ``load_timeout`` (the load, from the claim), plus
+    ``LEASE_SLACK``, so it never ends before the load it was for. A lease no load will use is released."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.recompute = max(recompute, 1)
+        self.tp = config.tp_size
+        self.answer_wait = config.options.lookup_timeout + ANSWER_MARGIN
+        self.claim_window = self.answer_wait + CLAIM_SLACK
+        self.lease_seconds = min(self.claim_window + config.options.load_timeout + LEASE_SLACK, MAX_LEASE)
+        self.lookups: dict[str, _Lookup] = {}  # asked, no load started yet
+        self.to_look: list[LookupRequest] = []  # lookups to send in the next step
+        self.to_release: list[LeaseRelease] = []  # leases no load will use, to release in the next step
+        self.claims: dict[str, tuple[LoadSource, int]] = {}  # claimed, not allocated: (source, local hit)
+        self.claimed: set[str] = set()  # one load attempt per request
+        self.loads: list[LoadRequest] = []  # loads to start in the next step
+
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``num_computed_tokens``: this instance's own prefix-cache hit, block aligned (vLLM passes it so)."""
+        req_id = request.request_id
+        prompt_len = len(request.prompt_token_ids or ())
+        if blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute) <= 0 or req_id in self.claimed \
+                or getattr(request, "skip_reading_prefix_cache", False):  # vLLM would drop a claim: nothing asked
+            return 0, False
+        try:
+            source = load_source(request.kv_transfer_params, self.config)
+        except kv_params.ParamsError as e:
+            logger.error("MooncakeConnector: request %s: unusable kv_transfer_params (%s): recomputing its prompt",
+                         req_id, e)
+            self.claimed.add(req_id)
+            return 0, False
+        if source is None:  # its params ask for no load
+            self.claimed.add(req_id)
+            return 0, False
+        if source.await_push or source.pushed:  # its producer pushes it here: claimed now, the load waits for it
+            self.claims[req_id] = (source, num_computed_tokens)
+            return blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute), True
+        found = self._found(request, source)
+        if found is None:
+            return None, False
+        end = min(found, prompt_len - self.recompute)
+        if end < prompt_len - self.recompute:  # a prefix of the prompt: whole blocks of it only
+            end -= end % self.block_size
+        claim = end - num_computed_tokens
+        logger.debug("MooncakeConnector: request %s: the producer holds %d of its %d tokens, %d in the prefix cache: "
+                     "claims %d", req_id, found, prompt_len, num_computed_tokens, max(claim, 0))
+        if claim <= 0:
+            self.claimed.add(req_id)
+            self._release(req_id)
+            return 0, False
+        self.claims[req_id] = (source, num_computed_tokens)
+        return claim, True
+
+    def _found(self, request: Request, source: LoadSource) -> int | None:
+        """Tokens of the prompt the producers hold for this request (every rank's answer); None while that is not
+        known yet (a lookup is sent, or on its way)."""
+        req_id = request.request_id
+        now = time.monotonic()
+        lookup = self.lookups.get(req_id)
+        if lookup is not None and len(lookup.answers) >= self.tp:
+            if now - lookup.asked <= self.claim_window:
+                return min(lookup.answers.values())
+            # answered too long ago (vLLM could not schedule the request): the lease may end before a load started
+            # now; asked again under the same lease, which renews the producer's hold on the same entry
+            lookup.answers = {}
+        elif lookup is not None:
+            if now - lookup.asked <= self.answer_wait:
+                return None
+            logger.warning("MooncakeConnector: request %s: no answer to its lookup within %.1f s (%d of %d TP ranks "
+                           "answered): computing its prompt here", req_id, self.answer_wait, len(lookup.answers),
+                           self.tp)
+            return 0
+        if len(self.to_look) >= LOOKUPS_PER_STEP:
+            return None  # asked next step
+        if lookup is None:
+            lookup = self.lookups[req_id] = _Lookup(secrets.randbits(62) + 1, source, now)
+        lookup.asked = now
+        self.to_look.append(LookupRequest(req_id, lookup.lease, list(request.prompt_token_ids or ()), source,
+                                          self.lease_seconds))
+        return None
+
+    def _release(self, req_id: str) -> None:
+        """The request's lookup, if it sent one, will have no load: its lease is released at the producers."""
+        lookup = self.lookups.pop(req_id, None)
+        if lookup is not None:
+            self.to_release.append(LeaseRelease(lookup.lease, lookup.source))
+
+    def answered(self, meta: MooncakeWorkerMetadata) -> None:
+        """The workers' answers to lookups (vLLM's ``update_connector_output``)."""
+        for answer in meta.lookups:
+            lookup = self.lookups.get(answer.req_id)
+            if lookup is not None and lookup.lease == answer.lease:  # else an earlier lookup's, or a forgotten one
+                lookup.answers[answer.rank] = answer.tokens
+
+    def after_alloc(self, request: Request, kv_blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        claim = self.claims.pop(request.request_id, None)
+        if claim is None or num_external_tokens <= 0:
+            return  # no load (yet): a lookup stays for the next ask, or is released when the request ends
+        source, local = claim
+        lookup = self.lookups.pop(request.request_id, None)  # the load takes the entry under its lease
+        self.claimed.add(request.request_id)
+        first, end = blocks.load_span(local, num_external_tokens, self.block_size)
+        block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
+        switch = request.kv_transfer_params.get(CORRUPT_PARAM) if request.kv_transfer_params else None
+        self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
+                                      block_ids[first:end], num_external_tokens, source, switch is True,
+                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else "",
+                                      0 if lookup is None else lookup.lease))
+
+    def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
+        meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look, releases=self.to_release,
+                                         idle=out.total_num_scheduled_tokens == 0)
+        self.loads, self.to_look, self.to_release = [], [], []
+        return meta
+
+    def finished(self, request: Request) -> dict[str, Any] | None:
+        """A request ended: forget it, releasing a lease no load used (a consumer answers no params)."""
+        self._release(request.request_id)
+        self.claims.pop(request.request_id, None)
+        self.claimed.discard(request.request_id)
+        return None

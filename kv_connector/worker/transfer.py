@@ -1,0 +1,65 @@
+"""The one interface the worker drives; ``worker.pull.PullTransfer`` and ``worker.push.PushTransfer`` implement it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
+from kv_connector.source import LoadSource
+
+
+class KVMiss(Exception):
+    """The producer holds no KV for this prompt (nothing was prefilled there for it, or it expired)."""
+
+
+@dataclass
+class LoadResult:
+    """A finished load: the first ``written`` blocks of the request are in the KV cache (the rest, if any, will be
+    recomputed)."""
+
+    written: int
+    loaded_bytes: int  # written into the KV cache
+    fetched_bytes: int  # received over the wire for this load (0 when it was pushed beforehand)
+    source: str  # "pulled" or "pushed"
+    detail: str  # timings, for the log line
+
+
+class KVTransfer(ABC):
+    """Moves prompts' KV from the producer's cache to the consumer's. Producer methods run in vLLM's forward pass and
+    must not block it; ``load`` runs in a loader thread, several at once."""
+
+    def begin_step(self, meta: MooncakeConnectorMetadata) -> None:  # noqa: B027 - optional hook
+        """Producer: a step starts (before its first layer is saved)."""
+
+    def abandon(self, req_ids: list[str]) -> None:  # noqa: B027 - optional hook
+        """Producer: these requests ended before their prompt was complete; forget what is kept for them."""
+
+    def save_layer(self, layer: int, meta: MooncakeConnectorMetadata) -> None:  # noqa: B027 - optional hook
+        """Producer: ``layer``'s attention has written this step's KV."""
+
+    @abstractmethod
+    def finish_prompt(self, save: SaveRequest) -> None:
+        """Producer: the prompt of ``save`` is complete in the cache (all layers of its last step are written)."""
+
+    @abstractmethod
+    def lookup(self, req: LookupRequest, deadline: float) -> int:
+        """Consumer: how many of ``req``'s prompt tokens the producers this rank would load from hold for it (held
+        for ``req.lease``); raises if that cannot be told by ``deadline`` (``time.monotonic()``)."""
+
+    @abstractmethod
+    def release(self, release: LeaseRelease) -> None:
+        """Consumer: tell the producers this rank would load from that ``release.lease`` will not be used."""
+
+    @abstractmethod
+    def producers(self, source: LoadSource) -> list[str]:
+        """Consumer: the producer addresses this rank reads from for a load from ``source``."""
+
+    @abstractmethod
+    def load(self, req: LoadRequest, deadline: float) -> LoadResult:
+        """Consumer: write the producer's KV for ``req``'s blocks; raise ``KVMiss`` if there is none, any other
+        exception if it failed. ``deadline``: ``time.monotonic()`` value by which to give up."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and release links. Idempotent."""
