@@ -108,7 +108,8 @@ def default_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say)
-    "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) bufer_size"),
+    "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) 'bufer_size' (did you "
+                          "mean 'buffer_size'?)"),
 }
 
 

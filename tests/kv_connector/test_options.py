@@ -21,7 +21,9 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"bufer_size": 1}, "unknown key.*bufer_size.*known keys: allow_test_corruption, buffer_size"),
+    ({"bufer_size": 1}, "unknown key.*'bufer_size' \\(did you mean 'buffer_size'\\?\\); known keys: allow_test_corruption, "
+                        "buffer_size"),
+    ({"lookup_timeuot": 1, "zzz": 2}, "'lookup_timeuot' \\(did you mean 'lookup_timeout'\\?\\), 'zzz'; known"),
     ({"buffer_size": -5}, "buffer_size: expected a positive number of bytes"),
     ({"buffer_size": "1GiB"}, "buffer_size: expected a positive number of bytes"),
     ({"entry_ttl": 0}, "entry_ttl: expected seconds > 0"),
@@ -66,8 +68,9 @@ def test_fp8_with_scales_vllm_estimates_later_is_refused_naming_the_flag(cache_d
 
 
 def test_vllm_refuses_to_start_with_a_bad_option(refused_starts: dict[str, VllmServer]):
-    """Spawned early (conftest ``refused_starts``: a refused start-up still imports vLLM, ~20 s of a core). (An fp8
-    KV cache, once refused here, is served: test_fp8.py.)"""
+    """Spawned early (conftest ``refused_starts``: a refused start-up still imports vLLM, ~20 s of a core). The
+    mistake is logged on a line of its own before vLLM's traceback. (An fp8 KV cache, once refused here, is served:
+    test_fp8.py.)"""
     for name, server in refused_starts.items():
         try:
             server.proc.wait(timeout=300)
@@ -75,4 +78,7 @@ def test_vllm_refuses_to_start_with_a_bad_option(refused_starts: dict[str, VllmS
             pytest.fail(f"{name}: vLLM kept running with a connector configuration it must refuse")
     for name, server in refused_starts.items():
         assert server.proc.returncode != 0, name
-        assert BAD_STARTS[name][2] in server.log_text(), name
+        log = server.log_text()
+        said = log.find(f"MooncakeConnector: configuration error: {BAD_STARTS[name][2]}")
+        assert said >= 0, name
+        assert "Traceback" not in log[:said], f"{name}: the mistake is said only after a traceback"
