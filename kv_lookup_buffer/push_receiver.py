@@ -151,11 +151,6 @@ class PushReceiver:
             entry.held_until = max(entry.held_until, time.monotonic() + seconds)
             return True
 
-    def has_begun(self, key: bytes) -> bool:
-        """A push of ``key`` has begun (its BEGIN arrived) and the entry was not taken or dropped."""
-        with self._cv:
-            return key in self._entries
-
     def look(self, key: bytes) -> str | None:
         """What this link knows of ``key``: ``STAGED`` (a push of it began, not taken or dropped), ``PULL`` (its
         producer serves it by pull), ``DROPPED`` (refused, aborted, broken or expired before anyone took it), or None

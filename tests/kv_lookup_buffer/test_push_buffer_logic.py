@@ -58,7 +58,7 @@ def ends():
 
 def take_once_begun(receiver: PushReceiver, key: bytes = KEY) -> push_receiver.PushedEntry | None:
     """``take`` waits only for a push whose BEGIN has arrived (a real load comes long after it): wait for that first."""
-    return receiver.take(key, timeout=5) if wait_for(lambda: receiver.has_begun(key)) else None
+    return receiver.take(key, timeout=5) if wait_for(lambda: receiver.look(key) == push_receiver.STAGED) else None
 
 
 def push_all(sender: PushSender, key: bytes = KEY, kv: torch.Tensor = KV) -> None:
@@ -191,7 +191,7 @@ def test_an_entry_given_up_is_dropped_by_the_consumer_and_its_queued_pieces_are_
     are not sent."""
     sender, receiver = ends(capacity=1 << 20)
     assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
-    assert wait_for(lambda: receiver.has_begun(KEY))
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
     with sender._out_cv:  # the sender thread busy elsewhere: the pieces are still queued when the request ends
         sender.push(KEY, 0, 0, KV[0].clone(), BLOCKS)
         sender.abort(KEY)
@@ -242,7 +242,7 @@ def test_the_first_begin_on_a_new_link_waits_for_the_first_credit(ends):
 def test_a_pull_notice_ends_a_begun_push_and_take_does_not_wait(ends):
     sender, receiver = ends(capacity=1 << 20)
     assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
-    assert wait_for(lambda: receiver.has_begun(KEY))
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
     sender.notify_pull(KEY)
     assert wait_for(lambda: receiver.stats["pulled"] == 1)
     start = time.monotonic()
@@ -275,7 +275,7 @@ def test_a_failed_send_fails_its_entry_and_its_pull_notice_still_goes():
     receiver, sender = PushReceiver(b, capacity=1 << 20), PushSender(a)
     try:
         assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
-        assert wait_for(lambda: receiver.has_begun(KEY))
+        assert wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
         a.failing = True
         sender.push(KEY, 0, 0, KV[0].clone(), BLOCKS)
         assert wait_for(lambda: sender.failed(KEY)) and sender.stats["push_failed"] == 1
@@ -348,10 +348,10 @@ def test_an_abort_drops_the_staged_entry(ends):
     pipe, receiver = ends(raw=True, capacity=1 << 20)
     pipe.send_tensor(pw.encode(pw.Hello(5)))
     pipe.send_tensor(pw.encode(pw.Begin(KEY, NBYTES, LAYERS, BLOCKS)))
-    assert wait_for(lambda: receiver.has_begun(KEY))
+    assert wait_for(lambda: receiver.look(KEY) == push_receiver.STAGED)
     pipe.send_tensor(pw.encode(pw.Abort(KEY)))
     assert wait_for(lambda: receiver.stats["aborted"] == 1)
-    assert not receiver.has_begun(KEY) and receiver.staged_bytes() == 0
+    assert not receiver.look(KEY) == push_receiver.STAGED and receiver.staged_bytes() == 0
 
 
 def test_the_receivers_credits_follow_its_room():
@@ -415,7 +415,7 @@ def test_a_dead_receiving_thread_releases_what_it_staged(ends, monkeypatch):
     assert wait_for(lambda: sender.begin(KEY, NBYTES, LAYERS, BLOCKS))
     push_all(sender)
     assert wait_for(lambda: not receiver._thread.is_alive())
-    assert receiver.staged_bytes() == NBYTES and receiver.has_begun(KEY)
+    assert receiver.staged_bytes() == NBYTES and receiver.look(KEY) == push_receiver.STAGED
     assert not receiver.healthy
     assert receiver.staged_bytes() == 0 and receiver.take(KEY, timeout=5) is None
 
