@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt, header, percentile, write  # noqa: E402
+from benchmarks.support.common import fmt, header, percentile, write  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 from harness.processes import stop  # noqa: E402
 

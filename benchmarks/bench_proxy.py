@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.support.common import percentile  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 
 TARGET_P50_OVERHEAD_MS = 2.0

@@ -2,8 +2,8 @@
 the random dataset, against every front of the same two cores.
 
 The fleets, one after the other, each alone on the machine. Every instance serves the kv32k model (32 KiB of KV per
-token in bfloat16, 64 KiB in float32; ``--dtype``, by default the CPU's native one, benchmarks/common.py) with the
-``vllm serve`` settings of benchmarks/stacks.py, prefix caching on, and ``VLLM_SERVER_DEV_MODE=1`` (for its
+token in bfloat16, 64 KiB in float32; ``--dtype``, by default the CPU's native one, benchmarks/support/common.py) with the
+``vllm serve`` settings of benchmarks/support/stacks.py, prefix caching on, and ``VLLM_SERVER_DEV_MODE=1`` (for its
 ``/reset_prefix_cache``):
 
 - **colocated**: two plain vLLM instances, core 0 and core 1. Fronts:
@@ -114,9 +114,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt, header, native_dtype, percentile, vllm_version, write  # noqa: E402
-from benchmarks.serve_client import goodput, run_bench_serve  # noqa: E402
-from benchmarks.stacks import serve_args_for  # noqa: E402
+from benchmarks.support.common import fmt, header, native_dtype, percentile, vllm_version, write  # noqa: E402
+from benchmarks.support.serve_client import goodput, run_bench_serve  # noqa: E402
+from benchmarks.support.stacks import serve_args_for  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 from harness.processes import http_ok, spawn, stop, wait_ready  # noqa: E402
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_routing import Run, busy_text, medians, targets
-from benchmarks.common import RESULTS, fmt, header, write
+from benchmarks.support.common import RESULTS, fmt, header, write
 
 
 def load(paths: list[Path]) -> tuple[list[Run], dict[str, list[float]], list[str]]:
