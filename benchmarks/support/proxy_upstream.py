@@ -1,6 +1,8 @@
 """The tiny upstream of the proxy benchmarks (bench_proxy, bench_slow_clients): an aiohttp server in a process of its
-own that answers ``POST /v1/completions`` at once with a small JSON body, as both the prefill and the decode instance;
-and the wait until a server's ``/health`` answers."""
+own that answers ``POST /v1/completions`` at once with a small JSON body, as both the prefill and the decode instance
+(a prefill's answer carries a producer's ``kv_transfer_params``, as MooncakeConnector's does: without them the proxy
+counts a failed prefill and sends the request whole to the decode instance); and the wait until a server's
+``/health`` answers."""
 
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ from harness.ports import HOST
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "model": "fake-model",
           "choices": [{"index": 0, "text": " Paris.", "finish_reason": "stop"}]}
+PRODUCER_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_pipe": ["127.0.0.1:9"],
+                   "remote_tp_size": 1}
 
 
 def serve(port: int) -> None:
     """Serve the upstream on ``port`` until killed (in its own process: ``start``)."""
 
     async def completion(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response(ANSWER)
+        body = await request.read()
+        prefill = b'"do_remote_decode":true' in body.replace(b" ", b"")
+        return web.json_response({**ANSWER, "kv_transfer_params": PRODUCER_PARAMS} if prefill else ANSWER)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response()
