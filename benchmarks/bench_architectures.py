@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
+from benchmarks.support import common  # noqa: E402
 from harness.ports import free_port, port_pair  # noqa: E402
 from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm  # noqa: E402
 from scripts.build_tiny_model import kv_bytes_per_token  # noqa: E402

@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import common, procs  # noqa: E402
+from benchmarks.support import common, procs  # noqa: E402
 from harness.pipes import make_config, open_pipe  # noqa: E402
 from kv_lookup_buffer import SimpleBuffer  # noqa: E402
 

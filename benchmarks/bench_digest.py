@@ -1,6 +1,6 @@
 """What the end-to-end KV digest costs: single pull loads inside vLLM with ``kv_digest`` off, sampled and always.
 
-For each mode a fresh loads pair (benchmarks/loads_pair.py: producer on core 0, consumer on core 1, the ``kv32k``
+For each mode a fresh loads pair (benchmarks/support/loads_pair.py: producer on core 0, consumer on core 1, the ``kv32k``
 model, pull mode, ``load_concurrency`` 1, both instances with that ``kv_digest``) runs one untimed warm-up load, then
 ``--rounds`` single loads of a fresh ``--tokens``-token prompt (prefilled on the producer, decoded on the consumer
 with nothing cached there). Per load: the connector's own timing of it (its load line: request, transfer, copy into
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.loads_pair import prepare, single_load, start  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.loads_pair import prepare, single_load, start  # noqa: E402
 
 SAVE = re.compile(r"saved request \S+: \d+ tokens, \d+ blocks, ([\d.]+) MiB in ([\d.]+) ms \(digest ([\d.]+) ms\)")
 

@@ -63,7 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.support.common import (  # noqa: E402
     command,
     commit,
     cpu,
@@ -73,7 +73,7 @@ from benchmarks.common import (  # noqa: E402
     percentile,
     vllm_version,
 )
-from benchmarks.stacks import (  # noqa: E402
+from benchmarks.support.stacks import (  # noqa: E402
     OURS_FAILED,
     OURS_LOADED,
     PUSH_SPLIT,

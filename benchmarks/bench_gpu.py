@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks.support import common  # noqa: E402
 from harness.pipes import make_config, open_pipe  # noqa: E402
 from harness.ports import port_pair  # noqa: E402
 

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt, header, percentile, write  # noqa: E402
+from benchmarks.support import proxy_upstream  # noqa: E402
+from benchmarks.support.common import fmt, header, percentile, write  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 from harness.processes import stop  # noqa: E402
 
@@ -155,23 +156,13 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host=HOST, port=port, access_log=None, print=None)
 
 
-async def wait_health(url: str) -> None:
-    for _ in range(300):
-        with contextlib.suppress(aiohttp.ClientError):
-            async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready")
-
-
 async def against(root: Path, attacks: list[str], log: Path) -> list[dict[str, Any]]:
     rows = []
     up_port = free_port()
     up = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-upstream", str(up_port)],
                           start_new_session=True)
     try:
-        await wait_health(f"http://{HOST}:{up_port}")
+        await proxy_upstream.wait_health(f"http://{HOST}:{up_port}")
         for name in attacks:  # a fresh proxy per attack: its peak memory is this attack's
             port = free_port()
             with log.open("ab") as out:
@@ -181,7 +172,7 @@ async def against(root: Path, attacks: list[str], log: Path) -> list[dict[str, A
                                           "--client-timeout", "600"],
                                          cwd=root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                await wait_health(f"http://{HOST}:{port}")
+                await proxy_upstream.wait_health(f"http://{HOST}:{port}")
                 print(f"  {root.name}: {name} ...", flush=True)
                 rows.append(await one_attack(f"http://{HOST}:{port}", name, proxy.pid))
             finally:

@@ -44,9 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.bare_pipe import bare_pipe_round  # noqa: E402
-from benchmarks.loads_pair import in_vllm_round, load_timings, prepare, start  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.bare_pipe import bare_pipe_round  # noqa: E402
+from benchmarks.support.loads_pair import in_vllm_round, load_timings, prepare, start  # noqa: E402
 
 GOAL = 0.5
 

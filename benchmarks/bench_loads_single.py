@@ -35,9 +35,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.bare_pipe import BarePipe  # noqa: E402
-from benchmarks.loads_pair import (  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.bare_pipe import BarePipe  # noqa: E402
+from benchmarks.support.loads_pair import (  # noqa: E402
     BLOCK,
     ROW_BYTES,
     in_vllm_round,

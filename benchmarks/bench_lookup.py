@@ -40,8 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.stacks import serve_args_for, stream  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.stacks import serve_args_for, stream  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json  # noqa: E402
 

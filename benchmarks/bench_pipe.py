@@ -64,8 +64,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: measure this checkout's pipe (not an installed copy), and
     sys.path.insert(0, str(REPO_ROOT))  # make the harness importable
 
-from benchmarks import common, procs  # noqa: E402
-from benchmarks.pipe_transports import (  # noqa: E402
+from benchmarks.support import common, procs  # noqa: E402
+from benchmarks.support.pipe_transports import (  # noqa: E402
     RECEIVERS,
     STEP_TIMEOUT,
     Link,

@@ -36,52 +36,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.support import common, proxy_upstream  # noqa: E402
+from benchmarks.support.common import percentile  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 
 TARGET_P50_OVERHEAD_MS = 2.0
 REQUEST = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 16}
-ANSWER = {"id": "cmpl-1", "object": "text_completion", "model": "fake-model",
-          "choices": [{"index": 0, "text": " Paris.", "finish_reason": "stop"}]}
-
-
-def serve_upstream(port: int) -> None:
-    """The tiny upstream (run in a child process): answers at once."""
-
-    async def completion(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response(ANSWER)
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completion)
-    app.router.add_get("/health", health)
-    web.run_app(app, host=HOST, port=port, access_log=None, print=None, backlog=1024)
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
-        try:
-            async with session.get(url + "/health") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} not ready")
-
-
 async def one_round(session: aiohttp.ClientSession, url: str, concurrency: int, per_worker: int) -> list[float]:
     """Latencies (seconds) of ``concurrency * per_worker`` requests sent by ``concurrency`` back-to-back workers."""
     body = json.dumps(REQUEST).encode()
@@ -178,14 +143,13 @@ def versions() -> dict[str, str]:
 async def run(args: argparse.Namespace) -> list[Row]:
     upstream_port, proxy_port = free_port(), free_port()
     upstream_url, proxy_url = f"http://{HOST}:{upstream_port}", f"http://{HOST}:{proxy_port}"
-    upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(upstream_port)])
+    upstream = proxy_upstream.start(upstream_port)
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy_server.py"), "--prefill", upstream_url,
                               "--decode", upstream_url, "--host", HOST, "--port", str(proxy_port),
                               "--log-level", "WARNING", "--skip-prefill-below", "0"])
     try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, upstream_url, upstream)
-            await wait_ready(session, proxy_url, proxy)
+        await proxy_upstream.wait_health(upstream_url, upstream)
+        await proxy_upstream.wait_health(proxy_url, proxy)
         rows = []
         for concurrency in args.concurrency:
             requests = args.requests * (8 if concurrency > 1 else 1)
@@ -209,11 +173,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternating direct/proxy rounds")
     parser.add_argument("--quick", action="store_true", help="few requests (smoke test)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_upstream:
-        serve_upstream(args.serve_upstream)
-        return
     if args.quick:
         args.requests, args.rounds = 200, 2
     rows = asyncio.run(run(args))
@@ -225,7 +185,8 @@ def main() -> None:
         print(f"\ntarget p50 overhead <= {TARGET_P50_OVERHEAD_MS} ms at concurrency 1: "
               f"{'met' if met else 'NOT met'} ({first.overhead_p50_ms:.2f} ms)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
+    result = {"commit": common.commit(), "command": common.command(), "cpu": common.cpu(),
+              "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
               "cpus": os.cpu_count(), "versions": versions(),
               "config": {"concurrency": args.concurrency, "requests": args.requests, "rounds": args.rounds},
               "target_p50_overhead_ms": TARGET_P50_OVERHEAD_MS, "target_met": met,

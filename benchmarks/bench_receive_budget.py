@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import header, write
+from benchmarks.support.common import header, write
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, ProtocolError
 from tests.kv_pipe.side_channel import raw_connect

@@ -2,7 +2,7 @@
 
 Four stacks serve the realistic-KV tiny model (``kv32k``: 8 layers, 32 KiB of KV per token in bfloat16, built by
 scripts/setup.sh) on the same two cores, each vLLM instance pinned to one of them, started by this script on
-127.0.0.1 with the instances of ``benchmarks/stacks.py`` and identical ``vllm serve`` settings (bench_e2e's:
+127.0.0.1 with the instances of ``benchmarks/support/stacks.py`` and identical ``vllm serve`` settings (bench_e2e's:
 eager, max-model-len 4608, 1 GiB of KV cache, 8 sequences at most; the dtype of this CPU, see below).
 The stacks run one after the other, each alone on the machine; each is started once, serves all its runs, and stops:
 
@@ -77,7 +77,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.support.common import (  # noqa: E402
     cpu,
     fmt,
     header,
@@ -85,8 +85,8 @@ from benchmarks.common import (  # noqa: E402
     vllm_version,
     write,
 )
-from benchmarks.serve_client import goodput, run_bench_serve  # noqa: E402
-from benchmarks.stacks import Stacks, serve_args_for, stream  # noqa: E402
+from benchmarks.support.serve_client import goodput, run_bench_serve  # noqa: E402
+from benchmarks.support.stacks import Stacks, serve_args_for, stream  # noqa: E402
 from harness.ports import HOST  # noqa: E402
 from harness.vllm import VllmServer  # noqa: E402
 

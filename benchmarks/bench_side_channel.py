@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import baselines, common
+from benchmarks.support import baselines, common
 
 SIZE = 4096
 REPLY = 16

@@ -1,14 +1,14 @@
 """Time to a normal answer from the proxy while slow clients hold connections under a low open-file limit.
 
-Set-up, all on 127.0.0.1: bench_proxy.py's tiny upstream (answers at once; both the prefill and the decode
-instance), the proxy (``proxy_server.py`` with its default options, log level INFO, its open-file limit set to
-``--nofile``, 256 by default) and this process. First ``--requests`` normal requests are timed with nothing else
-going on (``quiet``); then ``--slow`` slow clients connect - a third silent, a third sending a request head that
-never ends, a third a complete head whose body comes a byte every half second - and each one the proxy closes is
-opened again, as an attacker would; after ``--settle`` seconds the same normal requests are timed again
-(``attacked``), one every 0.25 s, each with a 10 s timeout (a request that takes longer counts as not answered).
-Also reported: the files the proxy holds, the slow connections it closed (and that were opened again) and its log
-lines saying "Too many open files".
+Set-up, all on 127.0.0.1: bench_proxy.py's tiny upstream (benchmarks/support/proxy_upstream.py: answers at once;
+both the prefill and the decode instance), the proxy (``proxy_server.py`` with its default options, log level INFO,
+its open-file limit set to ``--nofile``, 256 by default) and this process. First ``--requests`` normal requests are
+timed with nothing else going on (``quiet``); then ``--slow`` slow clients connect - a third silent, a third sending
+a request head that never ends, a third a complete head whose body comes a byte every half second - and each one the
+proxy closes is opened again, as an attacker would; after ``--settle`` seconds the same normal requests are timed
+again (``attacked``), one every 0.25 s, each with a 10 s timeout (a request that takes longer counts as not
+answered). Also reported: the files the proxy holds, the slow connections it closed (and that were opened again) and
+its log lines saying "Too many open files".
 
 ``--proxy-root`` runs the proxy of another checkout (e.g. ``git worktree add ../before <commit>``) to compare.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import resource
 import subprocess
@@ -37,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt, header, percentile, write  # noqa: E402
+from benchmarks.support import proxy_upstream  # noqa: E402
+from benchmarks.support.common import fmt, header, percentile, write  # noqa: E402
 from harness.ports import HOST, free_port  # noqa: E402
 from harness.processes import stop  # noqa: E402
 from harness.slow_clients import SlowClients  # noqa: E402
@@ -76,25 +76,10 @@ def row(scenario: str, took: list[float | None], files: int, reopened: int) -> R
                files, reopened)
 
 
-async def wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{process.args} exited with {process.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready")
-
-
 async def run(args: argparse.Namespace, log: Path) -> tuple[list[Row], int]:
     upstream_port, proxy_port = free_port(), free_port()
     upstream_url, proxy_url = f"http://{HOST}:{upstream_port}", f"http://{HOST}:{proxy_port}"
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_proxy.py"), "--serve-upstream",
-                                 str(upstream_port)], start_new_session=True)
+    upstream = proxy_upstream.start(upstream_port)
     nofile = args.nofile
     with log.open("wb") as out:
         proxy = subprocess.Popen([sys.executable, str(args.proxy_root / "proxy_server.py"), "--prefill", upstream_url,
@@ -103,8 +88,8 @@ async def run(args: argparse.Namespace, log: Path) -> tuple[list[Row], int]:
                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
     attack = None
     try:
-        await wait_ready(upstream_url, upstream)
-        await wait_ready(proxy_url, proxy)
+        await proxy_upstream.wait_health(upstream_url, upstream)
+        await proxy_upstream.wait_health(proxy_url, proxy)
         async with aiohttp.ClientSession() as session:
             rows = [row("quiet", await timed(session, proxy_url, args.requests),
                         len(os.listdir(f"/proc/{proxy.pid}/fd")), 0)]

@@ -1,6 +1,6 @@
 """Where a disaggregated request's time to first token goes, one request at a time, next to a colocated instance.
 
-The stacks of ``benchmarks/stacks.py`` (bench_e2e's: the same ``vllm serve`` settings, one core per instance,
+The stacks of ``benchmarks/support/stacks.py`` (bench_e2e's: the same ``vllm serve`` settings, one core per instance,
 each stack alone on the machine): ``colocated`` (one plain instance), ``ours`` (pull) and ``push`` (a producer on
 core 0, a consumer on core 1, ``proxy_server.py`` in front). For each of ``--requests`` fresh prompts of
 ``--tokens`` tokens (after ``--warmup`` untimed ones), streamed, ``max_tokens`` 4, greedy:
@@ -50,8 +50,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.stacks import OURS_LOADED, PUSH_SPLIT, LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.stacks import OURS_LOADED, PUSH_SPLIT, LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
 from kv_connector.param_keys import PUSH_TO  # noqa: E402
 from proxy.protocols import push_address  # noqa: E402
 

@@ -86,9 +86,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.xpyd_run import run_once  # noqa: E402
-from benchmarks.xpyd_stacks import HOST, STACKS, TOKENS, BenchError, MiB, Spec  # noqa: E402
+from benchmarks.support import common  # noqa: E402
+from benchmarks.support.xpyd_run import run_once  # noqa: E402
+from benchmarks.support.xpyd_stacks import HOST, STACKS, TOKENS, BenchError, MiB, Spec  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 
 logger = logging.getLogger("bench_xpyd")
@@ -154,7 +154,8 @@ def comparison(results: list[dict[str, Any]], stacks: list[str], shapes: list[st
 
 def script_state() -> str:
     """Whether this script and its modules are committed as they are (the commit names the rest of the tree)."""
-    files = [f"benchmarks/{name}.py" for name in ("bench_xpyd", "xpyd_run", "xpyd_stacks", "baselines", "procs")]
+    files = ["benchmarks/bench_xpyd.py",
+             *[f"benchmarks/support/{name}.py" for name in ("xpyd_run", "xpyd_stacks", "baselines", "procs")]]
     out = subprocess.run(["git", "status", "--porcelain", "--", *files], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
     return "untracked" if out.startswith("??") else "modified" if out else "as committed"

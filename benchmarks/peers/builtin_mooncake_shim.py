@@ -1,6 +1,6 @@
 """Benchmark-only: vLLM's built-in MooncakeConnector, runnable on a CPU-only machine and timed.
 
-Loaded by the ``builtin`` stack of ``benchmarks/stacks.py`` (bench_e2e, bench_serve) as ``kv_connector_module_path``
+Loaded by the ``builtin`` stack of ``benchmarks/support/stacks.py`` (bench_e2e, bench_serve) as ``kv_connector_module_path``
 (with this directory on PYTHONPATH), in every vLLM process that builds the connector. It changes three things, all
 outside the connector's logic:
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from benchmarks import baselines, procs
+from benchmarks.support import baselines, procs
 from harness.ports import HOST, free_port
 from kv_pipe import MooncakePipe, MooncakeTransferEngineConfig
 

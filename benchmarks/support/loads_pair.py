@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks.support import common
 from harness.ports import free_port
 from harness.vllm import REPO, VllmServer, mooncake_json, start_vllm
 

@@ -16,7 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, native_dtype
+from benchmarks.support.common import ROOT, native_dtype
 from harness.ports import HOST, free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import VllmServer

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import procs
+from benchmarks.support import procs
 from harness.ports import free_port
 
 SWITCH_INTERVAL = 0.0001  # the connector's gil_switch_interval default, for the bare pipe too

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import procs
-from benchmarks.xpyd_stacks import CONSUMERS, PRODUCERS, TOKENS, BenchError, Spec, exact
+from benchmarks.support import procs
+from benchmarks.support.xpyd_stacks import CONSUMERS, PRODUCERS, TOKENS, BenchError, Spec, exact
 
 logger = logging.getLogger("bench_xpyd")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import baselines
+from benchmarks.support import baselines
 
 HOST = "127.0.0.1"
 MiB = 1 << 20
