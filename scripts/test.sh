@@ -23,7 +23,7 @@ UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy
        tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
        tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py
        tests/kv_connector/test_staging.py tests/kv_connector/test_digest.py tests/kv_connector/test_lookups.py
-       tests/kv_connector/test_pinned.py)
+       tests/kv_connector/test_pinned.py tests/test_docs.py)
 WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
