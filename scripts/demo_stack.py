@@ -157,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         print("\nKV transfer stats (from the instances' logs):")
         print("\n".join(transfer_stats(logs)) or "  none found: see the logs")
+        # what shows KV moved: loads that wrote it into the consumer's cache (vLLM's external_prefix_cache_hits
+        # counts claims, failed loads included)
         with urllib.request.urlopen(f"http://{HOST}:8200/metrics", timeout=10) as resp:
-            hits = [line for line in resp.read().decode().splitlines()
-                    if line.startswith("vllm:external_prefix_cache_hits_total")]
-        print("  consumer " + (hits[0] if hits else "external prefix cache hits: n/a"))
+            moved = [line for line in resp.read().decode().splitlines()
+                     if line.startswith(("vllm:mooncake_kv_loaded_total", "vllm:mooncake_kv_loaded_bytes_total"))]
+        print("\n".join(f"  consumer {line}" for line in moved) or "  consumer: no KV loads on /metrics")
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted")
