@@ -128,7 +128,7 @@ class Node(Generic[L]):
         if not config.secret:
             logger.warning("pipe endpoint %s runs WITHOUT a secret: any process that reaches %s can link to it and "
                            "read or plant KV (and the Transfer Engine's ports listen on every interface). Set "
-                           "auth_secret in mooncake.json or MOONCAKE_KV_SECRET (see the README, Security)%s",
+                           "auth_secret in mooncake.json or MOONCAKE_KV_SECRET (see docs/deployment.md, Security)%s",
                            self.address, host, "" if is_loopback(host) else "; allow_unauthenticated is set")
 
     def start(self) -> None:

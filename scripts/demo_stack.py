@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     config = logs / "mooncake.json"
     config.write_text((REPO / "mooncake.json.example").read_text())
     vllm = str(Path(sys.executable).parent / "vllm")
-    # a fresh shared secret for this demo's pipes, as a deployment sets one (README, Security)
+    # a fresh shared secret for this demo's pipes, as a deployment sets one (docs/deployment.md, Security)
     secret = os.environ.get("MOONCAKE_KV_SECRET") or secrets.token_hex(32)
     env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(config), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                MC_LOG_LEVEL="WARNING", MOONCAKE_KV_SECRET=secret)
@@ -157,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         print("\nKV transfer stats (from the instances' logs):")
         print("\n".join(transfer_stats(logs)) or "  none found: see the logs")
+        # what shows KV moved: loads that wrote it into the consumer's cache (vLLM's external_prefix_cache_hits
+        # counts claims, failed loads included)
         with urllib.request.urlopen(f"http://{HOST}:8200/metrics", timeout=10) as resp:
-            hits = [line for line in resp.read().decode().splitlines()
-                    if line.startswith("vllm:external_prefix_cache_hits_total")]
-        print("  consumer " + (hits[0] if hits else "external prefix cache hits: n/a"))
+            moved = [line for line in resp.read().decode().splitlines()
+                     if line.startswith(("vllm:mooncake_kv_loaded_total", "vllm:mooncake_kv_loaded_bytes_total"))]
+        print("\n".join(f"  consumer {line}" for line in moved) or "  consumer: no KV loads on /metrics")
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted")

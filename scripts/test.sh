@@ -22,7 +22,7 @@ UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/cache tests/kv_
        tests/kv_connector/worker/test_digest.py tests/kv_connector/worker/test_loads.py
        tests/kv_connector/worker/test_lookups.py tests/kv_connector/worker/test_push.py
        tests/kv_connector/test_params.py tests/kv_connector/test_prompt_blocks.py tests/kv_connector/test_source.py
-       tests/kv_connector/test_config.py tests/kv_connector/test_stats.py)
+       tests/kv_connector/test_config.py tests/kv_connector/test_stats.py tests/test_docs.py)
 WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
