@@ -12,7 +12,8 @@ import pytest
 
 from harness.vllm import VllmServer
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import BLOCK, SERVE_ARGS, blocks, kv_stats, settled_stats, start_pair
+from tests.kv_connector.instance_stats import kv_stats, settled_stats
+from tests.kv_connector.instances import BLOCK, SERVE_ARGS, blocks, start_pair
 
 
 def fp8_capable() -> bool:
