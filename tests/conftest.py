@@ -1,11 +1,15 @@
 """What every test may use: the ``device`` fixture (``cpu`` always, ``cuda`` where this process sees a GPU; the
-``cuda`` marker selects the device cases: ``pytest -m cuda``) and ``quick_poll``. Imports nothing but torch at
-start: the GPU machines that run the ``cuda`` tests have neither vLLM nor Quart."""
+``cuda`` marker selects the device cases: ``pytest -m cuda``), ``quick_poll``, and the hooks of the suite's tiers
+(tests/tiers.py). Imports nothing but torch at start: the GPU machines that run the ``cuda`` tests have neither vLLM
+nor Quart."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests import tiers
 from tests.devices import DEVICES
 
 
@@ -23,3 +27,12 @@ def quick_poll(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(push_sender, "_POLL", 0.02)
     monkeypatch.setattr(push_receiver, "_POLL", 0.02)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A test module none of whose tests ``-m`` selects is not imported (tests/tiers.py)."""
+    return True if tiers.unselected(collection_path, config) else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.check(items)

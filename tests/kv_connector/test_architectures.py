@@ -36,6 +36,8 @@ from tests.kv_connector.instance_stats import diff, kv_stats, settled_stats
 from tests.kv_connector.instances import selected_params
 from tests.kv_connector.prompts import AWAIT
 
+pytestmark = pytest.mark.vllm
+
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12
 DTYPE_BYTES = 4  # float32

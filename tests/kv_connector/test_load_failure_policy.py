@@ -18,6 +18,8 @@ from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.instance_stats import LOADS, diff, kv_stats, log_mark, looked_up, settled_stats, warnings_since
 from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture(scope="module", autouse=True)
 def default_pair_stops_with_the_module(default_pair: tuple[VllmServer, VllmServer]) -> Iterator[None]:

@@ -20,6 +20,8 @@ from harness.ports import free_port
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from tests.kv_connector.instance_stats import kv_stats, settled_stats
 
+pytestmark = pytest.mark.vllm
+
 LENGTHS = [8192, 16384, 32768]
 BLOCK = 128
 ROW_BYTES = 2 * 2 * 1 * BLOCK * 64 * 4  # 2 layers x (K, V) x 1 KV head x 128 tokens x head_dim 64, float32

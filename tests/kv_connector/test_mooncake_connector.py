@@ -20,6 +20,8 @@ from tests.kv_connector.instance_stats import kv_stats, settled_stats
 from tests.kv_connector.instances import SERVE_ARGS, start_early
 from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
+pytestmark = pytest.mark.vllm
+
 
 def test_consumer_decodes_from_the_producers_kv(pd_pair, reference):
     producer, consumer = pd_pair

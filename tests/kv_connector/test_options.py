@@ -12,6 +12,8 @@ from kv_connector.options import ConnectorOptions, check_kv_cache_dtype
 from kv_pipe import ConfigError
 from tests.kv_connector.instances import BAD_STARTS
 
+pytestmark = pytest.mark.vllm
+
 
 def test_defaults():
     opts = ConnectorOptions.from_extra_config({})

@@ -24,6 +24,8 @@ from tests.kv_connector.instance_stats import kv_stats
 from tests.kv_connector.instances import ROW_BYTES, SERVE_ARGS, blocks
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
 
+pytestmark = pytest.mark.vllm
+
 SEND = re.compile(r"BENCH builtin send start=[\d.]+ end=[\d.]+ bytes=(\d+) descs=\d+ ret=(-?\d+)")
 
 

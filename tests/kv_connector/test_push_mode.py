@@ -21,6 +21,8 @@ from tests.kv_connector.instance_stats import log_mark
 from tests.kv_connector.instances import SERVE_ARGS, open_push_links, start_early
 from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
+pytestmark = pytest.mark.vllm
+
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 
 

@@ -26,6 +26,8 @@ from tests.kv_connector.instance_stats import kv_stats, log_mark, settled_stats,
 from tests.kv_connector.instances import ROW_BYTES, SERVE_ARGS, blocks
 from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
 
+pytestmark = pytest.mark.vllm
+
 TP = 2
 
 

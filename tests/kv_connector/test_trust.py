@@ -23,6 +23,8 @@ from tests.kv_connector.instance_stats import diff, kv_stats, settled_stats
 from tests.kv_connector.instances import PUSH_PAIR_SECRET
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
 
+pytestmark = pytest.mark.vllm
+
 
 class Intruder:
     """A listener on 127.0.0.1 standing for a host a client names; counts the connections it gets."""

@@ -32,6 +32,8 @@ from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_sta
 from tests.kv_connector.instances import PUSH_PAIR_SECRET, SERVE_ARGS, etcd_metadata, open_push_links, selected_params
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
 
+pytestmark = pytest.mark.vllm
+
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"
 PUSH_WAIT = 5.0  # the consumers' push_wait (the default)

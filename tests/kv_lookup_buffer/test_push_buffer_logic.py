@@ -16,7 +16,7 @@ from kv_pipe import TransferError
 from kv_pipe.local_pipe import LocalPipe, local_pipe_pair
 from tests.polling import wait_for
 
-pytestmark = pytest.mark.usefixtures("quick_poll")
+pytestmark = [pytest.mark.pipes, pytest.mark.usefixtures("quick_poll")]
 
 LAYERS, BLOCKS, BLOCK = 2, 3, (4,)
 KV = torch.arange(LAYERS * BLOCKS * 4, dtype=torch.float32).view(LAYERS, BLOCKS, *BLOCK)

@@ -12,6 +12,8 @@ from tests.devices import CUDA
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
 
+pytestmark = pytest.mark.pipes
+
 MiB = 1 << 20
 
 

@@ -34,6 +34,8 @@ from tests.kv_pipe.side_channel import (
     resident_bytes,
 )
 
+pytestmark = pytest.mark.pipes
+
 GiB = 1 << 30
 MiB = 1 << 20
 
