@@ -20,8 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.support.common import header, write
 from harness.pipes import make_config, open_pipe
 from kv_pipe import PeerDisconnected, ProtocolError
-from tests.kv_pipe.side_channel import raw_connect
-from tests.kv_pipe.test_mooncake_pipe import _announce_and_vanish, _assert_still_serves, _handshake, _large_tensors, _rss
+from tests.kv_pipe.side_channel import (
+    announce_and_vanish,
+    assert_still_serves,
+    large_tensors,
+    raw_connect,
+    raw_welcome,
+    resident_bytes,
+)
 
 MiB = 1 << 20
 
@@ -39,26 +45,26 @@ def main() -> None:
     rows = []
     with open_pipe(cfg, 1) as pipe:
         with raw_connect(pipe) as sock:
-            _handshake(sock, pipe)  # the link and its ring exist before the memory is measured
+            raw_welcome(sock, pipe)  # the link and its ring exist before the memory is measured
         gc.collect()
-        base = highest = _rss()
+        base = highest = resident_bytes()
         began = time.monotonic()
         for i in range(args.rounds):
             with raw_connect(pipe) as sock:
-                _announce_and_vanish(sock, pipe, size, chunk)
+                announce_and_vanish(sock, pipe, size, chunk)
                 try:
                     pipe.recv_tensor(timeout=30)
                     outcome = "received (a bug: the sender never finished it)"
                 except (PeerDisconnected, ProtocolError) as e:
                     outcome = "refused (receive_budget)" if "receive_budget" in str(e) else "failed, result held"
-            rss = _rss()
+            rss = resident_bytes()
             highest = max(highest, rss)
             rows.append((i + 1, time.monotonic() - began, outcome, (rss - base) / MiB))
         attack = time.monotonic() - began
         time.sleep(args.timeout + 5.5)  # the held results are let go
-        _assert_still_serves(cfg, pipe)  # (a held result is let go lazily: at the next receive's reservation)
+        assert_still_serves(cfg, pipe)  # (a held result is let go lazily: at the next receive's reservation)
         gc.collect()
-        after, alive = _rss(), _large_tensors(size)
+        after, alive = resident_bytes(), large_tensors(size)
     table = ["| round | at s | outcome | RSS above the start MiB |", "|---:|---:|---|---:|"]
     table += [f"| {n} | {at:.1f} | {outcome} | {grown:.0f} |" for n, at, outcome, grown in rows]
     grown = (highest - base) / MiB

@@ -2,6 +2,8 @@
 # The test command: set up what is missing, lint, then run the tests. Extra arguments go to pytest.
 #   scripts/test.sh           the whole suite (what CI runs): the vLLM tier, with the quick tier beside it
 #   scripts/test.sh --quick   the quick tier only (no vLLM server): pipe, lookup buffer, proxy, connector units
+# The tiers are chosen by markers set on whole modules (tests/tiers.py, registered in pyproject.toml): the vLLM tier
+# is the modules marked vllm, the quick tier every other one, so a new test module without a marker is a quick unit test.
 # The two tiers run side by side: the quick tier mostly waits (peer processes, engines shutting down) while vLLM
 # instances start, so together they take little longer than the vLLM tier alone. Each has its own port range
 # (harness/ports.py, MKV_TEST_PORTS) so that neither hands out a port the other is about to bind.
@@ -15,14 +17,13 @@ fi
 scripts/setup.sh
 echo "[test] ruff check"
 .venv/bin/ruff check .
-# The quick tier is two runs side by side: the pipe and buffer tests (real processes and engines; they mostly wait, so
-# they run on several workers) and the unit tests (connector logic, proxy; one process: each worker would import vLLM).
-PIPES=(tests/kv_pipe tests/kv_lookup_buffer tests/kv_connector/worker/test_data_path.py)
-UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/cache tests/kv_connector/scheduler
-       tests/kv_connector/worker/test_digest.py tests/kv_connector/worker/test_loads.py
-       tests/kv_connector/worker/test_lookups.py tests/kv_connector/worker/test_push.py
-       tests/kv_connector/test_params.py tests/kv_connector/test_prompt_blocks.py tests/kv_connector/test_source.py
-       tests/kv_connector/test_config.py tests/kv_connector/test_stats.py tests/test_docs.py)
+# The quick tier is two runs side by side: the pipe and buffer tests (marked pipes: real processes and engines; they
+# mostly wait, so they run on several workers) and the unit tests (connector logic, proxy; one process: each worker
+# would import vLLM). Without paths in the arguments each run looks through testpaths (tests/); a run whose -m names
+# only tier markers does not import the modules it does not select (tests/tiers.py).
+PIPES=(-m pipes)
+UNITS=(-m "not vllm and not pipes")
+VLLM=(-m vllm)
 WORKERS=${MKV_TEST_WORKERS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -53,16 +54,12 @@ if ((quick_only)); then
     echo "[test] quick tier exit $quick_rc"
     exit "$quick_rc"
 fi
-skip=()
-for path in "${UNITS[@]}" "${PIPES[@]}"; do
-    [[ $path == tests/kv_connector/* ]] && skip+=(--ignore "$path")
-done
 echo "[test] pytest, quick tier in the background (its report follows the vLLM tier's)"
 (set +e; quick_tier 20000 "$@" > "$work/quick.log" 2>&1) &
 quick_pid=$!
 echo "[test] pytest, vLLM tier"
 set +e
-MKV_TEST_PORTS=26000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" tests/kv_connector "${skip[@]}" "$@"
+MKV_TEST_PORTS=26000-31999 .venv/bin/python -m pytest --basetemp "$work/vllm" "${VLLM[@]}" "$@"
 vllm_rc=$?
 wait "$quick_pid"
 quick_rc=$?

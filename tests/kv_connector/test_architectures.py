@@ -32,8 +32,11 @@ import pytest
 from harness.ports import free_port
 from harness.vllm import MLA_ARGS, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from scripts.build_tiny_model import kv_bytes_per_token
-from tests.kv_connector.conftest import diff, kv_stats, selected_params, settled_stats
-from tests.kv_connector.test_concurrent_dispatch import AWAIT
+from tests.kv_connector.instance_stats import diff, kv_stats, settled_stats
+from tests.kv_connector.instances import selected_params
+from tests.kv_connector.prompts import AWAIT
+
+pytestmark = pytest.mark.vllm
 
 ARCHITECTURES = ["qwen2", "qwen3", "mistral", "gemma2", "deepseek_mla"]
 MAX_TOKENS = 12

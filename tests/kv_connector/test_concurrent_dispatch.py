@@ -13,11 +13,15 @@ import json
 import time
 import urllib.request
 
-from proxy.protocols import push_target
-from tests.kv_connector.conftest import ROW_BYTES, diff, flush, kv_stats, settled_stats, wait_busy, wait_idle
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+import pytest
 
-AWAIT = {"do_remote_prefill": True, "mooncake_await_push": True}
+from proxy.protocols import push_target
+from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_stats, wait_busy, wait_idle
+from tests.kv_connector.instances import ROW_BYTES
+from tests.kv_connector.prompts import AWAIT, MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
+
 PUSH_WAIT = 5.0  # the push pair's push_wait (the default)
 
 

@@ -32,9 +32,11 @@ from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer
 from proxy.protocols import NO_LOAD
 from tests import servers
-from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
-from tests.kv_connector.test_load_failure_policy import looked_up
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import diff, kv_stats, looked_up, settled_stats
+from tests.kv_connector.instances import ROW_BYTES, blocks, start_pair
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 BUFFER = 12 << 20  # room for two 1000-token entries (4 MiB of KV each)
 TTL = 4.0

@@ -13,10 +13,14 @@ import threading
 import time
 import urllib.error
 
+import pytest
+
 from harness.vllm import VllmServer, start_vllm
-from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats
-from tests.kv_connector.test_load_failure_policy import LOADS, looked_up
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import LOADS, diff, kv_stats, looked_up, settled_stats
+from tests.kv_connector.instances import ROW_BYTES, blocks
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 LOOKUP_TIMEOUT = 2.0  # the connector's default lookup_timeout
 

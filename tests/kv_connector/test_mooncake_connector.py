@@ -4,7 +4,6 @@ as the colocated reference instance."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 import urllib.request
@@ -17,21 +16,11 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import SERVE_ARGS, kv_stats, settled_stats, start_early
+from tests.kv_connector.instance_stats import kv_stats, settled_stats
+from tests.kv_connector.instances import SERVE_ARGS, start_early
+from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 
-PROMPT_LENGTHS = [150, 233, 317, 401, 512, 600, 713, 800, 901, 1000]
-MAX_TOKENS = 16
-HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 5000) for _ in range(length)]  # unique prompts: no prefix cache can hide anything
-
-
-def disaggregated(producer: VllmServer, consumer: VllmServer, tokens: list[int], **extra: object) -> str:
-    producer.complete(tokens, 1)  # the prefill: the producer's connector saves the prompt's KV
-    return consumer.complete(tokens, MAX_TOKENS, **extra)
+pytestmark = pytest.mark.vllm
 
 
 def test_consumer_decodes_from_the_producers_kv(pd_pair, reference):

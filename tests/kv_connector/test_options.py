@@ -10,7 +10,9 @@ import pytest
 from harness.vllm import VllmServer
 from kv_connector.config import ConnectorOptions, check_kv_cache_dtype
 from kv_pipe import ConfigError
-from tests.kv_connector.conftest import BAD_STARTS
+from tests.kv_connector.instances import BAD_STARTS
+
+pytestmark = pytest.mark.vllm
 
 
 def test_defaults():

@@ -20,8 +20,11 @@ import pytest
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import REPO, OpenAIClient, VllmServer, start_vllm
-from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import kv_stats
+from tests.kv_connector.instances import ROW_BYTES, SERVE_ARGS, blocks
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 SEND = re.compile(r"BENCH builtin send start=[\d.]+ end=[\d.]+ bytes=(\d+) descs=\d+ ret=(-?\d+)")
 

@@ -17,8 +17,11 @@ from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from kv_connector.param_keys import PUSH_PROOF
 from proxy.discovery import push_target
-from tests.kv_connector.conftest import SERVE_ARGS, log_mark, open_push_links, start_early
-from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
+from tests.kv_connector.instance_stats import log_mark
+from tests.kv_connector.instances import SERVE_ARGS, open_push_links, start_early
+from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
+
+pytestmark = pytest.mark.vllm
 
 PUSHED = re.compile(r"MooncakeConnector: loaded request \S+ \(pushed\)")
 

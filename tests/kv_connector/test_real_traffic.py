@@ -16,18 +16,14 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from proxy.protocols import NO_LOAD
-from tests.kv_connector.conftest import (
-    BLOCK,
-    ROW_BYTES,
-    blocks,
-    diff,
-    flush,
-    kv_stats,
-    settled_stats,
-    wait_idle,
-)
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_stats, wait_idle
+from tests.kv_connector.instances import BLOCK, ROW_BYTES, blocks
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 
 def rows_moved(length: int, claimed: int) -> int:

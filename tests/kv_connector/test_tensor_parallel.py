@@ -22,8 +22,11 @@ import pytest
 from harness.ports import free_port, port_pair
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
-from tests.kv_connector.conftest import ROW_BYTES, SERVE_ARGS, blocks, kv_stats, log_mark, settled_stats, warnings_since
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import kv_stats, log_mark, settled_stats, warnings_since
+from tests.kv_connector.instances import ROW_BYTES, SERVE_ARGS, blocks
+from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
+
+pytestmark = pytest.mark.vllm
 
 TP = 2
 
@@ -47,12 +50,6 @@ def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     finally:
         producer.stop()
         consumer.stop()
-
-
-def prefill(producer: VllmServer, tokens: list[int]) -> dict:
-    body = {"model": producer.model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    return producer.post("/v1/completions", body, 120.0)["kv_transfer_params"]
 
 
 # vLLM's TP worker processes spin (sched_yield) for 1 s after each engine step (shm_broadcast's busy_loop_s). With

@@ -7,10 +7,15 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import pytest
+
 from harness.vllm import VllmServer
 from kv_connector.stats import COUNTERS, GAUGES
-from tests.kv_connector.conftest import ROW_BYTES, blocks, flush
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import flush
+from tests.kv_connector.instances import ROW_BYTES, blocks
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 PREFIX = "vllm:mooncake_kv_"
 HISTOGRAMS = ("load_seconds", "load_bytes", "push_load_seconds", "push_load_bytes", "save_seconds", "save_bytes")

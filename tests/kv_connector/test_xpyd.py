@@ -28,19 +28,11 @@ import pytest
 from harness.ports import free_port
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer, connector_config, mooncake_json, start_vllm
-from tests.kv_connector.conftest import (
-    PUSH_PAIR_SECRET,
-    SERVE_ARGS,
-    diff,
-    etcd_metadata,
-    flush,
-    kv_stats,
-    open_push_links,
-    selected_params,
-    settled_stats,
-    wait_busy,
-)
-from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
+from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_stats, wait_busy
+from tests.kv_connector.instances import PUSH_PAIR_SECRET, SERVE_ARGS, etcd_metadata, open_push_links, selected_params
+from tests.kv_connector.prompts import MAX_TOKENS, prompt
+
+pytestmark = pytest.mark.vllm
 
 SYSTEM = prompt(7000, 384)  # a system prompt every request shares (three blocks)
 PULL, PUSH = "pull", "push"

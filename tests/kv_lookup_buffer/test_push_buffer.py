@@ -14,6 +14,8 @@ from kv_lookup_buffer.push_wire import Begin, Commit
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe.peers import Peer, ctx
 
+pytestmark = pytest.mark.pipes
+
 ENTRY_BYTES = programs.PUSH_LAYERS * programs.PUSH_BLOCKS * 4 * 8 * 4
 
 

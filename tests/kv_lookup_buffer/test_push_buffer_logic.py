@@ -5,37 +5,23 @@ whole file runs in seconds. test_push_buffer.py runs the same ends over the real
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
 
-from kv_lookup_buffer import push_receiver, push_sender
+from kv_lookup_buffer import push_receiver
 from kv_lookup_buffer import push_wire as pw
 from kv_lookup_buffer.push_buffer import PushBuffer, PushReceiver, PushSender, entry_key
 from kv_pipe import TransferError
 from kv_pipe.local_pipe import LocalPipe, local_pipe_pair
+from tests.polling import wait_for
+
+pytestmark = [pytest.mark.pipes, pytest.mark.usefixtures("quick_poll")]
 
 LAYERS, BLOCKS, BLOCK = 2, 3, (4,)
 KV = torch.arange(LAYERS * BLOCKS * 4, dtype=torch.float32).view(LAYERS, BLOCKS, *BLOCK)
 NBYTES = KV.numel() * 4
 KEY = entry_key([1, 2, 3])
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-@pytest.fixture(autouse=True)
-def quick_poll(monkeypatch):
-    """The threads look at close() and the clock more often: closing takes no half second."""
-    monkeypatch.setattr(push_sender, "_POLL", 0.02)
-    monkeypatch.setattr(push_receiver, "_POLL", 0.02)
 
 
 @pytest.fixture

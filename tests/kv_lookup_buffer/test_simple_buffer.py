@@ -19,6 +19,8 @@ from tests.kv_lookup_buffer import programs
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
 
+pytestmark = pytest.mark.pipes
+
 ctx = peers.ctx()
 
 

@@ -26,6 +26,8 @@ from kv_pipe.local_pipe import local_pipe_pair
 from kv_pipe.memory import RECYCLE_MIN, RecyclePool
 from tests.kv_lookup_buffer import programs
 
+pytestmark = pytest.mark.pipes
+
 MISSED = [None] * 5
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kv_lookup_buffer import token_index
 from kv_lookup_buffer.token_index import TokenIndex
+
+pytestmark = pytest.mark.pipes
 
 
 def test_match_order_exact_then_longest_prefix_then_extension():

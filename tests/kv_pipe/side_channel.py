@@ -1,5 +1,6 @@
-"""Helpers of the tests that speak the side channel from this process: free addresses, raw connections and HELLOs,
-and a real peer's round trip through an endpoint (helpers that run in a child process are in ``peers``)."""
+"""Helpers of the tests that speak the side channel from this process: free addresses, raw connections, HELLOs and
+handshakes, a sender that announces a tensor and vanishes, a real peer's round trip through an endpoint or a pipe,
+and the process's memory those tests measure (helpers that run in a child process are in ``peers``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import time
 import torch
 
 from harness.ports import free_port
-from kv_pipe import auth, wire
-from kv_pipe.wire import Kind
+from kv_pipe import auth, handshake, wire
+from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
-from tests.kv_pipe.peers import Peer
+from tests.kv_pipe.peers import Peer, same
 
 
 def free_address() -> str:
@@ -62,3 +63,44 @@ def closed_by_the_endpoint(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True  # reset
+
+
+def raw_welcome(sock: socket.socket, pipe) -> dict:
+    """The pipe's WELCOME to a valid HELLO sent on ``sock``: its fields."""
+    kind, payload = peers.raw_handshake(sock, hello_fields(pipe))
+    assert kind == Kind.WELCOME
+    return wire.decode_json(payload, handshake.WELCOME)
+
+
+def assert_still_serves(cfg, pipe) -> None:
+    """A real peer process (``peers.echo``) still gets a tensor through ``pipe`` and back."""
+    peer = Peer(peers.echo, cfg, 0, 1)
+    pipe.send_tensor(torch.full((4, 4), 7.0))
+    assert same(pipe.recv_tensor(), torch.full((4, 4), 7.0))
+    pipe.send_tensor(None)
+    assert peer.result() == 1
+
+
+def announce_and_vanish(sock: socket.socket, pipe, size: int, chunk: int) -> None:
+    """Handshake on ``sock``, announce a ``size``-byte tensor, send CHUNK frames for all of it but its last chunk
+    (which the receiver copies out of its ring) and stop sending."""
+    ring = raw_welcome(sock, pipe)["ring_size"]
+    frames = wire.encode_tensor(torch.uint8, (size,), size)
+    for k in range(size // chunk - 1):
+        frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
+    sock.sendall(frames)
+    sock.shutdown(socket.SHUT_WR)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, in bytes."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def large_tensors(nbytes: int) -> int:
+    """How many tensors of at least ``nbytes`` are alive in this process."""
+    import gc
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.nbytes >= nbytes)

@@ -10,6 +10,8 @@ import pytest
 from kv_pipe import ConfigError, MooncakeTransferEngineConfig
 from kv_pipe.config import CONFIG_ENV, engine_has_redis_plugin, physical_memory
 
+pytestmark = pytest.mark.pipes
+
 EXAMPLE = "mooncake.json.example"
 
 

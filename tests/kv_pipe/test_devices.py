@@ -8,9 +8,11 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_pipe.devices import canonical, same_device, to_device, to_host
-from tests.conftest import CUDA
+from tests.devices import CUDA
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
+
+pytestmark = pytest.mark.pipes
 
 MiB = 1 << 20
 

@@ -16,6 +16,8 @@ from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, open_endpoint
 from tests.kv_pipe.side_channel import closed_by_the_endpoint, free_address, real_peer_round_trip
 
+pytestmark = pytest.mark.pipes
+
 
 @pytest.fixture
 def cfg():

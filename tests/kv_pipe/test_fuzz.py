@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from harness.pipes import make_config, open_pipe
@@ -20,6 +21,8 @@ from kv_pipe.connections import Inbound
 from kv_pipe.wire import Chunk, Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
+
+pytestmark = pytest.mark.pipes
 
 SEED = 20261123
 

@@ -18,6 +18,8 @@ from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, open_endpoint, same
 from tests.kv_pipe.side_channel import free_address, hello_fields, hello_frame, raw_connect
 
+pytestmark = pytest.mark.pipes
+
 
 @pytest.fixture
 def cfg():

@@ -14,6 +14,8 @@ from kv_pipe import KVPipeBase, PeerDisconnected, PipeClosed, PipeStalled, PipeT
 from kv_pipe.local_pipe import local_pipe_pair
 from kv_pipe.scatter import Scatter
 
+pytestmark = pytest.mark.pipes
+
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Bit for bit: dtype, shape and bytes (NaN payloads included)."""

@@ -24,6 +24,8 @@ from kv_pipe.errors import ConfigError, PipeError
 from tests import servers
 from tests.kv_pipe.peers import Peer, echo
 
+pytestmark = pytest.mark.pipes
+
 UNREACHABLE_BUDGET = 20.0  # etcd: 5 s to fail the registration + 5 s to fail the removal when the engine is freed
 
 

@@ -16,15 +16,25 @@ import pytest
 import torch
 
 from harness.pipes import make_config, open_pipe
-from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, handshake, wire
+from kv_pipe import PeerDisconnected, PipeClosed, PipeStalled, PipeTimeout, ProtocolError, TransferError, wire
 from kv_pipe.connections import DIRECT_MIN
 from kv_pipe.devices import canonical
 from kv_pipe.scatter import Scatter
 from kv_pipe.wire import Chunk, Kind
-from tests.conftest import CUDA
+from tests.devices import CUDA
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
-from tests.kv_pipe.side_channel import hello_fields, raw_connect
+from tests.kv_pipe.side_channel import (
+    announce_and_vanish,
+    assert_still_serves,
+    hello_fields,
+    large_tensors,
+    raw_connect,
+    raw_welcome,
+    resident_bytes,
+)
+
+pytestmark = pytest.mark.pipes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -397,20 +407,6 @@ def _local_addresses() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- hostile input
-def _handshake(sock: socket.socket, pipe) -> dict:
-    kind, payload = peers.raw_handshake(sock, hello_fields(pipe))
-    assert kind == Kind.WELCOME
-    return wire.decode_json(payload, handshake.WELCOME)
-
-
-def _assert_still_serves(cfg, pipe) -> None:
-    peer = Peer(peers.echo, cfg, 0, 1)
-    pipe.send_tensor(torch.full((4, 4), 7.0))
-    assert same(pipe.recv_tensor(), torch.full((4, 4), 7.0))
-    pipe.send_tensor(None)
-    assert peer.result() == 1
-
-
 @pytest.mark.parametrize("garbage", [
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     os.urandom(4096),
@@ -431,7 +427,7 @@ def test_garbage_on_the_side_channel_is_refused_and_the_pipe_keeps_serving(cfg, 
                 reply = b""
         assert reply == b"" or wire.decode_header(reply[:wire.HEADER.size])[0] == Kind.ERROR
         assert "rejected a side-channel connection" in caplog.text
-        _assert_still_serves(cfg, pipe)
+        assert_still_serves(cfg, pipe)
 
 
 def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
@@ -451,7 +447,7 @@ def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
                     reply = b""
             assert reply == b"" or wire.decode_header(reply[:wire.HEADER.size])[0] == Kind.ERROR
         assert caplog.text.count("rejected a side-channel connection") >= len(hellos)
-        _assert_still_serves(cfg, pipe)
+        assert_still_serves(cfg, pipe)
 
 
 @pytest.mark.parametrize("frame, message", [
@@ -481,13 +477,13 @@ def test_hostile_hellos_do_not_kill_the_accept_loop(cfg, caplog):
 def test_malformed_frames_after_handshake(cfg, frame, message):
     with open_pipe(cfg, 1) as pipe:
         with raw_connect(pipe) as sock:
-            welcome = _handshake(sock, pipe)
+            welcome = raw_welcome(sock, pipe)
             sock.sendall(frame(welcome))
             if message == "disconnected":
                 sock.shutdown(socket.SHUT_WR)  # a truncated frame, then the peer goes away
             with pytest.raises((ProtocolError, PeerDisconnected), match=message):
                 pipe.recv_tensor(timeout=5.0)
-        _assert_still_serves(cfg, pipe)
+        assert_still_serves(cfg, pipe)
 
 
 def test_a_chunked_tensor_after_an_unaligned_one_does_not_stall():
@@ -544,18 +540,6 @@ def test_a_newer_connection_that_proves_the_same_replaces_the_live_one(cfg, capl
     assert peer.result() == 1
 
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _large_tensors(nbytes: int) -> int:
-    import gc
-
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.nbytes >= nbytes)
-
-
 def test_failed_receives_free_their_memory():
     """Finding 4: a failed receive's result was never freed: it stayed alive through the error kept for the
     connection (result <- closure cell <- the receive's frame <- traceback <- error <- Inbound.error <- the pipe);
@@ -567,26 +551,15 @@ def test_failed_receives_free_their_memory():
     cfg = make_config(zero_copy_recv=False, result_pool_size=0, timeout=5.0)
     with open_pipe(cfg, 1) as pipe:
         gc.collect()
-        base, tensors = _rss(), _large_tensors(size)
+        base, tensors = resident_bytes(), large_tensors(size)
         for _ in range(8):
             with raw_connect(pipe) as sock:
-                _announce_and_vanish(sock, pipe, size, chunk)
+                announce_and_vanish(sock, pipe, size, chunk)
                 with pytest.raises(PeerDisconnected):
                     pipe.recv_tensor(timeout=10)
         gc.collect()
-        grown = (_rss() - base) / MiB
-        assert _large_tensors(size) == tensors and grown < 96, f"{grown:.0f} MiB more than before"
-
-
-def _announce_and_vanish(sock: socket.socket, pipe, size: int, chunk: int) -> None:
-    """Handshake on ``sock``, announce a ``size``-byte tensor, send CHUNK frames for all of it but its last chunk
-    (which the receiver copies out of its ring) and stop sending."""
-    ring = _handshake(sock, pipe)["ring_size"]
-    frames = wire.encode_tensor(torch.uint8, (size,), size)
-    for k in range(size // chunk - 1):
-        frames += wire.encode_chunk(Chunk(k * chunk % ring, chunk, (k + 1) * chunk))
-    sock.sendall(frames)
-    sock.shutdown(socket.SHUT_WR)
+        grown = (resident_bytes() - base) / MiB
+        assert large_tensors(size) == tensors and grown < 96, f"{grown:.0f} MiB more than before"
 
 
 def test_tensors_announced_together_stay_within_the_receive_budget():
@@ -597,11 +570,11 @@ def test_tensors_announced_together_stay_within_the_receive_budget():
     cfg = make_config(receive_budget=64 * MiB, zero_copy_recv=False, timeout=5.0)
     with open_pipe(cfg, 1) as pipe:
         with raw_connect(pipe) as sock:
-            _handshake(sock, pipe)
+            raw_welcome(sock, pipe)
             sock.sendall(wire.encode_tensor(torch.uint8, (65 * MiB,), 65 * MiB))
             with pytest.raises(ProtocolError, match=r"announces a 68157440-byte tensor .*receive_budget 67108864"):
                 pipe.recv_tensor(timeout=10)
-        _assert_still_serves(cfg, pipe)
+        assert_still_serves(cfg, pipe)
 
 
 def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
@@ -616,20 +589,20 @@ def test_failed_receives_count_in_the_receive_budget_while_they_are_held():
     cfg = make_config(receive_budget=100 * MiB, result_pool_size=0, timeout=2.0)
     with open_pipe(cfg, 1) as pipe:
         with raw_connect(pipe) as sock:
-            _handshake(sock, pipe)  # the link and its ring are made (and kept) before the memory is measured
+            raw_welcome(sock, pipe)  # the link and its ring are made (and kept) before the memory is measured
         gc.collect()
-        base, grown, outcomes, tensors = _rss(), 0, [], _large_tensors(size)
+        base, grown, outcomes, tensors = resident_bytes(), 0, [], large_tensors(size)
         for _ in range(5):
             with raw_connect(pipe) as sock:
-                _announce_and_vanish(sock, pipe, size, chunk)
+                announce_and_vanish(sock, pipe, size, chunk)
                 with pytest.raises((PeerDisconnected, ProtocolError)) as failed:
                     pipe.recv_tensor(timeout=10)
                 outcomes.append("refused" if "receive_budget" in str(failed.value) else "held")
-            grown = max(grown, _rss() - base)
+            grown = max(grown, resident_bytes() - base)
         # two 40 MiB results fit in 100 MiB and are held; every later one is refused while they are
         assert outcomes == ["held", "held", "refused", "refused", "refused"], outcomes
         assert grown < 100 * MiB + chunk, f"{grown / MiB:.0f} MiB more than before"
         time.sleep(cfg["timeout"] + 5.5)  # the held results are let go when due: the budget is free again
         gc.collect()
-        assert _large_tensors(size) == tensors  # without waiting for another receive to notice
-        _assert_still_serves(cfg, pipe)
+        assert large_tensors(size) == tensors  # without waiting for another receive to notice
+        assert_still_serves(cfg, pipe)

@@ -24,6 +24,8 @@ from kv_pipe.wire import Kind
 from tests.kv_pipe import peers
 from tests.kv_pipe.peers import Peer, same
 
+pytestmark = pytest.mark.pipes
+
 MiB = 1 << 20
 BIG = 12 * MiB  # above DIRECT_MIN: written straight into the result (zero-copy receive), in three chunks
 assert BIG >= DIRECT_MIN

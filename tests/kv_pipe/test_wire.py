@@ -11,6 +11,8 @@ import torch
 from kv_pipe import ProtocolError, wire
 from kv_pipe.wire import Chunk, Kind
 
+pytestmark = pytest.mark.pipes
+
 
 def test_tensor_header_round_trip_for_every_dtype():
     for dtype in wire.DTYPE_TO_CODE:

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from proxy.protocols import NO_LOAD
-from tests.proxy.test_protocols import endpoint_info
-from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, proxy_metric, run, unused_port
+from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, endpoint_info, proxy_metric, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 FALLBACKS = "mooncake_proxy_prefill_fallbacks_total"

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from kv_connector.param_keys import ENDPOINT_INFO, PUSH_PROOF, PUSH_TO
-from tests.proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, unused_port
+from kv_connector.param_keys import PUSH_PROOF, PUSH_TO
+from tests.proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, endpoint_info, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,16 +24,6 @@ def test_kv_transfer_params_forwarded_to_decode() -> None:
         assert env.decode[0].received[0].body == {**COMPLETION, "kv_transfer_params": params}
 
     run(test)
-
-
-def endpoint_info(mode: str, pipes: str, role: str = "kv_consumer") -> str:
-    """A vLLM /metrics text with our connector's endpoint info (as kv_connector/stats.py exports it)."""
-    return ("# HELP vllm:num_requests_running Number of requests.\n# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
-            f"# HELP {ENDPOINT_INFO} This instance's MooncakeConnector endpoint.\n"
-            f"# TYPE {ENDPOINT_INFO} gauge\n"
-            f'{ENDPOINT_INFO}{{engine="0",kv_engine_id="e",kv_role="{role}",model_name="m",'
-            f'pipes="{pipes}",transfer_mode="{mode}"}} 1.0\n')
 
 
 def test_push_mode_consumer_address_goes_on_the_prefill() -> None:

@@ -6,18 +6,7 @@ import pytest
 import torch
 
 from kv_connector.cache import block_copy
-
-LAYOUTS = [
-    (0, (12, 2, 4, 8)),     # CPU backend: [num_blocks, kv_heads, block_size, 2 * head_dim]
-    (1, (2, 12, 4, 3, 8)),  # flash-attention style: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-    (2, (2, 3, 12, 16)),
-]
-IDS = [[5], [3, 4, 5, 9, 0, 1], [11, 10, 9], list(range(12)), []]
-
-
-def make_layers(shape: tuple[int, ...], dtype: torch.dtype, n: int = 3) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(-100, 100, shape, generator=g).to(dtype) for _ in range(n)]
+from tests.kv_connector.cache.layers import IDS, LAYOUTS, make_layers, reference_gather
 
 
 def test_runs():
@@ -33,12 +22,6 @@ def test_gather_matches_index_select(block_dim, shape, ids, dtype, device):
     layers = make_layers(shape, dtype)
     got = block_copy.gather([t.to(device) for t in layers], block_dim, ids)
     assert torch.equal(got.cpu(), reference_gather(layers, block_dim, ids))
-
-
-def reference_gather(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> torch.Tensor:
-    """Block-major [blocks, layers, *block] by torch's own indexing."""
-    index = torch.tensor(ids, dtype=torch.long)
-    return torch.stack([layer.index_select(block_dim, index).movedim(block_dim, 0) for layer in layers], dim=1)
 
 
 @pytest.mark.parametrize("block_dim, shape", LAYOUTS)

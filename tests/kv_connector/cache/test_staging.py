@@ -13,7 +13,7 @@ import torch
 
 from kv_connector.cache import staging as staging_module
 from kv_connector.cache.staging import CacheSuspended, KVStaging
-from tests.kv_connector.cache.test_block_copy import IDS, LAYOUTS, make_layers, reference_gather
+from tests.kv_connector.cache.layers import IDS, LAYOUTS, make_layers, reference_gather
 from tests.kv_connector.worker_peers import strict_sync
 
 # a device copy goes in pieces of at most CHUNK_BYTES: the default, and one block row at a time

@@ -19,6 +19,8 @@ from tests.kv_connector import worker_peers
 from tests.kv_connector.worker_peers import FP8_SCALES, LAYOUTS, Layout, block_bytes, caches
 from tests.kv_pipe.peers import Peer, ctx
 
+pytestmark = pytest.mark.pipes
+
 BLOCK = 16
 
 

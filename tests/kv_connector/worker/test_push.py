@@ -23,7 +23,9 @@ from kv_connector.worker.transfer import LoadResult
 from kv_lookup_buffer import PushArrivals, PushedEntry, PushReceiver, PushSender, entry_key
 from kv_lookup_buffer import push_wire as pw
 from kv_pipe.local_pipe import LocalPipe, local_pipe_pair
-from tests.kv_lookup_buffer.test_push_buffer_logic import quick_poll, wait_for  # noqa: F401 (quick_poll: autouse)
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.usefixtures("quick_poll")
 
 BLOCK, LAYERS, WIDTH, NUM_BLOCKS = 4, 2, 3, 16
 PEER, PREFILL = "10.0.0.2:13103", "10.0.0.1:13003"
