@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common  # noqa: E402
 from benchmarks.stacks import OURS_LOADED, PUSH_SPLIT, LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
 from kv_connector.protocol import PUSH_TO  # noqa: E402
-from proxy.protocols import push_address  # noqa: E402
+from kv_proxy.protocols import push_address  # noqa: E402
 
 MODES = ("colocated", "ours", "push")
 LABELS = {"colocated": "colocated", "ours": "ours pull", "push": "ours push"}

@@ -18,7 +18,7 @@ echo "[test] ruff check"
 # The quick tier is two runs side by side: the pipe and buffer tests (real processes and engines; they mostly wait, so
 # they run on several workers) and the unit tests (connector logic, proxy; one process: each worker would import vLLM).
 PIPES=(tests/kv_pipe tests/kv_lookup_buffer tests/kv_connector/test_data_path.py)
-UNITS=(tests/proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py tests/kv_connector/test_heads.py
+UNITS=(tests/kv_proxy tests/test_proxy_server.py tests/kv_connector/test_block_copy.py tests/kv_connector/test_heads.py
        tests/kv_connector/test_params.py tests/kv_connector/test_scheduler.py tests/kv_connector/test_blocks.py
        tests/kv_connector/test_loads.py tests/kv_connector/test_source.py tests/kv_connector/test_config.py
        tests/kv_connector/test_stats.py tests/kv_connector/test_push.py tests/kv_connector/test_kv_layout.py

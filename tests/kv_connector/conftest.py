@@ -219,7 +219,7 @@ def metrics(server: VllmServer) -> dict[str, float]:
 def flush(server: VllmServer) -> None:
     """One engine step that moves no KV: what the instance did before reaches its /metrics (the connector's stats
     travel with its next step)."""
-    from proxy.protocols import NO_LOAD  # here: the GPU machines running this folder's cuda tests have no Quart
+    from kv_proxy.protocols import NO_LOAD  # here: the GPU machines running this folder's cuda tests have no Quart
 
     server.complete([1, 2, 3], 1, kv_transfer_params=NO_LOAD)  # a consumer loads nothing, a producer keeps nothing
 
@@ -342,7 +342,7 @@ def proxy_for(tmp_path_factory: pytest.TempPathFactory):
 def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) -> None:
     """A producer links to a consumer it pushes to on the first request for it, and serves that request by pull
     (the link is made in the background): open every producer-to-consumer link before measuring."""
-    from proxy.discovery import push_target  # here: the GPU machines running this folder's cuda tests have no aiohttp
+    from kv_proxy.discovery import push_target  # here: the GPU machines running this folder's cuda tests have no aiohttp
 
     for consumer in consumers:
         with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:

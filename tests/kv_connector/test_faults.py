@@ -30,7 +30,7 @@ from harness import netns
 from harness.netns import Host, Wire
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer
-from proxy.protocols import NO_LOAD
+from kv_proxy.protocols import NO_LOAD
 from tests import servers
 from tests.kv_connector.conftest import ROW_BYTES, blocks, diff, kv_stats, settled_stats, start_pair
 from tests.kv_connector.test_load_failure_policy import looked_up

@@ -16,7 +16,7 @@ from harness.ports import free_port
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from kv_connector.protocol import PUSH_PROOF
-from proxy.discovery import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.conftest import SERVE_ARGS, log_mark, open_push_links, start_early
 from tests.kv_connector.test_mooncake_connector import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt
 

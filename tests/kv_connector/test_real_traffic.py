@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from proxy.protocols import NO_LOAD
+from kv_proxy.protocols import NO_LOAD
 from tests.kv_connector.conftest import (
     BLOCK,
     ROW_BYTES,

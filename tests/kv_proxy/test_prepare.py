@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from proxy.prepare import INLINE_MAX, MAX_CONTAINERS, Preparer, prepare, with_params
-from tests.proxy.upstreams import COMPLETION, PRODUCER_ANSWER, Environment, assert_idle, proxy_metric, run
+from kv_proxy.prepare import INLINE_MAX, MAX_CONTAINERS, Preparer, prepare, with_params
+from tests.kv_proxy.upstreams import COMPLETION, PRODUCER_ANSWER, Environment, assert_idle, proxy_metric, run
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.upstreams import (
+from tests.kv_proxy.upstreams import (
     COMPLETION,
     Environment,
     FakeUpstream,

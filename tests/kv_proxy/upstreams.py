@@ -26,9 +26,9 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
-from proxy.app import Proxy, create_app
-from proxy.config import ProxyConfig
-from proxy.gate import ClientGate
+from kv_proxy.app import Proxy, create_app
+from kv_proxy.config import ProxyConfig
+from kv_proxy.gate import ClientGate
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kv_connector.protocol import ENDPOINT_INFO, PUSH_PROOF, PUSH_TO
-from tests.proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, unused_port
+from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 

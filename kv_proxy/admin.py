@@ -25,11 +25,11 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from proxy.balancer import Upstream
-from proxy.config import DECODE, PREFILL, ConfigError, ProxyConfig, default_bootstrap_url, normalize_upstream_url
-from proxy.errors import ProxyError
-from proxy.routing import Router
-from proxy.validate import parse_json_object
+from kv_proxy.balancer import Upstream
+from kv_proxy.config import DECODE, PREFILL, ConfigError, ProxyConfig, default_bootstrap_url, normalize_upstream_url
+from kv_proxy.errors import ProxyError
+from kv_proxy.routing import Router
+from kv_proxy.validate import parse_json_object
 
 log = logging.getLogger(__name__)
 

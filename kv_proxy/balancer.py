@@ -5,7 +5,7 @@ pick and why) and ``Balancer`` (one per role).
 prefix of the prompt (``PrefixIndex``) unless that instance is overloaded, i.e. has more than ``slack`` requests
 outstanding beyond the least loaded one; among equals (and without a prefix anywhere) the fewest outstanding
 requests win, round robin on ties. With ``--routing estimate`` a score (the estimated seconds to the request's
-first token on each instance, ``proxy.routing``) chooses instead, once it can be estimated.
+first token on each instance, ``kv_proxy.routing``) chooses instead, once it can be estimated.
 ``reserve``/``acquire``/``release`` count what each instance has under way, ``mark_failed`` puts a failed instance
 aside for the cooldown (and forgets what it held), ``add``/``remove`` change the instances while the proxy runs.
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.estimate import Costs, Work
-from proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
+from kv_proxy.estimate import Costs, Work
+from kv_proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
 
 log = logging.getLogger(__name__)
 

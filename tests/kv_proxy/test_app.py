@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from proxy.protocols import NO_LOAD
-from tests.proxy.upstreams import (
+from kv_proxy.protocols import NO_LOAD
+from tests.kv_proxy.upstreams import (
     CHAT,
     COMPLETION,
     PRODUCER_ANSWER,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
+from kv_proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
 
 pytestmark = pytest.mark.timeout(60)
 

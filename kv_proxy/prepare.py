@@ -23,10 +23,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import ProxyError
-from proxy.prefix_index import Fingerprint, fingerprint
-from proxy.protocols import prefill_payload
-from proxy.validate import parse_json_object, validate
+from kv_proxy.errors import ProxyError
+from kv_proxy.prefix_index import Fingerprint, fingerprint
+from kv_proxy.protocols import prefill_payload
+from kv_proxy.validate import parse_json_object, validate
 
 INLINE_MAX = 64 << 10  # bytes: bodies up to this are prepared on the event loop (~5 ms at worst)
 MAX_CONTAINERS = 1 << 18  # JSON arrays and objects in a body (a chat of 1,000 messages holds ~2,000)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.proxy.upstreams import COMPLETION, Environment, FakeUpstream, assert_idle, read_sse, run, unused_port
+from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeUpstream, assert_idle, read_sse, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 
 from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
-from proxy.balancer import Upstream
-from proxy.config import PREFILL
-from proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
-from proxy.errors import ProxyError
+from kv_proxy.balancer import Upstream
+from kv_proxy.config import PREFILL
+from kv_proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
+from kv_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
 

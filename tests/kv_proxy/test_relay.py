@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from proxy.relay import error_event
-from tests.proxy.upstreams import (
+from kv_proxy.relay import error_event
+from tests.kv_proxy.upstreams import (
     COMPLETION,
     PRODUCER_ANSWER,
     REMOTE_DECODE,

@@ -2,7 +2,7 @@
 proxy's /metrics, calibrates token estimates, and decides when the remote prefill is not worth it (``skip_prefill``).
 
 Two rules (``--routing``): ``prefix`` (the longest cached prefix within ``--balance-slack``, and the fixed
-``--skip-prefill-below`` threshold, 0 by default: never skipped) and ``estimate`` (``proxy.estimate``: the instances
+``--skip-prefill-below`` threshold, 0 by default: never skipped) and ``estimate`` (``kv_proxy.estimate``: the instances
 and the skip are chosen by the estimated time to the request's first token, from what each instance has queued and
 what work cost there; ``--skip-prefill-below`` is then a bound: from that many uncached tokens up a request is never
 computed on its decode instance). Each request's ``Trip`` keeps the queues and the learned costs up to date.
@@ -26,11 +26,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from proxy.balancer import Balancer, Choice, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
-from proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
-from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
+from kv_proxy.balancer import Balancer, Choice, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
+from kv_proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
+from kv_proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Router:
         """Where the request goes: ``remote`` (prefill remotely, decode on ``decode``), ``local`` (the decode instance
         computes the prompt itself) or, with ``--decode-on-prefill``, ``on_prefill`` (the whole request on the
         prefill instance returned). ``--routing prefix``: local when its uncached part (estimated) is below
-        ``--skip-prefill-below`` tokens. ``--routing estimate``: ``proxy.estimate.decide`` (``output_tokens``: the
+        ``--skip-prefill-below`` tokens. ``--routing estimate``: ``kv_proxy.estimate.decide`` (``output_tokens``: the
         request's, if it says). Always remote for a prompt the index cannot size (``prompt_embeds``). Cautious: only
         chunks the instance has answered count as cached (a prompt routed there a moment ago may still be loading),
         and a text prompt is sized with the lowest characters per token seen lately (a character per token before

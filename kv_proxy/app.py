@@ -13,15 +13,15 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from quart import Quart, Response, g, request
 
-from proxy.admin import register_admin
-from proxy.balancer import Balancer, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import Discovery
-from proxy.errors import ProxyError, RelayedError
-from proxy.estimate import LOCAL, ON_PREFILL
-from proxy.prefix_index import Fingerprint
-from proxy.prepare import BodyBudget, Prepared, Preparer, with_params
-from proxy.protocols import (
+from kv_proxy.admin import register_admin
+from kv_proxy.balancer import Balancer, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import Discovery
+from kv_proxy.errors import ProxyError, RelayedError
+from kv_proxy.estimate import LOCAL, ON_PREFILL
+from kv_proxy.prefix_index import Fingerprint
+from kv_proxy.prepare import BodyBudget, Prepared, Preparer, with_params
+from kv_proxy.protocols import (
     NO_LOAD,
     BootstrapProtocol,
     ParamsProtocol,
@@ -29,9 +29,9 @@ from proxy.protocols import (
     json_answer,
     loads_kv,
 )
-from proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
-from proxy.routing import Router, Trip
-from proxy.validate import request_id
+from kv_proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
+from kv_proxy.routing import Router, Trip
+from kv_proxy.validate import request_id
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, read_sse, run
+from tests.kv_proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, read_sse, run
 
 pytestmark = pytest.mark.timeout(60)
 

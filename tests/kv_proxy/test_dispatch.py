@@ -5,8 +5,8 @@ answer's params. Real HTTP through the proxy."""
 from __future__ import annotations
 
 from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
-from tests.proxy.test_protocols import endpoint_info
-from tests.proxy.upstreams import COMPLETION, Environment, assert_idle, proxy_metric, read_sse, run, wait_until
+from tests.kv_proxy.test_protocols import endpoint_info
+from tests.kv_proxy.upstreams import COMPLETION, Environment, assert_idle, proxy_metric, read_sse, run, wait_until
 
 AWAITED = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}
 PRODUCER_ANSWER = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, "remote_pipe": ["10.0.0.9:17000"]}

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from proxy.balancer import BALANCE
-from proxy.prefix_index import (
+from kv_proxy.balancer import BALANCE
+from kv_proxy.prefix_index import (
     CHUNK_CHARS,
     MAX_CHUNKS,
     CharsPerToken,
@@ -17,8 +17,8 @@ from proxy.prefix_index import (
     cache_info,
     fingerprint,
 )
-from proxy.protocols import NO_LOAD
-from tests.proxy.upstreams import (
+from kv_proxy.protocols import NO_LOAD
+from tests.kv_proxy.upstreams import (
     CHAT,
     COMPLETION,
     Environment,
@@ -395,7 +395,7 @@ def test_with_decode_on_prefill_a_saturated_decode_instance_hands_whole_requests
     whole on P - the client's own request (max_tokens, stream) with params that keep nothing for a consumer - and
     its answer is relayed; D gets nothing. When P fails to connect, the request falls back to D whole. Both end
     with nothing queued. Without --decode-on-prefill the same state never sends a request to P whole."""
-    from proxy.estimate import MIN_SAMPLES, LinearFit
+    from kv_proxy.estimate import MIN_SAMPLES, LinearFit
 
     def teach(env: Environment) -> None:
         p, d = env.proxy.proxy.prefill_balancer.upstreams[0], env.proxy.proxy.decode_balancer.upstreams[0]

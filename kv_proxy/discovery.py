@@ -23,8 +23,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.protocol import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
-from proxy.balancer import Upstream
-from proxy.prefix_index import CacheInfo, cache_info
+from kv_proxy.balancer import Upstream
+from kv_proxy.prefix_index import CacheInfo, cache_info
 
 log = logging.getLogger(__name__)
 

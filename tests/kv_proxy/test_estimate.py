@@ -10,12 +10,12 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.balancer import ESTIMATE, PREFIX, Balancer, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import Discovery
-from proxy.estimate import MIN_SAMPLES, Costs, LinearFit, Work, decide
-from proxy.prefix_index import Fingerprint, fingerprint
-from proxy.routing import Router
+from kv_proxy.balancer import ESTIMATE, PREFIX, Balancer, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import Discovery
+from kv_proxy.estimate import MIN_SAMPLES, Costs, LinearFit, Work, decide
+from kv_proxy.prefix_index import Fingerprint, fingerprint
+from kv_proxy.routing import Router
 
 
 def learned(base: float, per_token: float, tokens: tuple[int, ...] = (100, 400, 800, 1600)) -> LinearFit:
