@@ -12,7 +12,6 @@ aside for the cooldown (and forgets what it held), ``add``/``remove`` change the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -42,7 +41,6 @@ class Upstream:
     removed: bool = False  # taken out by the admin API: its requests in flight finish, no new one comes
     learned: dict[str, Any] = field(default_factory=dict)  # what it said about itself, by topic (see Discovery.learn)
     learned_at: dict[str, float] = field(default_factory=dict)
-    learning: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
     cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
@@ -56,6 +54,27 @@ class Upstream:
 
     def cooling_down(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.down_until
+
+    def knows(self, topic: str, ttl: float) -> bool:
+        """Whether it said something about itself on ``topic`` less than ``ttl`` seconds ago."""
+        at = self.learned_at.get(topic)
+        return at is not None and time.monotonic() - at < ttl
+
+    def said(self, topic: str) -> Any:
+        """What it said last on ``topic`` (None if never), however long ago."""
+        return self.learned.get(topic)
+
+    def remember(self, topic: str, value: Any) -> None:
+        """What it says on ``topic`` now. An instance that says something new about itself may have restarted: its
+        prefix index is emptied."""
+        if topic in self.learned and self.learned[topic] != value:
+            self.forget(f"its {topic} changed")
+        self.learned[topic] = value
+        self.learned_at[topic] = time.monotonic()
+
+    def ask_again(self) -> None:
+        """What it said is stale (it may come back as another engine, e.g. after a failure): ask again."""
+        self.learned_at.clear()
 
     def forget(self, why: str) -> None:
         """It may hold nothing of what was routed to it (a restart, a failure): its prefix index is emptied."""
@@ -162,7 +181,7 @@ class Balancer:
         upstream.failures += 1
         upstream.last_error = error
         upstream.down_until = time.monotonic() + self.cooldown
-        upstream.learned_at.clear()  # it may come back as another engine (a restart): ask again
+        upstream.ask_again()  # it may come back as another engine (a restart)
         upstream.forget("it failed")
         log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
 

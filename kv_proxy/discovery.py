@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +64,7 @@ class Discovery:
         self._session = session  # the proxy's client session (it exists only while the proxy serves)
         self._timeout = timeout
         self._watchers: list[Callable[[Upstream, InstanceInfo], None]] = []
+        self._asking: dict[tuple[int, str], asyncio.Future[Any]] = {}  # (instance, topic): the call under way
 
     def watch(self, watcher: Callable[[Upstream, InstanceInfo], None]) -> None:
         """Tell ``watcher`` every time an instance's /metrics are read (before the answer is remembered)."""
@@ -72,29 +72,25 @@ class Discovery:
 
     def knows(self, upstream: Upstream, topic: str) -> bool:
         """Whether what the instance said on ``topic`` was learned less than DISCOVERY_TTL ago."""
-        at = upstream.learned_at.get(topic)
-        return at is not None and time.monotonic() - at < DISCOVERY_TTL
+        return upstream.knows(topic, DISCOVERY_TTL)
 
     async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]], topic: str) -> Any:
         """What ``fetch`` says about an instance on ``topic``, asked at most once per DISCOVERY_TTL (concurrent
-        requests share one call; a failed call is not remembered). An instance that says something new about
-        itself may have restarted: its prefix index is emptied."""
+        requests share one call; a failed call is not remembered)."""
         if self.knows(upstream, topic):
-            return upstream.learned[topic]
-        if topic not in upstream.learning:
+            return upstream.said(topic)
+        key = (id(upstream), topic)  # the call under way holds the upstream: its id is not reused meanwhile
+        if key not in self._asking:
             async def run() -> Any:
                 try:
                     value = await fetch(upstream)
-                    if topic in upstream.learned and upstream.learned[topic] != value:
-                        upstream.forget(f"its {topic} changed")
-                    upstream.learned[topic] = value
-                    upstream.learned_at[topic] = time.monotonic()
+                    upstream.remember(topic, value)
                     return value
                 finally:
-                    del upstream.learning[topic]
-            future = upstream.learning[topic] = asyncio.ensure_future(run())
+                    del self._asking[key]
+            future = self._asking[key] = asyncio.ensure_future(run())
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
-        return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
+        return await asyncio.shield(self._asking[key])  # a client leaving does not cancel the others' call
 
     async def metrics(self, upstream: Upstream) -> InstanceInfo:
         """``instance_info`` learned (topic ``METRICS_TOPIC``: at most one read per DISCOVERY_TTL)."""
@@ -106,7 +102,7 @@ class Discovery:
         info = instance_info(await self.get_text(upstream.url + "/metrics"))
         for watcher in self._watchers:
             watcher(upstream, info)
-        if info.push_target and upstream.learned.get(METRICS_TOPIC) != info:
+        if info.push_target and upstream.said(METRICS_TOPIC) != info:
             log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
         return info
 

@@ -54,7 +54,7 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         assert [len(d.received) for d in env.decode] == [2, 2, 2]
         assert [d.metrics_requests for d in env.decode] == [1, 1, 1]
         # the same at once: requests in flight while /metrics is read share one read
-        env.proxy.proxy.decode_balancer.upstreams[0].learned_at.clear()
+        env.proxy.proxy.decode_balancer.upstreams[0].ask_again()
         statuses = await asyncio.gather(*(env.post("/v1/completions", COMPLETION) for _ in range(9)))
         assert [s[0] for s in statuses] == [200] * 9 and env.decode[0].metrics_requests == 2
 
@@ -108,7 +108,7 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
         # a bootstrap server that is gone (the cached engine id expired): with --no-fallback, 502 naming it (by
         # default the decode instance computes the request whole, test_fallback.py), and nothing sent upstream:
         # the engine id is asked before the prefill, so no prefilled KV waits for a decode that never comes
-        env.proxy.proxy.prefill_balancer.upstreams[0].learned_at.clear()
+        env.proxy.proxy.prefill_balancer.upstreams[0].ask_again()
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 502 and "bootstrap server of prefill instance 0" in body["error"]["message"]
         assert body["error"]["stage"] == "prefill" and bootstrap.url not in json.dumps(body)  # internal addresses

@@ -1,4 +1,4 @@
-"""proxy/routing.py, proxy/prefix_index.py and Balancer.pick's prefix rule: the longest cached prefix wins unless its
+"""proxy/routing.py, kv_proxy/prefix_index.py and Balancer.pick's prefix rule: the longest cached prefix wins unless its
 instance is overloaded (--balance-slack); failed, restarted and flooded indexes; the prefill skipped when the
 decode instance holds (nearly) the whole prompt (--skip-prefill-below). Real HTTP through the proxy."""
 
@@ -166,7 +166,7 @@ def test_a_restarted_instance_is_forgotten_and_its_cache_size_bounds_its_index()
         hint = fingerprint({**COMPLETION, "prompt": shared}, False)
         assert hint is not None and decode0.prefix.match(hint.chunks) == 8
         env.decode[0].metrics_text = cache_metrics(100, 16, 2000.0)  # a new process
-        decode0.learned_at.clear()  # as after DISCOVERY_TTL
+        decode0.ask_again()  # as after DISCOVERY_TTL
         await complete(env, text_of(8, 300))
         await proxy.router.settle()
         assert decode0.prefix.match(hint.chunks) == 0
