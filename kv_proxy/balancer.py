@@ -1,14 +1,6 @@
 """Which instance of a role serves the next request: ``Upstream`` (one instance and its bookkeeping), ``Choice`` (a
-pick and why) and ``Balancer`` (one per role).
-
-``Balancer.pick`` is the one choice: given a request's ``Fingerprint`` it prefers the instance that holds the longest
-prefix of the prompt (``PrefixIndex``) unless that instance is overloaded, i.e. has more than ``slack`` requests
-outstanding beyond the least loaded one; among equals (and without a prefix anywhere) the fewest outstanding
-requests win, round robin on ties. With ``--routing estimate`` a score (the estimated seconds to the request's
-first token on each instance, ``kv_proxy.routing``) chooses instead, once it can be estimated.
-``reserve``/``acquire``/``release`` count what each instance has under way, ``mark_failed`` puts a failed instance
-aside for the cooldown (and forgets what it held), ``add``/``remove`` change the instances while the proxy runs.
-"""
+pick and why) and ``Balancer`` (one per role: ``pick``, what each instance has under way, failures and cooldowns,
+instances added and removed). The rules: docs/proxy.md#choosing-instances."""
 
 from __future__ import annotations
 
@@ -96,7 +88,7 @@ class Choice:
 
 @dataclass
 class Balancer:
-    """The instances of one role and the choice among them (see the module docstring)."""
+    """The instances of one role and the choice among them (see ``pick``)."""
 
     role: str
     upstreams: list[Upstream]

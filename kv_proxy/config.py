@@ -73,7 +73,7 @@ class ProxyConfig:
     # Chinese or of text JSON-escaped to \uXXXX, ~0.9 MiB as token ids; chat histories and tool schemas add little.
     # (Multimodal requests carrying images inline need more: raise --max-body-bytes.)
     max_body_bytes: int = 4 * 1024 * 1024
-    protocol: str = "params"  # see the package docstring
+    protocol: str = "params"  # see docs/proxy.md#protocols
     bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
     balance_slack: int = DEFAULT_BALANCE_SLACK  # outstanding requests an instance may have beyond the least loaded
     # one and still be preferred for the prefix it holds

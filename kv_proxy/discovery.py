@@ -1,14 +1,6 @@
-"""What the instances say about themselves: ``Discovery`` asks them over the proxy's client session and remembers
-each answer per instance and topic for ``DISCOVERY_TTL``.
-
-- ``Discovery.learn``: what a fetch says about an instance on a topic, asked at most once per ``DISCOVERY_TTL``
-  (concurrent requests share one call); ``knows``: whether that answer is still fresh.
-- ``Discovery.instance_info`` (topic ``METRICS_TOPIC``): what an instance's /metrics say (``InstanceInfo``: where it
-  takes pushed KV, ``push_target``, and its KV cache, ``cache_info``); whoever ``watch``-es is told (the router).
-- ``Discovery.get_text``: the body of a GET to an instance (or its bootstrap server).
-
-It knows neither the request flow nor the routing: ``app`` creates one and hands it to the protocols and the router.
-"""
+"""What the instances say about themselves: ``Discovery`` asks them over the proxy's client session (their /metrics:
+``InstanceInfo``; a bootstrap server's engine id) at most once per ``DISCOVERY_TTL`` per topic, and tells its
+watchers (the router) what each /metrics read says. It knows neither the request flow nor the routing."""
 
 from __future__ import annotations
 

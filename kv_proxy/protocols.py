@@ -1,13 +1,6 @@
-"""What each request tells the instances (``--protocol``), and what the proxy learns from them to say it.
-
-- ``ParamsProtocol``: vLLM's disaggregation protocol as this project's MooncakeConnector answers it; a push-mode
-  consumer's pipe addresses, read from its /metrics (``discovery.push_target``), go on the prefill.
-- ``BootstrapProtocol``: vLLM's built-in MooncakeConnector; a transfer id on both requests, and the decode names the
-  prefill instance's bootstrap server and engine id (``bootstrap_engine_id``, from that server's /query).
-
-Both build the ``kv_transfer_params`` that ``prefill_payload`` and ``decode_payload`` put on the two requests; what
-they need to know about an instance they learn through the ``Discovery`` they are given.
-"""
+"""What each request tells the instances (``--protocol``): ``ParamsProtocol`` (vLLM's disaggregation protocol as this
+project's MooncakeConnector answers it, with push targets) and ``BootstrapProtocol`` (vLLM's built-in
+MooncakeConnector: a transfer id, the prefill's bootstrap server and engine id). See docs/proxy.md#protocols."""
 
 from __future__ import annotations
 
@@ -99,7 +92,7 @@ def bootstrap_engine_id(answer: Any) -> str:
 
 
 class ParamsProtocol:
-    """vLLM's disaggregation protocol as our MooncakeConnector answers it (see the package docstring)."""
+    """vLLM's disaggregation protocol as our MooncakeConnector answers it (docs/proxy.md#protocols)."""
 
     needs_params = True  # a prefill answer without kv_transfer_params is no use to the decode
 

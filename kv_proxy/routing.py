@@ -25,7 +25,7 @@ RETRY = 5.0  # seconds before an instance whose /metrics could not be read is as
 
 
 class Router:
-    """The choices of both roles, their bounds and their counters (see the module docstring)."""
+    """The choices of both roles, their bounds and their counters (docs/proxy.md)."""
 
     def __init__(self, config: ProxyConfig, prefill: Balancer, decode: Balancer, discovery: Discovery,
                  registry: CollectorRegistry) -> None:
