@@ -87,7 +87,7 @@ class Proxy:
                                     ["reason"], registry=self.metrics)
         self._told_bad: set[tuple[str, str]] = set()  # (instance, kind) of bad answers logged already
         self._outage = False  # the last remote prefill failed for want of a prefill instance (logged once an outage)
-        self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
+        self.background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
         connect = config.connect_timeout
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
@@ -122,21 +122,13 @@ class Proxy:
 
     async def stop(self) -> None:
         self.preparer.close()
-        for task in list(self._background):
+        for task in list(self.background):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.router.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    async def settle(self) -> None:
-        """Wait for the prefills running beside their decode (tests, shutdown)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    def outstanding(self) -> dict[str, int]:
-        return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
 
     async def send(
         self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
@@ -429,8 +421,8 @@ class Proxy:
             self._dispatched.labels(mode="concurrent").inc()
             routed.prefill_sent(chosen)  # the background task owns the reservation from here
             task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, routed))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
             return awaited
         self._dispatched.labels(mode="sequential").inc()
         try:  # what the decode will need to know about the prefill instance, asked before it prefills

@@ -177,9 +177,6 @@ class Balancer:
         upstream.forget("it failed")
         log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
 
-    def outstanding(self) -> int:
-        return sum(u.outstanding for u in self.upstreams)
-
     def find(self, url: str) -> Upstream | None:
         return next((u for u in self.upstreams if u.url == url), None)
 

@@ -129,10 +129,6 @@ class Decision:
     via: Option | None = None
     on_prefill: Option | None = None
 
-    @property
-    def remote(self) -> bool:
-        return self.where == REMOTE
-
 
 def whole_option(kind: str, costs: Costs, work: Work, uncached: float, borrowed: LinearFit | None = None) -> Option:
     """The whole request on one instance: its prefill behind what is queued there, and the wait it imposes on the

@@ -56,7 +56,7 @@ def prepare(raw: bytes, chat: bool) -> Prepared:
     stream = validate(payload, chat)
     dropped = "kv_transfer_params" in payload
     payload.pop("kv_transfer_params", None)
-    return Prepared(_compact(payload), _compact(prefill_payload(payload, chat, None)), stream,
+    return Prepared(_compact(payload), _compact(prefill_payload(payload, chat)), stream,
                     fingerprint(payload, chat), output_tokens(payload), dropped)
 
 

@@ -14,7 +14,7 @@ import aiohttp
 from kv_connector.protocol import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
 from kv_proxy.balancer import Upstream
 from kv_proxy.config import PREFILL
-from kv_proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
+from kv_proxy.discovery import Discovery
 from kv_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 ENGINE_TOPIC = "engine"  # Discovery.learn's topic for a prefill instance's engine id, from its bootstrap server
 
 
-def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The prefill copy: one token of one sequence, not streamed, with the protocol's kv_transfer_params (None:
-    without); everything else unchanged."""
+def prefill_payload(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill copy: one token of one sequence, not streamed, without kv_transfer_params (``with_params`` adds
+    the protocol's); everything else unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
@@ -34,14 +34,7 @@ def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, An
     copy["stream"] = False
     copy.pop("stream_options", None)
     copy.pop("kv_transfer_params", None)
-    if kv_params is not None:
-        copy["kv_transfer_params"] = dict(kv_params)
     return copy
-
-
-def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The original request plus the protocol's kv_transfer_params (where the KV waits)."""
-    return {**payload, "kv_transfer_params": dict(kv_params)}
 
 
 def json_answer(body: bytes) -> dict[str, Any] | None:
@@ -59,11 +52,6 @@ def answer_params(answer: dict[str, Any] | None) -> dict[str, Any] | None:
     return params if isinstance(params, dict) else None
 
 
-def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
-    """``kv_transfer_params`` of a prefill answer, None if absent, not an object, or the body is not JSON."""
-    return answer_params(json_answer(body))
-
-
 NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped: it loads nothing
 
 
@@ -74,12 +62,6 @@ def loads_kv(params: dict[str, Any] | None) -> bool:
 
 AWAITED_PUSH = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}  # a decode sent with its prefill
 # to a push-mode consumer: it waits for whichever producer pushes the prompt (no producer's answer needed)
-
-
-def push_address(metrics: str) -> list[str] | None:
-    """The pipe addresses of ``discovery.push_target`` (a decode instance's, from its /metrics text)."""
-    target = push_target(metrics)
-    return None if target is None else target[0]
 
 
 def bootstrap_engine_id(answer: Any) -> str:

@@ -34,7 +34,7 @@ class Router:
         self.discovery = discovery
         discovery.watch(self.observe)  # whoever reads an instance's /metrics, the router hears what they say
         self.calibration = {True: CharsPerToken(), False: CharsPerToken()}  # chat, text
-        self._refreshing: dict[int, asyncio.Task[None]] = {}
+        self.refreshing: dict[int, asyncio.Task[None]] = {}  # background reads of /metrics, by instance
         self.routed = Counter("mooncake_proxy_routed", "Requests sent to an instance, by role and by the rule that "
                               "chose it (prefix: it held the longest cached prefix; balance: least outstanding).",
                               ["role", "rule"], registry=registry)
@@ -244,7 +244,7 @@ class Router:
     def refresh(self, upstream: Upstream) -> None:
         """Read the instance's /metrics in the background (``Discovery.metrics``: at most once per DISCOVERY_TTL)."""
         now = time.monotonic()
-        if self.config.prefix_index_entries == 0 or id(upstream) in self._refreshing or \
+        if self.config.prefix_index_entries == 0 or id(upstream) in self.refreshing or \
                 self.discovery.knows(upstream, METRICS_TOPIC) or now - upstream.cache_asked < RETRY:
             return
         upstream.cache_asked = now
@@ -255,14 +255,10 @@ class Router:
             except Exception as error:  # whatever it is, a request to it will meet it too
                 log.debug("%s: no /metrics (%r)", upstream.url, error)
             finally:
-                del self._refreshing[id(upstream)]
+                del self.refreshing[id(upstream)]
 
-        self._refreshing[id(upstream)] = asyncio.ensure_future(run())
-
-    async def settle(self) -> None:
-        """Wait for the background reads under way."""
-        await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
+        self.refreshing[id(upstream)] = asyncio.ensure_future(run())
 
     async def stop(self) -> None:
-        for task in list(self._refreshing.values()):
+        for task in list(self.refreshing.values()):
             task.cancel()

@@ -13,7 +13,7 @@ import json
 import time
 import urllib.request
 
-from kv_proxy.protocols import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.conftest import ROW_BYTES, diff, flush, kv_stats, settled_stats, wait_busy, wait_idle
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 

@@ -18,7 +18,7 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import OpenAIClient
 from kv_connector import params as kv_params
-from kv_proxy.protocols import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.conftest import PUSH_PAIR_SECRET, diff, kv_stats, settled_stats
 from tests.kv_connector.test_mooncake_connector import MAX_TOKENS, prompt
 

@@ -18,6 +18,7 @@ from tests.kv_proxy.upstreams import (
     REMOTE_DECODE,
     Environment,
     assert_idle,
+    outstanding,
     proxy_metric,
     run,
     unused_port,
@@ -181,7 +182,7 @@ def test_client_disconnect_during_prefill_cancels_it() -> None:
         request.cancel()  # closes the client connection
         await asyncio.wait_for(env.prefill[0].cancelled.wait(), 5)
         assert env.prefill[0].received[0].cancelled and not env.decode[0].received
-        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        await wait_until(lambda: outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0})
         await assert_idle(env)
 
     run(test)

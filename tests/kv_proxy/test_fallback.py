@@ -12,7 +12,7 @@ import pytest
 
 from kv_proxy.protocols import NO_LOAD
 from tests.kv_proxy.test_protocols import endpoint_info
-from tests.kv_proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, proxy_metric, run, unused_port
+from tests.kv_proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, proxy_metric, run, settle, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 FALLBACKS = "mooncake_proxy_prefill_fallbacks_total"
@@ -81,7 +81,7 @@ def test_push_mode_with_every_prefill_instance_cooling_down_sends_the_decode_who
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100")
         await env.prefill[0].stop()
         await env.post("/v1/completions", COMPLETION)  # the background prefill finds it gone: cooling down
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 200 and body["served_by"] == "D0" and whole(env)[-1] == NO_LOAD
         assert await proxy_metric(env, FALLBACKS, reason="cooldown") == 1.0

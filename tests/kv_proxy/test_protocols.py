@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kv_connector.protocol import ENDPOINT_INFO, PUSH_PROOF, PUSH_TO
-from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, unused_port
+from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, run, settle, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +47,7 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         env.decode[2].metrics_text = None
         for _ in range(6):
             assert (await env.post("/v1/completions", COMPLETION))[0] == 200
-        await env.proxy.proxy.settle()  # the push-mode decode went out with its prefill: wait for that prefill
+        await settle(env.proxy.proxy)  # the push-mode decode went out with its prefill: wait for that prefill
         assert all(r.body["kv_transfer_params"]["do_remote_decode"] is True for r in env.prefill[0].received)
         sent = [r.body["kv_transfer_params"].get(PUSH_TO) for r in env.prefill[0].received]
         assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], [], []] * 2
@@ -67,7 +67,7 @@ def test_a_push_address_goes_with_its_proof() -> None:
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100").replace(
             'transfer_mode="push"', 'push_proof="ab12",transfer_mode="push"')
         assert (await env.post("/v1/completions", COMPLETION))[0] == 200
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         params = env.prefill[0].received[0].body["kv_transfer_params"]
         assert params[PUSH_TO] == ["10.0.0.5:17100"] and params[PUSH_PROOF] == "ab12"
 

@@ -15,6 +15,7 @@ from tests.kv_proxy.upstreams import (
     REMOTE_DECODE,
     Environment,
     assert_idle,
+    outstanding,
     read_sse,
     run,
     wait_until,
@@ -69,7 +70,7 @@ def test_client_disconnect_during_stream_cancels_decode() -> None:
         response.close()
         await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
         assert env.decode[0].received[0].cancelled
-        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        await wait_until(lambda: outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0})
         await assert_idle(env)
 
     run(test)

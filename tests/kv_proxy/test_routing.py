@@ -27,6 +27,7 @@ from tests.kv_proxy.upstreams import (
     proxy_metric,
     read_sse,
     run,
+    settle,
     text_of,
     wait_until,
 )
@@ -161,14 +162,14 @@ def test_a_restarted_instance_is_forgotten_and_its_cache_size_bounds_its_index()
         decode0 = proxy.decode_balancer.upstreams[0]
         env.decode[0].metrics_text = cache_metrics(100, 16, 1000.0)
         await complete(env, shared)
-        await proxy.router.settle()
+        await settle(proxy)
         assert decode0.cache.tokens == 1600 and decode0.prefix.capacity == 1600 // 64
         hint = fingerprint({**COMPLETION, "prompt": shared}, False)
         assert hint is not None and decode0.prefix.match(hint.chunks) == 8
         env.decode[0].metrics_text = cache_metrics(100, 16, 2000.0)  # a new process
         decode0.ask_again()  # as after DISCOVERY_TTL
         await complete(env, text_of(8, 300))
-        await proxy.router.settle()
+        await settle(proxy)
         assert decode0.prefix.match(hint.chunks) == 0
 
     run(test)
@@ -183,7 +184,7 @@ def test_the_index_stays_bounded_under_a_flood_of_unique_prompts() -> None:
         proxy = env.proxy.proxy
         env.prefill[0].metrics_text = cache_metrics(8, 16, 1.0)
         await complete(env, "warm up")
-        await proxy.router.settle()
+        await settle(proxy)
         upstreams = proxy.prefill_balancer.upstreams + proxy.decode_balancer.upstreams
         assert [u.prefix.capacity for u in upstreams] == [2, 20, 20]
         prompts = [text_of(1000 + i, 10 * CHUNK_CHARS) for i in range(120)]

@@ -354,12 +354,24 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
         await asyncio.sleep(0.01)
 
 
+def outstanding(proxy: Proxy) -> dict[str, int]:
+    """The requests each role's instances have under way, all together."""
+    return {b.role: sum(u.outstanding for u in b.upstreams) for b in (proxy.prefill_balancer, proxy.decode_balancer)}
+
+
+async def settle(proxy: Proxy) -> None:
+    """Wait for the proxy's background work: its reads of the instances' /metrics, and the prefills running beside
+    their decode."""
+    await asyncio.gather(*proxy.router.refreshing.values(), return_exceptions=True)
+    while proxy.background:
+        await asyncio.gather(*proxy.background, return_exceptions=True)
+
+
 async def assert_idle(env: Environment) -> None:
     """No request outstanding in the proxy, nothing queued on any instance, no connection checked out of its pool
-    (once the proxy's background reads of the instances' /metrics ended)."""
-    await env.proxy.proxy.router.settle()
-    await env.proxy.proxy.settle()
-    assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
+    (once the proxy's background work ended)."""
+    await settle(env.proxy.proxy)
+    assert outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0}
     for balancer in (env.proxy.proxy.prefill_balancer, env.proxy.proxy.decode_balancer):
         for upstream in balancer.upstreams:  # the queues the estimate reads: nothing left on them
             assert (upstream.work.queued, upstream.work.tokens, upstream.work.running) == (0, 0.0, 0), upstream.name
