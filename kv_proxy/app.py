@@ -1,5 +1,5 @@
-"""The proxy's request flow: ``Proxy`` (the state the handlers share, and what each request does upstream) and
-``create_app``, the Quart app around it."""
+"""The proxy's request flow over HTTP: ``Proxy`` (the state the handlers share, and what each request does upstream;
+its routing bookkeeping is its ``Routed``) and ``create_app``, the Quart app around it."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ class _FailedBeforeFirstToken(Exception):
 
 
 class Proxy:
-    """State shared by the handlers: the config, one balancer per role, the client session, and what the instances
-    said about themselves (``discovery``, shared with the router and the protocol)."""
+    """State shared by the handlers: the config, one balancer per role, the router, the client session, and what the
+    instances said about themselves (``discovery``, shared with the router and the protocol)."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config
