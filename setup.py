@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["kv_pipe", "kv_lookup_buffer", "kv_connector", "kv_connector.*", "proxy"]),
+    packages=find_packages(include=["kv_pipe", "kv_lookup_buffer", "kv_connector", "kv_connector.*", "kv_proxy"]),
     py_modules=["proxy_server"],
     install_requires=[
         "torch",

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.support import common  # noqa: E402
 from benchmarks.support.stacks import OURS_LOADED, PUSH_SPLIT, LogTail, Stacks, post, serve_args_for, stream  # noqa: E402
 from kv_connector.param_keys import PUSH_TO  # noqa: E402
-from proxy.protocols import push_address  # noqa: E402
+from kv_proxy.discovery import push_target  # noqa: E402
 
 MODES = ("colocated", "ours", "push")
 LABELS = {"colocated": "colocated", "ours": "ours pull", "push": "ours push"}
@@ -103,7 +103,8 @@ def run_stack(mode: str, model: Path, work: Path, dtype: str, prompts: list[list
             params: dict[str, Any] = {"do_remote_decode": True}
             if mode == "push":
                 with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:
-                    params[PUSH_TO] = push_address(resp.read().decode())
+                    target = push_target(resp.read().decode())
+                params[PUSH_TO] = None if target is None else target[0]
             start = time.perf_counter()
             answer = post(producer.url, "/v1/completions", stacks.body(q, 1, kv_transfer_params=params))
             prefill = (time.perf_counter() - start) * 1e3

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.proxy.upstreams import COMPLETION, ROOT, Environment, run, start_main
+from tests.kv_proxy.upstreams import COMPLETION, ROOT, Environment, run, start_main
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -33,7 +33,7 @@ def metrics(server: VllmServer) -> dict[str, float]:
 def flush(server: VllmServer) -> None:
     """One engine step that moves no KV: what the instance did before reaches its /metrics (the connector's stats
     travel with its next step)."""
-    from proxy.protocols import NO_LOAD  # here: the GPU machines running this folder's cuda tests have no Quart
+    from kv_proxy.protocols import NO_LOAD  # here: the GPU machines running this folder's cuda tests have no Quart
 
     server.complete([1, 2, 3], 1, kv_transfer_params=NO_LOAD)  # a consumer loads nothing, a producer keeps nothing
 

@@ -69,7 +69,7 @@ def etcd_metadata(address: str) -> dict[str, str]:
 def open_push_links(producers: list[VllmServer], consumers: list[VllmServer]) -> None:
     """A producer links to a consumer it pushes to on the first request for it, and serves that request by pull
     (the link is made in the background): open every producer-to-consumer link before measuring."""
-    from proxy.discovery import push_target  # here: the GPU machines running this folder's cuda tests have no aiohttp
+    from kv_proxy.discovery import push_target  # here: the GPU machines running this folder's cuda tests have no aiohttp
 
     for consumer in consumers:
         with urllib.request.urlopen(f"{consumer.url}/metrics", timeout=10) as resp:

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from proxy.protocols import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_stats, wait_busy, wait_idle
 from tests.kv_connector.instances import ROW_BYTES
 from tests.kv_connector.prompts import AWAIT, MAX_TOKENS, prompt

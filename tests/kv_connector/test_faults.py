@@ -30,7 +30,7 @@ from harness import netns
 from harness.netns import Host, Wire
 from harness.processes import kill, signal_group
 from harness.vllm import OpenAIClient, VllmServer
-from proxy.protocols import NO_LOAD
+from kv_proxy.protocols import NO_LOAD
 from tests import servers
 from tests.kv_connector.instance_stats import diff, kv_stats, looked_up, settled_stats
 from tests.kv_connector.instances import ROW_BYTES, blocks, start_pair

@@ -16,7 +16,7 @@ from harness.ports import free_port
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_connector.metadata import CORRUPT_PARAM
 from kv_connector.param_keys import PUSH_PROOF
-from proxy.discovery import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.instance_stats import log_mark
 from tests.kv_connector.instances import SERVE_ARGS, open_push_links, start_early
 from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt

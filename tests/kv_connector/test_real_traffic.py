@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from proxy.protocols import NO_LOAD
+from kv_proxy.protocols import NO_LOAD
 from tests.kv_connector.instance_stats import diff, flush, kv_stats, settled_stats, wait_idle
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, blocks
 from tests.kv_connector.prompts import MAX_TOKENS, prompt

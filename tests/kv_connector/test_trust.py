@@ -18,7 +18,7 @@ from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import OpenAIClient
 from kv_connector import params as kv_params
-from proxy.protocols import push_target
+from kv_proxy.discovery import push_target
 from tests.kv_connector.instance_stats import diff, kv_stats, settled_stats
 from tests.kv_connector.instances import PUSH_PAIR_SECRET
 from tests.kv_connector.prompts import MAX_TOKENS, prompt

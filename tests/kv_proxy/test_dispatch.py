@@ -1,11 +1,21 @@
-"""proxy/app.py's dispatch (``--dispatch``): a decode instance that takes pushed KV gets its request together with the
+"""kv_proxy/app.py's dispatch (``--dispatch``): a decode instance that takes pushed KV gets its request together with the
 prefill, with params that make it wait for the push; any other gets it after the prefill answered, with that
 answer's params. Real HTTP through the proxy."""
 
 from __future__ import annotations
 
 from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_TO
-from tests.proxy.upstreams import COMPLETION, Environment, assert_idle, endpoint_info, proxy_metric, read_sse, run, wait_until
+from tests.kv_proxy.upstreams import (
+    COMPLETION,
+    Environment,
+    assert_idle,
+    endpoint_info,
+    proxy_metric,
+    read_sse,
+    run,
+    settle,
+    wait_until,
+)
 
 AWAITED = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}
 PRODUCER_ANSWER = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, "remote_pipe": ["10.0.0.9:17000"]}
@@ -24,7 +34,7 @@ def test_a_push_mode_decode_goes_out_with_its_prefill() -> None:
         assert status == 200 and body["served_by"] == "D0"
         assert env.decode[0].received[0].body["kv_transfer_params"] == AWAITED
         assert ("P0", "end") not in env.journal  # answered before the prefill ended
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         assert ("P0", "end") in env.journal
         assert env.prefill[0].received[0].body["kv_transfer_params"][PUSH_TO] == ["10.0.0.5:17100"]
         assert await proxy_metric(env, "mooncake_proxy_dispatched_total", mode="concurrent") == 1.0
@@ -45,12 +55,12 @@ def test_a_failing_prefill_beside_its_decode_is_not_the_clients_failure() -> Non
         async with env.client.post(env.url + "/v1/completions", json={**COMPLETION, "stream": True}) as response:
             assert response.status == 200
             assert len(await read_sse(response)) == 4  # three chunks and [DONE]
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         assert await proxy_metric(env, "mooncake_proxy_background_prefill_failed_total") == 2.0
         await env.prefill[0].stop()  # gone: the prefill cannot even connect
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 200 and body["served_by"] == "D0"
-        await wait_until(lambda: not env.proxy.proxy._background)
+        await wait_until(lambda: not env.proxy.proxy.background)
         assert await proxy_metric(env, "mooncake_proxy_background_prefill_failed_total") == 3.0
         await assert_idle(env)
 

@@ -1,4 +1,4 @@
-"""proxy/protocols.py: what the prefill and the decode requests carry (``--protocol params``, with push targets read
+"""kv_proxy/protocols.py: what the prefill and the decode requests carry (``--protocol params``, with push targets read
 from a decode instance's /metrics, and ``--protocol bootstrap``). Real HTTP through the proxy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kv_connector.param_keys import PUSH_PROOF, PUSH_TO
-from tests.proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, endpoint_info, run, unused_port
+from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeBootstrap, assert_idle, endpoint_info, run, settle, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,14 +37,14 @@ def test_push_mode_consumer_address_goes_on_the_prefill() -> None:
         env.decode[2].metrics_text = None
         for _ in range(6):
             assert (await env.post("/v1/completions", COMPLETION))[0] == 200
-        await env.proxy.proxy.settle()  # the push-mode decode went out with its prefill: wait for that prefill
+        await settle(env.proxy.proxy)  # the push-mode decode went out with its prefill: wait for that prefill
         assert all(r.body["kv_transfer_params"]["do_remote_decode"] is True for r in env.prefill[0].received)
         sent = [r.body["kv_transfer_params"].get(PUSH_TO) for r in env.prefill[0].received]
         assert sent == [["10.0.0.5:17100", "10.0.0.5:17101"], [], []] * 2
         assert [len(d.received) for d in env.decode] == [2, 2, 2]
         assert [d.metrics_requests for d in env.decode] == [1, 1, 1]
         # the same at once: requests in flight while /metrics is read share one read
-        env.proxy.proxy.decode_balancer.upstreams[0].learned_at.clear()
+        env.proxy.proxy.decode_balancer.upstreams[0].ask_again()
         statuses = await asyncio.gather(*(env.post("/v1/completions", COMPLETION) for _ in range(9)))
         assert [s[0] for s in statuses] == [200] * 9 and env.decode[0].metrics_requests == 2
 
@@ -57,7 +57,7 @@ def test_a_push_address_goes_with_its_proof() -> None:
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100").replace(
             'transfer_mode="push"', 'push_proof="ab12",transfer_mode="push"')
         assert (await env.post("/v1/completions", COMPLETION))[0] == 200
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         params = env.prefill[0].received[0].body["kv_transfer_params"]
         assert params[PUSH_TO] == ["10.0.0.5:17100"] and params[PUSH_PROOF] == "ab12"
 
@@ -98,7 +98,7 @@ def test_bootstrap_protocol_for_vllms_builtin_mooncake_connector() -> None:
         # a bootstrap server that is gone (the cached engine id expired): with --no-fallback, 502 naming it (by
         # default the decode instance computes the request whole, test_fallback.py), and nothing sent upstream:
         # the engine id is asked before the prefill, so no prefilled KV waits for a decode that never comes
-        env.proxy.proxy.prefill_balancer.upstreams[0].learned_at.clear()
+        env.proxy.proxy.prefill_balancer.upstreams[0].ask_again()
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 502 and "bootstrap server of prefill instance 0" in body["error"]["message"]
         assert body["error"]["stage"] == "prefill" and bootstrap.url not in json.dumps(body)  # internal addresses

@@ -1,4 +1,4 @@
-"""proxy/relay.py: streamed answers relayed chunk by chunk, a stalled stream ended with an error event, a client that
+"""kv_proxy/relay.py: streamed answers relayed chunk by chunk, a stalled stream ended with an error event, a client that
 leaves mid-stream cancelling the decode, many streams at once. Real HTTP through the proxy."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from proxy.relay import error_event
-from tests.proxy.upstreams import (
+from kv_proxy.relay import error_event
+from tests.kv_proxy.upstreams import (
     COMPLETION,
     PRODUCER_ANSWER,
     REMOTE_DECODE,
     Environment,
     assert_idle,
+    outstanding,
     read_sse,
     run,
     wait_until,
@@ -69,7 +70,7 @@ def test_client_disconnect_during_stream_cancels_decode() -> None:
         response.close()
         await asyncio.wait_for(env.decode[0].cancelled.wait(), 5)
         assert env.decode[0].received[0].cancelled
-        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        await wait_until(lambda: outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0})
         await assert_idle(env)
 
     run(test)

@@ -1,4 +1,4 @@
-"""proxy/admin.py: instances added and removed while the proxy serves, behind a token. Real HTTP through the proxy."""
+"""kv_proxy/admin.py: instances added and removed while the proxy serves, behind a token. Real HTTP through the proxy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.upstreams import (
+from tests.kv_proxy.upstreams import (
     COMPLETION,
     Environment,
     FakeUpstream,

@@ -1,17 +1,7 @@
-"""A client's request made ready to go upstream, off the event loop: parsed, checked (``validate``), fingerprinted
-(``prefix_index``) and written again compactly as the decode's and the prefill's bodies (``Prepared``), so that the
-loop only splices the protocol's ``kv_transfer_params`` into bytes (``with_params``).
-
-Parsing is the one thing a client controls the cost of: a body of many tiny arrays costs ~30 times its size in
-memory and seconds of CPU, and ``json`` holds the GIL throughout, so a thread would still stall every other client.
-``Preparer`` runs bodies above ``INLINE_MAX`` in a worker process of its own (at most ``workers`` at once: their
-memory is bounded by that and the body cap), smaller ones inline (a few milliseconds at most). Before any of it, a
-body with more than ``MAX_CONTAINERS`` JSON arrays and objects is refused (counted on the raw bytes: brackets inside
-strings count too, so the bound is far above what real requests hold).
-
-``BodyBudget`` bounds the bytes of request bodies the proxy holds at once (each from before it is read until its
-request ends): a client beyond it gets a 503 at once, before its body is read.
-"""
+"""A client's request made ready to go upstream: parsed, checked (``validate``), fingerprinted (``prefix_index``) and
+written again compactly as the decode's and the prefill's bodies (``Prepared``), so the event loop only splices the
+protocol's ``kv_transfer_params`` into bytes (``with_params``). ``Preparer`` parses large bodies in worker processes
+(``json`` holds the GIL: a thread would stall every client); ``BodyBudget`` bounds the bodies held at once."""
 
 from __future__ import annotations
 
@@ -23,10 +13,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import ProxyError
-from proxy.prefix_index import Fingerprint, fingerprint
-from proxy.protocols import prefill_payload
-from proxy.validate import parse_json_object, validate
+from kv_proxy.errors import ProxyError
+from kv_proxy.prefix_index import Fingerprint, fingerprint
+from kv_proxy.protocols import prefill_payload
+from kv_proxy.validate import parse_json_object, validate
 
 INLINE_MAX = 64 << 10  # bytes: bodies up to this are prepared on the event loop (~5 ms at worst)
 MAX_CONTAINERS = 1 << 18  # JSON arrays and objects in a body (a chat of 1,000 messages holds ~2,000)
@@ -66,7 +56,7 @@ def prepare(raw: bytes, chat: bool) -> Prepared:
     stream = validate(payload, chat)
     dropped = "kv_transfer_params" in payload
     payload.pop("kv_transfer_params", None)
-    return Prepared(_compact(payload), _compact(prefill_payload(payload, chat, None)), stream,
+    return Prepared(_compact(payload), _compact(prefill_payload(payload, chat)), stream,
                     fingerprint(payload, chat), output_tokens(payload), dropped)
 
 

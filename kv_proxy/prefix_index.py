@@ -1,15 +1,7 @@
 """What the proxy knows of the prompt prefixes each instance holds, without a tokenizer: ``Fingerprint`` (a request's
-prompt as chained hashes of fixed-size chunks), ``PrefixIndex`` (one instance's chunks, LRU, bounded),
-``CharsPerToken`` (characters per token, calibrated from vLLM's ``usage.prompt_tokens``) and ``cache_tokens`` (an
-instance's KV cache size from its /metrics).
-
-A prompt is cut into chunks of ``CHUNK_CHARS`` characters (a text prompt, or a chat's messages serialized in order,
-one canonical JSON object each, so a follow-up turn extends the previous turn's text) or ``CHUNK_TOKENS`` token ids
-(a prompt of token ids). Chunk ``i``'s hash covers chunks ``0..i`` (each hash is keyed by the previous one), so one
-hash names a whole prefix and an instance holds a prefix of ``n`` chunks if it holds the first ``n`` hashes. Only
-complete chunks count (vLLM caches only full blocks), at most ``MAX_CHUNKS`` per request. Hashes are salted per
-process: a client cannot craft collisions with another's prompt.
-"""
+prompt as chained hashes of fixed-size chunks: one hash names a whole prefix), ``PrefixIndex`` (one instance's
+chunks, LRU, bounded), ``CharsPerToken`` (calibrated from vLLM's ``usage.prompt_tokens``) and ``cache_info`` (an
+instance's KV cache size from its /metrics). See docs/proxy.md#choosing-instances."""
 
 from __future__ import annotations
 

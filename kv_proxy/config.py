@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import proxy
+import kv_proxy
 
 PREFILL = "prefill"  # the roles, as the command line and the clients' errors name them
 DECODE = "decode"
@@ -73,13 +73,13 @@ class ProxyConfig:
     # Chinese or of text JSON-escaped to \uXXXX, ~0.9 MiB as token ids; chat histories and tool schemas add little.
     # (Multimodal requests carrying images inline need more: raise --max-body-bytes.)
     max_body_bytes: int = 4 * 1024 * 1024
-    protocol: str = "params"  # see the package docstring
+    protocol: str = "params"  # see docs/proxy.md#protocols
     bootstrap: tuple[str, ...] = ()  # protocol "bootstrap": each prefill instance's bootstrap server, in order
     balance_slack: int = DEFAULT_BALANCE_SLACK  # outstanding requests an instance may have beyond the least loaded
     # one and still be preferred for the prefix it holds
     skip_prefill_below: int = DEFAULT_SKIP_PREFILL_BELOW  # estimated uncached tokens below which no remote prefill
     # (--routing estimate: from which a request is never computed on its decode instance)
-    routing: str = "prefix"  # the rule choosing instances and skips (proxy.routing)
+    routing: str = "prefix"  # the rule choosing instances and skips (kv_proxy.routing)
     decode_on_prefill: bool = False  # --routing estimate: a request may also be served whole on a prefill instance
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
@@ -136,7 +136,7 @@ class ProxyConfig:
 
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     """The command line's options (and the process's logging set-up); exits with the usage on a bad option."""
-    parser = argparse.ArgumentParser(description=(proxy.__doc__ or "").split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=(kv_proxy.__doc__ or "").split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", action="append", required=True, metavar="URL",
                         help="a prefill instance, http(s)://host:port (repeat for several)")

@@ -1,20 +1,11 @@
-"""What the instances say about themselves: ``Discovery`` asks them over the proxy's client session and remembers
-each answer per instance and topic for ``DISCOVERY_TTL``.
-
-- ``Discovery.learn``: what a fetch says about an instance on a topic, asked at most once per ``DISCOVERY_TTL``
-  (concurrent requests share one call); ``knows``: whether that answer is still fresh.
-- ``Discovery.instance_info`` (topic ``METRICS_TOPIC``): what an instance's /metrics say (``InstanceInfo``: where it
-  takes pushed KV, ``push_target``, and its KV cache, ``cache_info``); whoever ``watch``-es is told (the router).
-- ``Discovery.get_text``: the body of a GET to an instance (or its bootstrap server).
-
-It knows neither the request flow nor the routing: ``app`` creates one and hands it to the protocols and the router.
-"""
+"""What the instances say about themselves: ``Discovery`` asks them over the proxy's client session (their /metrics:
+``InstanceInfo``; a bootstrap server's engine id) at most once per ``DISCOVERY_TTL`` per topic, and tells its
+watchers (the router) what each /metrics read says. It knows neither the request flow nor the routing."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +14,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.param_keys import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
-from proxy.balancer import Upstream
-from proxy.prefix_index import CacheInfo, cache_info
+from kv_proxy.balancer import Upstream
+from kv_proxy.prefix_index import CacheInfo, cache_info
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +56,7 @@ class Discovery:
         self._session = session  # the proxy's client session (it exists only while the proxy serves)
         self._timeout = timeout
         self._watchers: list[Callable[[Upstream, InstanceInfo], None]] = []
+        self._asking: dict[tuple[int, str], asyncio.Future[Any]] = {}  # (instance, topic): the call under way
 
     def watch(self, watcher: Callable[[Upstream, InstanceInfo], None]) -> None:
         """Tell ``watcher`` every time an instance's /metrics are read (before the answer is remembered)."""
@@ -72,29 +64,25 @@ class Discovery:
 
     def knows(self, upstream: Upstream, topic: str) -> bool:
         """Whether what the instance said on ``topic`` was learned less than DISCOVERY_TTL ago."""
-        at = upstream.learned_at.get(topic)
-        return at is not None and time.monotonic() - at < DISCOVERY_TTL
+        return upstream.knows(topic, DISCOVERY_TTL)
 
     async def learn(self, upstream: Upstream, fetch: Callable[[Upstream], Awaitable[Any]], topic: str) -> Any:
         """What ``fetch`` says about an instance on ``topic``, asked at most once per DISCOVERY_TTL (concurrent
-        requests share one call; a failed call is not remembered). An instance that says something new about
-        itself may have restarted: its prefix index is emptied."""
+        requests share one call; a failed call is not remembered)."""
         if self.knows(upstream, topic):
-            return upstream.learned[topic]
-        if topic not in upstream.learning:
+            return upstream.said(topic)
+        key = (id(upstream), topic)  # the call under way holds the upstream: its id is not reused meanwhile
+        if key not in self._asking:
             async def run() -> Any:
                 try:
                     value = await fetch(upstream)
-                    if topic in upstream.learned and upstream.learned[topic] != value:
-                        upstream.forget(f"its {topic} changed")
-                    upstream.learned[topic] = value
-                    upstream.learned_at[topic] = time.monotonic()
+                    upstream.remember(topic, value)
                     return value
                 finally:
-                    del upstream.learning[topic]
-            future = upstream.learning[topic] = asyncio.ensure_future(run())
+                    del self._asking[key]
+            future = self._asking[key] = asyncio.ensure_future(run())
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
-        return await asyncio.shield(upstream.learning[topic])  # a client leaving does not cancel the others' call
+        return await asyncio.shield(self._asking[key])  # a client leaving does not cancel the others' call
 
     async def metrics(self, upstream: Upstream) -> InstanceInfo:
         """``instance_info`` learned (topic ``METRICS_TOPIC``: at most one read per DISCOVERY_TTL)."""
@@ -106,7 +94,7 @@ class Discovery:
         info = instance_info(await self.get_text(upstream.url + "/metrics"))
         for watcher in self._watchers:
             watcher(upstream, info)
-        if info.push_target and upstream.learned.get(METRICS_TOPIC) != info:
+        if info.push_target and upstream.said(METRICS_TOPIC) != info:
             log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
         return info
 

@@ -23,7 +23,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from quart import Quart
 
-from proxy.config import ConfigError, ProxyConfig
+from kv_proxy.config import ConfigError, ProxyConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""proxy/validate.py: a request vLLM would refuse is refused before anything goes upstream (400 naming the field);
+"""kv_proxy/validate.py: a request vLLM would refuse is refused before anything goes upstream (400 naming the field);
 what vLLM accepts passes. Real HTTP through the proxy."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, read_sse, run
+from tests.kv_proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, read_sse, run
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""proxy/gate.py: client connections, bounded in number and in how long a client may take to send, never in how long
+"""kv_proxy/gate.py: client connections, bounded in number and in how long a client may take to send, never in how long
 it waits for its answer; real HTTP, ``proxy_server.main()`` in a subprocess where the process's limits matter."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from harness.slow_clients import SLOW_BODY, SlowClients, closed
-from proxy.config import ProxyConfig
-from proxy.gate import HEAD_GRACE, NEW_GRACE, ClientGate, _Client
-from tests.proxy.upstreams import COMPLETION, Environment, run, start_main, wait_until
+from kv_proxy.config import ProxyConfig
+from kv_proxy.gate import HEAD_GRACE, NEW_GRACE, ClientGate, _Client
+from tests.kv_proxy.upstreams import COMPLETION, Environment, run, start_main, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,8 +166,8 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut() -> None:
 def test_the_caps_follow_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """fit_to_file_limit: the soft limit raised towards the hard one (at most MAX_FILES, 10240 where more is
     refused), the client cap and the upstream pool fitted under it, a clear error below MIN_FILES."""
-    from proxy import gate as gate_module
-    from proxy.config import ConfigError
+    from kv_proxy import gate as gate_module
+    from kv_proxy.config import ConfigError
 
     config = ProxyConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",))
     limits = {"soft": 256, "hard": 256, "max": 1 << 30}

@@ -1,38 +1,7 @@
-"""Where a request gets its first token soonest: what work costs on each instance (``Costs``, learned from the answers
-the proxy sees), what each instance has been sent and not yet answered (``Work``), and the choice between a remote
-prefill and the whole request on the decode instance (``decide``; pure, given queues and costs).
-
-The model, per instance (all of it learned online, nothing measured on one box and written down):
-
-- a prefill of ``n`` tokens queued behind ``q`` tokens sent there before costs ``prefill(q + n)`` seconds to its
-  first token, ``prefill`` a line ``base + per_token * tokens`` fitted to the prefills that instance answered (a
-  prefill instance's prefill answers; a decode instance's requests it computed whole, by their first streamed token);
-- a load of ``n`` tokens' KV into a decode instance costs ``load(n)`` to the first token, fitted to the requests it
-  decoded after a remote prefill (their first streamed token);
-- a decode step costs ``step`` (the mean gap between streamed chunks).
-
-The options for a request whose prompt has ``u_d`` tokens the decode instance D lacks and ``u_p`` the prefill
-instance P lacks:
-
-- **remote**: ``prefill_P(q_P + u_p) + load_D(u_d)``;
-- **local**: ``prefill_D(q_D + u_d)``, plus what it makes the others wait: each request decoding on D stalls while
-  D prefills (``running_D * per_token_D * u_d``).
-
-The cheaper one wins. With ``on_prefill`` (``--decode-on-prefill``) a third option competes:
-
-- **on_prefill**: the whole request on P, ``prefill_P(q_P + u_p)`` plus what its prefill makes P's running requests
-  wait, plus its decode there: ``out * step_P`` against ``out * step_D`` for the two options that decode on D (``out``
-  the request's output tokens, ``step`` each instance's learned time between streamed chunks, P borrowing D's until
-  it has decoded ``MIN_SAMPLES`` chunks itself). A decode instance whose core is saturated decodes slowly: its step
-  grows and requests decode on the prefill instance instead, until P's steps grow as well. Without a known ``out``
-  or any learned step the option is not offered.
-
-A remote prefill's time includes what it makes P's running requests wait (P decodes only under ``on_prefill``).
-Until the remote path's costs are learned (``MIN_SAMPLES`` prefill answers of P, as many
-loads into D), the request is prefilled remotely: skipping is never guessed. A decode instance that has not yet
-computed ``MIN_SAMPLES`` requests whole borrows P's prefill line (instances of one fleet usually run the same model
-on the same hardware) until its own is learned.
-"""
+"""Where a request gets its first token soonest (``--routing estimate``): what work costs on each instance (``Costs``,
+learned from the answers the proxy sees), what each instance has been sent and not yet answered (``Work``), and the
+choice among a remote prefill, the whole request on the decode instance, or on a prefill instance (``decide``; pure,
+given queues and costs). The model: docs/proxy.md#routing-estimate."""
 
 from __future__ import annotations
 
@@ -98,7 +67,7 @@ class LinearFit:
 
 @dataclass
 class Costs:
-    """What work costs on one instance (see the module docstring)."""
+    """What work costs on one instance (docs/proxy.md#routing-estimate)."""
 
     prefill: LinearFit = field(default_factory=LinearFit)
     load: LinearFit = field(default_factory=LinearFit)
@@ -160,10 +129,6 @@ class Decision:
     via: Option | None = None
     on_prefill: Option | None = None
 
-    @property
-    def remote(self) -> bool:
-        return self.where == REMOTE
-
 
 def whole_option(kind: str, costs: Costs, work: Work, uncached: float, borrowed: LinearFit | None = None) -> Option:
     """The whole request on one instance: its prefill behind what is queued there, and the wait it imposes on the
@@ -195,7 +160,7 @@ def decide(prefill: Costs, prefill_work: Work, uncached_p: float, decode: Costs,
            uncached_d: float, bound: float = 0.0, on_prefill: bool = False,
            output_tokens: float | None = None) -> Decision:
     """Remote prefill on P then decode on D, or the whole request on D, or (``on_prefill``) the whole request on P
-    (see the module docstring). ``bound``: from this many uncached tokens on D up, the request is never computed
+    (docs/proxy.md#routing-estimate). ``bound``: from this many uncached tokens on D up, the request is never computed
     there (0: no bound)."""
     if bound and uncached_d >= bound and not on_prefill:
         return Decision(REMOTE, "above_bound")

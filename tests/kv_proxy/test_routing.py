@@ -1,4 +1,4 @@
-"""proxy/routing.py, proxy/prefix_index.py and Balancer.pick's prefix rule: the longest cached prefix wins unless its
+"""kv_proxy/routing.py, kv_proxy/prefix_index.py and Balancer.pick's prefix rule: the longest cached prefix wins unless its
 instance is overloaded (--balance-slack); failed, restarted and flooded indexes; the prefill skipped when the
 decode instance holds (nearly) the whole prompt (--skip-prefill-below). Real HTTP through the proxy."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from proxy.balancer import BALANCE
-from proxy.prefix_index import (
+from kv_proxy.balancer import BALANCE
+from kv_proxy.prefix_index import (
     CHUNK_CHARS,
     MAX_CHUNKS,
     CharsPerToken,
@@ -17,8 +17,8 @@ from proxy.prefix_index import (
     cache_info,
     fingerprint,
 )
-from proxy.protocols import NO_LOAD
-from tests.proxy.upstreams import (
+from kv_proxy.protocols import NO_LOAD
+from tests.kv_proxy.upstreams import (
     CHAT,
     COMPLETION,
     Environment,
@@ -27,6 +27,7 @@ from tests.proxy.upstreams import (
     proxy_metric,
     read_sse,
     run,
+    settle,
     text_of,
     wait_until,
 )
@@ -161,14 +162,14 @@ def test_a_restarted_instance_is_forgotten_and_its_cache_size_bounds_its_index()
         decode0 = proxy.decode_balancer.upstreams[0]
         env.decode[0].metrics_text = cache_metrics(100, 16, 1000.0)
         await complete(env, shared)
-        await proxy.router.settle()
+        await settle(proxy)
         assert decode0.cache.tokens == 1600 and decode0.prefix.capacity == 1600 // 64
         hint = fingerprint({**COMPLETION, "prompt": shared}, False)
         assert hint is not None and decode0.prefix.match(hint.chunks) == 8
         env.decode[0].metrics_text = cache_metrics(100, 16, 2000.0)  # a new process
-        decode0.learned_at.clear()  # as after DISCOVERY_TTL
+        decode0.ask_again()  # as after DISCOVERY_TTL
         await complete(env, text_of(8, 300))
-        await proxy.router.settle()
+        await settle(proxy)
         assert decode0.prefix.match(hint.chunks) == 0
 
     run(test)
@@ -183,7 +184,7 @@ def test_the_index_stays_bounded_under_a_flood_of_unique_prompts() -> None:
         proxy = env.proxy.proxy
         env.prefill[0].metrics_text = cache_metrics(8, 16, 1.0)
         await complete(env, "warm up")
-        await proxy.router.settle()
+        await settle(proxy)
         upstreams = proxy.prefill_balancer.upstreams + proxy.decode_balancer.upstreams
         assert [u.prefix.capacity for u in upstreams] == [2, 20, 20]
         prompts = [text_of(1000 + i, 10 * CHUNK_CHARS) for i in range(120)]
@@ -395,7 +396,7 @@ def test_with_decode_on_prefill_a_saturated_decode_instance_hands_whole_requests
     whole on P - the client's own request (max_tokens, stream) with params that keep nothing for a consumer - and
     its answer is relayed; D gets nothing. When P fails to connect, the request falls back to D whole. Both end
     with nothing queued. Without --decode-on-prefill the same state never sends a request to P whole."""
-    from proxy.estimate import MIN_SAMPLES, LinearFit
+    from kv_proxy.estimate import MIN_SAMPLES, LinearFit
 
     def teach(env: Environment) -> None:
         p, d = env.proxy.proxy.prefill_balancer.upstreams[0], env.proxy.proxy.decode_balancer.upstreams[0]

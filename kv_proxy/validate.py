@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from proxy.errors import ProxyError
+from kv_proxy.errors import ProxyError
 
 MAX_COUNT = 2**31 - 1  # max_tokens: vLLM fails on larger ones only after the prefill ran
 MAX_SEQUENCES = 128  # n, best_of: sequences decoded for one prompt (each one is a whole decode on the instance)

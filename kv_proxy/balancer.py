@@ -1,26 +1,17 @@
 """Which instance of a role serves the next request: ``Upstream`` (one instance and its bookkeeping), ``Choice`` (a
-pick and why) and ``Balancer`` (one per role).
-
-``Balancer.pick`` is the one choice: given a request's ``Fingerprint`` it prefers the instance that holds the longest
-prefix of the prompt (``PrefixIndex``) unless that instance is overloaded, i.e. has more than ``slack`` requests
-outstanding beyond the least loaded one; among equals (and without a prefix anywhere) the fewest outstanding
-requests win, round robin on ties. With ``--routing estimate`` a score (the estimated seconds to the request's
-first token on each instance, ``proxy.routing``) chooses instead, once it can be estimated.
-``reserve``/``acquire``/``release`` count what each instance has under way, ``mark_failed`` puts a failed instance
-aside for the cooldown (and forgets what it held), ``add``/``remove`` change the instances while the proxy runs.
-"""
+pick and why) and ``Balancer`` (one per role: ``pick``, what each instance has under way, failures and cooldowns,
+instances added and removed). The rules: docs/proxy.md#choosing-instances."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.estimate import Costs, Work
-from proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
+from kv_proxy.estimate import Costs, Work
+from kv_proxy.prefix_index import CacheInfo, Fingerprint, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +33,6 @@ class Upstream:
     removed: bool = False  # taken out by the admin API: its requests in flight finish, no new one comes
     learned: dict[str, Any] = field(default_factory=dict)  # what it said about itself, by topic (see Discovery.learn)
     learned_at: dict[str, float] = field(default_factory=dict)
-    learning: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
     cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
@@ -56,6 +46,27 @@ class Upstream:
 
     def cooling_down(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.down_until
+
+    def knows(self, topic: str, ttl: float) -> bool:
+        """Whether it said something about itself on ``topic`` less than ``ttl`` seconds ago."""
+        at = self.learned_at.get(topic)
+        return at is not None and time.monotonic() - at < ttl
+
+    def said(self, topic: str) -> Any:
+        """What it said last on ``topic`` (None if never), however long ago."""
+        return self.learned.get(topic)
+
+    def remember(self, topic: str, value: Any) -> None:
+        """What it says on ``topic`` now. An instance that says something new about itself may have restarted: its
+        prefix index is emptied."""
+        if topic in self.learned and self.learned[topic] != value:
+            self.forget(f"its {topic} changed")
+        self.learned[topic] = value
+        self.learned_at[topic] = time.monotonic()
+
+    def ask_again(self) -> None:
+        """What it said is stale (it may come back as another engine, e.g. after a failure): ask again."""
+        self.learned_at.clear()
 
     def forget(self, why: str) -> None:
         """It may hold nothing of what was routed to it (a restart, a failure): its prefix index is emptied."""
@@ -77,7 +88,7 @@ class Choice:
 
 @dataclass
 class Balancer:
-    """The instances of one role and the choice among them (see the module docstring)."""
+    """The instances of one role and the choice among them (see ``pick``)."""
 
     role: str
     upstreams: list[Upstream]
@@ -162,12 +173,9 @@ class Balancer:
         upstream.failures += 1
         upstream.last_error = error
         upstream.down_until = time.monotonic() + self.cooldown
-        upstream.learned_at.clear()  # it may come back as another engine (a restart): ask again
+        upstream.ask_again()  # it may come back as another engine (a restart)
         upstream.forget("it failed")
         log.warning("%s %s failed (%s); skipped for %.1f s", self.role, upstream.url, error, self.cooldown)
-
-    def outstanding(self) -> int:
-        return sum(u.outstanding for u in self.upstreams)
 
     def find(self, url: str) -> Upstream | None:
         return next((u for u in self.upstreams if u.url == url), None)

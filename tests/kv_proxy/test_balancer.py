@@ -1,4 +1,4 @@
-"""proxy/balancer.py: which instance serves a request (fewest outstanding, round robin on ties) and a failed instance
+"""kv_proxy/balancer.py: which instance serves a request (fewest outstanding, round robin on ties) and a failed instance
 set aside for the cooldown. Real HTTP through the proxy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.proxy.upstreams import COMPLETION, Environment, FakeUpstream, assert_idle, read_sse, run, unused_port
+from tests.kv_proxy.upstreams import COMPLETION, Environment, FakeUpstream, assert_idle, read_sse, run, unused_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""proxy/estimate.py: the fits learn what work costs, and ``decide`` picks remote prefill or the whole request on the
+"""kv_proxy/estimate.py: the fits learn what work costs, and ``decide`` picks remote prefill or the whole request on the
 decode instance from queues and costs (no HTTP: the decision is a pure function; test_routing.py runs it through
 the proxy)."""
 
@@ -10,12 +10,12 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.balancer import ESTIMATE, PREFIX, Balancer, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import Discovery
-from proxy.estimate import MIN_SAMPLES, Costs, LinearFit, Work, decide
-from proxy.prefix_index import Fingerprint, fingerprint
-from proxy.routing import Router
+from kv_proxy.balancer import ESTIMATE, PREFIX, Balancer, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import Discovery
+from kv_proxy.estimate import MIN_SAMPLES, REMOTE, Costs, LinearFit, Work, decide
+from kv_proxy.prefix_index import Fingerprint, fingerprint
+from kv_proxy.routing import Router
 
 
 def learned(base: float, per_token: float, tokens: tuple[int, ...] = (100, 400, 800, 1600)) -> LinearFit:
@@ -76,7 +76,7 @@ def test_before_the_remote_path_is_learned_the_prefill_is_remote() -> None:
     idle = Work()
     for prefill, decode in ((Costs(), costs()), (costs(), costs(load=None)), (Costs(), Costs())):
         decision = decide(prefill, idle, 10, decode, idle, 10)
-        assert decision.remote and decision.reason == "not_learned"
+        assert decision.where == REMOTE and decision.reason == "not_learned"
 
 
 def test_an_idle_decode_instance_computes_a_short_uncached_part_itself() -> None:
@@ -84,7 +84,7 @@ def test_an_idle_decode_instance_computes_a_short_uncached_part_itself() -> None
     P prefills 1216 tokens, D loads 192; local: D prefills 192 - cheaper while D is idle."""
     p, d = costs(), costs()
     decision = decide(p, Work(), 1216, d, Work(), 192)
-    assert not decision.remote and decision.reason == "faster_locally"
+    assert decision.where != REMOTE and decision.reason == "faster_locally"
     assert decision.local is not None and decision.via is not None
     assert decision.local.cost < decision.via.cost
 
@@ -95,25 +95,25 @@ def test_a_busy_decode_instance_sends_the_prefill_away() -> None:
     p, d = costs(), costs()
     for busy in (Work(queued=3, tokens=3000), Work(running=8)):
         decision = decide(p, Work(), 192, d, busy, 192)
-        assert decision.remote and decision.reason == "faster_remotely", busy
-    assert decide(p, Work(queued=6, tokens=6000), 192, d, Work(queued=3, tokens=3000), 192).remote is False
+        assert decision.where == REMOTE and decision.reason == "faster_remotely", busy
+    assert decide(p, Work(queued=6, tokens=6000), 192, d, Work(queued=3, tokens=3000), 192).where != REMOTE
 
 
 def test_a_slower_decode_instance_learns_its_own_costs() -> None:
     """Until D computed requests whole it borrows P's prefill line; once it has its own (3x slower), that counts."""
     p = costs()
     d = costs(prefill=None)
-    assert not decide(p, Work(), 300, d, Work(), 300).remote
+    assert decide(p, Work(), 300, d, Work(), 300).where != REMOTE
     d.prefill = learned(0.06, 0.003)
-    assert decide(p, Work(), 300, d, Work(), 300).remote
+    assert decide(p, Work(), 300, d, Work(), 300).where == REMOTE
 
 
 def test_the_bound_keeps_long_uncached_prompts_remote() -> None:
     p, d = costs(load=(0.5, 0.01)), costs(load=(0.5, 0.01))  # a slow link: the estimate alone would keep it local
-    assert not decide(p, Work(), 2000, d, Work(), 2000).remote
+    assert decide(p, Work(), 2000, d, Work(), 2000).where != REMOTE
     decision = decide(p, Work(), 2000, d, Work(), 2000, bound=1024)
-    assert decision.remote and decision.reason == "above_bound"
-    assert not decide(p, Work(), 2000, d, Work(), 1000, bound=1024).remote
+    assert decision.where == REMOTE and decision.reason == "above_bound"
+    assert decide(p, Work(), 2000, d, Work(), 1000, bound=1024).where != REMOTE
 
 
 def router_of(prefill: int, decode: int, **options: object) -> tuple[Router, Balancer, Balancer]:

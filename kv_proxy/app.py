@@ -1,5 +1,5 @@
-"""The proxy's request flow: ``Proxy`` (the state the handlers share, and what each request does upstream) and
-``create_app``, the Quart app around it."""
+"""The proxy's request flow over HTTP: ``Proxy`` (the state the handlers share, and what each request does upstream;
+its routing bookkeeping is its ``Routed``) and ``create_app``, the Quart app around it."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from quart import Quart, Response, g, request
 
-from proxy.admin import register_admin
-from proxy.balancer import Balancer, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import Discovery
-from proxy.errors import ProxyError, RelayedError
-from proxy.estimate import LOCAL, ON_PREFILL
-from proxy.prefix_index import Fingerprint
-from proxy.prepare import BodyBudget, Prepared, Preparer, with_params
-from proxy.protocols import (
+from kv_proxy.admin import register_admin
+from kv_proxy.balancer import Balancer, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import Discovery
+from kv_proxy.errors import ProxyError, RelayedError
+from kv_proxy.estimate import LOCAL, ON_PREFILL
+from kv_proxy.prefix_index import Fingerprint
+from kv_proxy.prepare import BodyBudget, Prepared, Preparer, with_params
+from kv_proxy.protocols import (
     NO_LOAD,
     BootstrapProtocol,
     ParamsProtocol,
@@ -29,9 +29,10 @@ from proxy.protocols import (
     json_answer,
     loads_kv,
 )
-from proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
-from proxy.routing import Router, Trip
-from proxy.validate import request_id
+from kv_proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
+from kv_proxy.routed import Routed
+from kv_proxy.routing import Router
+from kv_proxy.validate import request_id
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ class _FailedBeforeFirstToken(Exception):
 
 
 class Proxy:
-    """State shared by the handlers: the config, one balancer per role, the client session, and what the instances
-    said about themselves (``discovery``, shared with the router and the protocol)."""
+    """State shared by the handlers: the config, one balancer per role, the router, the client session, and what the
+    instances said about themselves (``discovery``, shared with the router and the protocol)."""
 
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -86,7 +87,7 @@ class Proxy:
                                     ["reason"], registry=self.metrics)
         self._told_bad: set[tuple[str, str]] = set()  # (instance, kind) of bad answers logged already
         self._outage = False  # the last remote prefill failed for want of a prefill instance (logged once an outage)
-        self._background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
+        self.background: set[asyncio.Task[None]] = set()  # prefills running beside their decode
         seconds = config.timeout
         connect = config.connect_timeout
         self.whole_timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=connect)  # prefill, decode, /v1/models
@@ -121,21 +122,13 @@ class Proxy:
 
     async def stop(self) -> None:
         self.preparer.close()
-        for task in list(self._background):
+        for task in list(self.background):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.router.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    async def settle(self) -> None:
-        """Wait for the prefills running beside their decode (tests, shutdown)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    def outstanding(self) -> dict[str, int]:
-        return {PREFILL: self.prefill_balancer.outstanding(), DECODE: self.decode_balancer.outstanding()}
 
     async def send(
         self, balancer: Balancer, method: str, path: str, body: bytes | None, headers: dict[str, str],
@@ -225,17 +218,16 @@ class Proxy:
             balancer.release(upstream)
 
     async def prefill(self, path: str, body: bytes, headers: dict[str, str], reserved: Upstream,
-                      trip: Trip) -> tuple[Upstream, dict[str, Any] | None]:
-        """Run the prefill copy on the reserved instance (another one if it cannot be reached) to completion; the
-        instance that ran it and its answer's kv_transfer_params."""
-        hint = trip.hint
+                      routed: Routed) -> tuple[Upstream, dict[str, Any] | None]:
+        """Run the prefill copy on the reserved instance (sent: ``routed.prefill_sent``; another one if it cannot be
+        reached) to completion; the instance that ran it and its answer's kv_transfer_params."""
+        answer: dict[str, Any] | None = None
         ok = False
-        self.router.prefill_sent(trip, reserved)
         try:
             upstream, response = await self.send(self.prefill_balancer, "POST", path, body, headers,
-                                                 self.whole_timeout, reserved, hint)
+                                                 self.whole_timeout, reserved, routed.hint)
             if upstream is not reserved:
-                self.router.prefill_sent(trip, upstream)
+                routed.prefill_sent(upstream)
             data = await self.read_body(self.prefill_balancer, upstream, response, PREFILL_ANSWER_MAX)
             log.debug("[%s] prefill on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
             if response.status >= 400:
@@ -245,17 +237,15 @@ class Proxy:
                 raise self.bad_prefill(upstream, "no JSON object" if answer is None else "no kv_transfer_params")
             ok = True
         finally:
-            self.router.prefill_ended(trip, ok)
-        self.router.calibrate(hint, answer)
+            routed.prefill_ended(answer if ok else None)
         self.prefilled()
         return upstream, answer_params(answer)
 
     async def forward_decode(self, path: str, request: Prepared, kv_params: dict[str, Any] | None,
-                             headers: dict[str, str], reserved: Upstream, trip: Trip,
-                             local: bool, balancer: Balancer | None = None) -> Response:
-        """Send the original request (plus kv_transfer_params) to the reserved decode instance (another one if it
-        cannot be reached) and relay its answer. ``local``: it computes the prompt itself (no KV to load).
-        ``balancer``: the role ``reserved`` belongs to (the prefill instances', for a request served whole on one).
+                             headers: dict[str, str], routed: Routed, local: bool) -> Response:
+        """Send the original request (plus kv_transfer_params) to the request's reserved decode instance (another one
+        if it cannot be reached; on_prefill: a prefill instance) and relay its answer. ``local``: it computes the
+        prompt itself (no KV to load).
 
         A decode that loads KV and fails before its first token with a server error (a 5xx answer, or a stream whose
         first event is an error: under vLLM's default ``kv_load_failure_policy`` a KV load that broke ends its
@@ -263,39 +253,33 @@ class Proxy:
         One that already streamed a token is not retried."""
         may_load = kv_params is None or loads_kv(kv_params)  # without params a consumer loads what it finds
         try:
-            return await self._decode_once(path, request, kv_params, headers, reserved, trip, local, balancer,
-                                           may_load)
+            return await self._decode_once(path, request, kv_params, headers, routed, local, may_load)
         except _FailedBeforeFirstToken as failed:
-            request_id = headers[REQUEST_ID_HEADER]
             self._retries.labels(reason=failed.reason).inc()
             log.warning("[%s] the decode on %s failed before its first token (%s): sending it again whole to a decode "
-                        "instance", request_id, failed.upstream, failed.reason)
-            trip = self.router.trip(trip.hint)
-            decode = self.router.reserve(self.decode_balancer, trip.hint, request_id, trip).upstream
-            return await self._decode_once(path, request, dict(NO_LOAD), headers, decode, trip, True)
+                        "instance", routed.request_id, failed.upstream, failed.reason)
+            routed.retry()
+            return await self._decode_once(path, request, dict(NO_LOAD), headers, routed, True)
 
     async def _decode_once(self, path: str, request: Prepared, kv_params: dict[str, Any] | None,
-                           headers: dict[str, str], reserved: Upstream, trip: Trip,
-                           local: bool, balancer: Balancer | None = None, retry: bool = False) -> Response:
+                           headers: dict[str, str], routed: Routed, local: bool, retry: bool = False) -> Response:
         """``forward_decode``'s one attempt; raises ``_FailedBeforeFirstToken`` where a retry is due (``retry``: the
         decode may load KV)."""
         body = with_params(request.body, kv_params)
         timeout = self.stream_timeout if request.stream else self.whole_timeout
-        balancer = balancer or self.decode_balancer
-        hint = trip.hint
-        self.router.decode_sent(trip, reserved, local)
+        balancer, reserved = routed.decode_balancer, routed.decode
+        routed.decode_sent(reserved, local)
         relaying = False
-        answer: dict[str, Any] | None = None
         try:
-            upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, hint)
+            upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, routed.hint)
             if upstream is not reserved:
-                self.router.decode_sent(trip, upstream, local)
+                routed.decode_sent(upstream, local)
             content_type = response.headers.get("Content-Type", "application/json")
             log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
             if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
                 def release() -> None:
                     balancer.release(upstream)
-                    self.router.decode_ended(trip, False)
+                    routed.decode_ended()
 
                 first = b""
                 if retry:  # whether its first event is an error (a load that broke) decides a retry
@@ -317,8 +301,7 @@ class Proxy:
                         response.close()
                         balancer.release(upstream)
                         raise _FailedBeforeFirstToken(reason, upstream.name)
-                relay = StreamRelay(response, release, headers[REQUEST_ID_HEADER],
-                                    lambda: self.router.answered(upstream, hint), lambda: self.router.chunk(trip),
+                relay = StreamRelay(response, release, headers[REQUEST_ID_HEADER], routed.answered, routed.chunk,
                                     first=first)
                 relaying = True
                 relayed = Response(relay, status=response.status, content_type=content_type)
@@ -330,8 +313,8 @@ class Proxy:
 
                 def whole(data: bytes | None) -> None:  # its start (all of it, if small: its usage times the step)
                     balancer.release(upstream)
-                    self.router.answered(upstream, hint)
-                    self.router.decode_ended(trip, data is not None, json_answer(data) if data else None)
+                    routed.answered()
+                    routed.decode_ended(json_answer(data) if data else None)
 
                 relaying = True
                 body = BodyRelay(response, whole, headers[REQUEST_ID_HEADER])
@@ -344,7 +327,7 @@ class Proxy:
             return Response(data, status=response.status, content_type=content_type)
         finally:
             if not relaying:
-                self.router.decode_ended(trip, answer is not None, answer)
+                routed.decode_ended()
 
     async def completion(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         chat = path == CHAT_COMPLETIONS
@@ -356,47 +339,39 @@ class Proxy:
             # goes to (nor set test switches).
             self._dropped.inc()
             log.info("[%s] dropped the client's kv_transfer_params (only the proxy sets them)", request_id)
-        hint = request.hint
-        trip = self.router.trip(hint)
-        choice = self.router.reserve(self.decode_balancer, hint, request_id, trip)
-        decode = choice.upstream
+        routed = Routed.open(self.router, request.hint, request_id, request.output_tokens)
         try:
-            where, prefill = self.router.route(choice, hint, request_id, request.output_tokens)
+            return await self.serve(path, request, headers, routed)
         except BaseException:
-            self.decode_balancer.release(decode)
+            routed.release()  # what was reserved for it and never sent
             raise
-        if where == ON_PREFILL and prefill is not None:
-            self.decode_balancer.release(decode)
-            self.router.take(self.prefill_balancer, prefill, hint, trip)
+
+    async def serve(self, path: str, request: Prepared, headers: dict[str, str], routed: Routed) -> Response:
+        """The routed request's way: whole on a prefill instance (on_prefill), or a remote prefill (unless skipped:
+        local) and then the decode."""
+        if routed.where == ON_PREFILL:
             try:
                 # NO_LOAD says do_remote_decode false too: the prefill instance keeps nothing for a consumer
-                return await self.forward_decode(path, request, dict(NO_LOAD), headers, prefill, trip, True,
-                                                 self.prefill_balancer)
+                return await self.forward_decode(path, request, dict(NO_LOAD), headers, routed, True)
             except ProxyError as error:
                 reason = self.prefill_unavailable(error)
                 if reason is None or not self.config.fallback:
                     raise
-                self.fell_back(reason, error, request_id)
-            trip = self.router.trip(hint)  # the failed one is off every queue
-            decode = self.router.reserve(self.decode_balancer, hint, request_id, trip).upstream
-            return await self.forward_decode(path, request, dict(NO_LOAD), headers, decode, trip, True)
+                self.fell_back(reason, error, routed.request_id)
+            routed.retry()
+            return await self.forward_decode(path, request, dict(NO_LOAD), headers, routed, True)
         try:
-            if where == LOCAL:
+            if routed.where == LOCAL:
                 decode_params: dict[str, Any] | None = dict(NO_LOAD)
             else:
-                decode_params = await self.remote_prefill(path, request, headers, decode, trip)
+                decode_params = await self.remote_prefill(path, request, headers, routed)
         except (ProxyError, RelayedError) as error:
             reason = self.prefill_unavailable(error)
             if reason is None or not self.config.fallback:
-                self.decode_balancer.release(decode)
                 raise
-            self.fell_back(reason, error, request_id)
+            self.fell_back(reason, error, routed.request_id)
             decode_params = dict(NO_LOAD)
-        except BaseException:
-            self.decode_balancer.release(decode)
-            raise
-        local = not loads_kv(decode_params)
-        return await self.forward_decode(path, request, decode_params, headers, decode, trip, local)
+        return await self.forward_decode(path, request, decode_params, headers, routed, not loads_kv(decode_params))
 
     @staticmethod
     def prefill_unavailable(error: ProxyError | RelayedError) -> str | None:
@@ -426,44 +401,45 @@ class Proxy:
             self._outage = False
             log.warning("a prefill instance answers again: remote prefills resume")
 
-    async def remote_prefill(self, path: str, request: Prepared, headers: dict[str, str], decode: Upstream,
-                             trip: Trip) -> dict[str, Any] | None:
+    async def remote_prefill(self, path: str, request: Prepared, headers: dict[str, str],
+                             routed: Routed) -> dict[str, Any] | None:
         """The prefill copy run on a prefill instance; the decode's kv_transfer_params. Before the decode, unless the
         decode instance takes pushed KV (``--dispatch concurrent``): then the prefill runs in the background and the
         decode goes out at once, waiting for the push."""
         transfer = self.protocol.new_transfer()
-        prefill_params = await self.protocol.prefill_params(transfer, decode)
+        prefill_params = await self.protocol.prefill_params(transfer, routed.decode)
         body = with_params(request.prefill, prefill_params)
         awaited = self.protocol.awaited_push(prefill_params) if self.config.dispatch == "concurrent" else None
-        hint = trip.hint
-        chosen = self.router.reserve(self.prefill_balancer, hint, headers[REQUEST_ID_HEADER], trip).upstream
+        chosen = routed.reserve_prefill()
         if awaited is not None and chosen.cooling_down() and self.config.fallback:
             # every prefill instance failed a moment ago (a cooling-down one is chosen only then): a decode sent
             # beside it would wait push_wait for a push that is unlikely to come
-            self.prefill_balancer.release(chosen)
+            routed.release(PREFILL)
             raise ProxyError(502, "upstream_cooling_down", "every prefill instance failed recently", PREFILL,
                              chosen.name)
         if awaited is not None:
             self._dispatched.labels(mode="concurrent").inc()
-            task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, trip))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            routed.prefill_sent(chosen)  # the background task owns the reservation from here
+            task = asyncio.create_task(self.background_prefill(path, body, headers, chosen, routed))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
             return awaited
         self._dispatched.labels(mode="sequential").inc()
         try:  # what the decode will need to know about the prefill instance, asked before it prefills
             await self.protocol.prepare(chosen)
         except BaseException:
-            self.prefill_balancer.release(chosen)
+            routed.release(PREFILL)
             raise
-        prefill, answer = await self.prefill(path, body, headers, chosen, trip)
+        routed.prefill_sent(chosen)
+        prefill, answer = await self.prefill(path, body, headers, chosen, routed)
         return await self.protocol.decode_params(transfer, prefill, answer)
 
     async def background_prefill(self, path: str, body: bytes, headers: dict[str, str], chosen: Upstream,
-                                 trip: Trip) -> None:
+                                 routed: Routed) -> None:
         """A prefill whose decode is already on its way: its failure is logged and counted, never the client's (the
         decode instance stops waiting for the push after its ``push_wait`` and computes the prompt itself)."""
         try:
-            await self.prefill(path, body, headers, chosen, trip)
+            await self.prefill(path, body, headers, chosen, routed)
         except asyncio.CancelledError:
             raise
         except (ProxyError, RelayedError) as error:

@@ -1,20 +1,5 @@
-"""The admin endpoint: instances added and removed while the proxy runs (``register_admin``, only with an admin token).
-
-``/admin/instances`` (on the proxy's own host and port, so every request must carry ``Authorization: Bearer
-<token>``: none -> 401, another token -> 403; the token is compared in constant time and never logged):
-
-- ``GET``: ``{"prefill": [...], "decode": [...], "draining": [...]}``, each instance with its URL, number,
-  outstanding requests, failures, cooldown and prefix index size; ``draining``: removed instances whose requests are
-  still in flight.
-- ``POST {"role": "prefill"|"decode", "url": "http://host:port"}`` (``"bootstrap": URL`` too for a prefill instance
-  with ``--protocol bootstrap``; default port 8998 on its host): 201 and the instance; 409 if it is there already.
-- ``DELETE {"role": ..., "url": ...}`` (nothing else): no new request goes to it, those in flight finish; 200 and the instance,
-  404 if there is no such instance, 409 if it is the last of its role.
-
-Bodies are checked as the command line checks its options (``normalize_upstream_url``); anything else -> 400.
-``register_admin`` is given the config and the ``Router``: it changes the router's balancers, and the router then
-bounds the prefix indexes anew.
-"""
+"""``/admin/instances`` (``register_admin``, only with an admin token): instances listed, added and removed while the
+proxy runs, in the ``Router``'s balancers (docs/proxy.md#admin)."""
 
 from __future__ import annotations
 
@@ -25,11 +10,11 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from proxy.balancer import Upstream
-from proxy.config import DECODE, PREFILL, ConfigError, ProxyConfig, default_bootstrap_url, normalize_upstream_url
-from proxy.errors import ProxyError
-from proxy.routing import Router
-from proxy.validate import parse_json_object
+from kv_proxy.balancer import Upstream
+from kv_proxy.config import DECODE, PREFILL, ConfigError, ProxyConfig, default_bootstrap_url, normalize_upstream_url
+from kv_proxy.errors import ProxyError
+from kv_proxy.routing import Router
+from kv_proxy.validate import parse_json_object
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,7 @@
-"""Routing around ``Balancer.pick``: ``Router`` keeps the prefix indexes bounded and fresh, counts each choice on the
-proxy's /metrics, calibrates token estimates, and decides when the remote prefill is not worth it (``skip_prefill``).
-
-Two rules (``--routing``): ``prefix`` (the longest cached prefix within ``--balance-slack``, and the fixed
-``--skip-prefill-below`` threshold, 0 by default: never skipped) and ``estimate`` (``proxy.estimate``: the instances
-and the skip are chosen by the estimated time to the request's first token, from what each instance has queued and
-what work cost there; ``--skip-prefill-below`` is then a bound: from that many uncached tokens up a request is never
-computed on its decode instance). Each request's ``Trip`` keeps the queues and the learned costs up to date.
-
-Bounds: every instance's index holds at most the chunks its KV cache holds (``vllm:cache_config_info`` on its
-/metrics: ``num_gpu_blocks * block_size`` tokens, ``DEFAULT_CACHE_TOKENS`` if it does not say), and all indexes
-together at most ``--prefix-index-entries`` chunks (each instance gets an equal share). An instance's /metrics are
-read in the background at most once per ``DISCOVERY_TTL`` (``Discovery``, which tells the router what they say
-whoever reads them); one whose process start time or cache size changed (a restart) loses its index, as does one
-that failed or was removed.
-"""
+"""``Router``: the instances each request goes to and whether it is prefilled remotely (``--routing prefix`` or
+``estimate``), each choice counted on /metrics, the prefix indexes kept bounded and fresh, and token estimates
+calibrated. One request's bookkeeping through the fleet is its ``Routed`` (``kv_proxy.routed``); docs/proxy.md
+tells the rules."""
 
 from __future__ import annotations
 
@@ -21,49 +9,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from proxy.balancer import Balancer, Choice, Upstream
-from proxy.config import DECODE, PREFILL, ProxyConfig
-from proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
-from proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
-from proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
+from kv_proxy.balancer import Balancer, Choice, Upstream
+from kv_proxy.config import DECODE, PREFILL, ProxyConfig
+from kv_proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
+from kv_proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
+from kv_proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
 
 log = logging.getLogger(__name__)
 
 RETRY = 5.0  # seconds before an instance whose /metrics could not be read is asked again (by the router)
 
 
-@dataclass
-class Trip:
-    """One request's way through the fleet, for the queues and the costs: its prompt, the tokens each instance must
-    compute (or load), and when each step started and ended (``time.monotonic()``)."""
-
-    hint: Fingerprint | None
-    total: float = 0.0  # the prompt's estimated tokens
-    local: bool = False  # computed whole on its decode instance
-    held: dict[str, tuple[Upstream, int]] = field(default_factory=dict)  # by role: the chosen instance, the prompt's
-    # chunks it held when chosen (a choice records the prompt as held from then on)
-    prefill: Upstream | None = None
-    prefill_tokens: float = 0.0  # uncached on the prefill instance
-    prefill_ahead: float = 0.0  # tokens queued there before it
-    prefill_sent: float = 0.0
-    prefill_done: float | None = None
-    prefill_ok: bool = False  # the prefill answered (a load after it is a sample of the load's cost)
-    decode: Upstream | None = None
-    decode_tokens: float = 0.0  # uncached on the decode instance (computed there, or loaded)
-    decode_ahead: float = 0.0
-    decode_sent: float = 0.0
-    first_token: float | None = None
-    last_chunk: float = 0.0
-    ended: bool = False
-
-
 class Router:
-    """The choices of both roles, their bounds and their counters (see the module docstring)."""
+    """The choices of both roles, their bounds and their counters (docs/proxy.md)."""
 
     def __init__(self, config: ProxyConfig, prefill: Balancer, decode: Balancer, discovery: Discovery,
                  registry: CollectorRegistry) -> None:
@@ -72,7 +34,7 @@ class Router:
         self.discovery = discovery
         discovery.watch(self.observe)  # whoever reads an instance's /metrics, the router hears what they say
         self.calibration = {True: CharsPerToken(), False: CharsPerToken()}  # chat, text
-        self._refreshing: dict[int, asyncio.Task[None]] = {}
+        self.refreshing: dict[int, asyncio.Task[None]] = {}  # background reads of /metrics, by instance
         self.routed = Counter("mooncake_proxy_routed", "Requests sent to an instance, by role and by the rule that "
                               "chose it (prefix: it held the longest cached prefix; balance: least outstanding).",
                               ["role", "rule"], registry=registry)
@@ -125,16 +87,13 @@ class Router:
             self.calibration[hint.chat].observe(hint.size, usage.get("prompt_tokens"))
 
     # ---------------------------------------------------------------- choices
-    def reserve(self, balancer: Balancer, hint: Fingerprint | None, request_id: str, trip: Trip | None = None) -> Choice:
-        """``balancer.reserve(hint)``, counted (and noted on ``trip``); the instance's /metrics refreshed in the
-        background if stale. With ``--routing estimate`` the estimated time to the first token chooses, once it can
-        be estimated."""
+    def reserve(self, balancer: Balancer, hint: Fingerprint | None, request_id: str) -> Choice:
+        """``balancer.reserve(hint)``, counted; the instance's /metrics refreshed in the background if stale. With
+        ``--routing estimate`` the estimated time to the first token chooses, once it can be estimated."""
         score = None
         if self.config.routing == "estimate" and hint is not None:
             score = self._prefill_scores(hint) if balancer.role == PREFILL else self._decode_scores(hint)
         choice = balancer.reserve(hint, score)
-        if trip is not None:
-            trip.held[balancer.role] = (choice.upstream, choice.cached)
         self.routed.labels(role=balancer.role, rule=choice.rule).inc()
         if choice.passed_over:
             self.passed_over.labels(role=balancer.role).inc()
@@ -194,7 +153,7 @@ class Router:
         """Where the request goes: ``remote`` (prefill remotely, decode on ``decode``), ``local`` (the decode instance
         computes the prompt itself) or, with ``--decode-on-prefill``, ``on_prefill`` (the whole request on the
         prefill instance returned). ``--routing prefix``: local when its uncached part (estimated) is below
-        ``--skip-prefill-below`` tokens. ``--routing estimate``: ``proxy.estimate.decide`` (``output_tokens``: the
+        ``--skip-prefill-below`` tokens. ``--routing estimate``: ``kv_proxy.estimate.decide`` (``output_tokens``: the
         request's, if it says). Always remote for a prompt the index cannot size (``prompt_embeds``). Cautious: only
         chunks the instance has answered count as cached (a prompt routed there a moment ago may still be loading),
         and a text prompt is sized with the lowest characters per token seen lately (a character per token before
@@ -245,122 +204,25 @@ class Router:
             self.skipped.inc()
         return where
 
-    def take(self, balancer: Balancer, upstream: Upstream, hint: Fingerprint | None, trip: Trip) -> None:
-        """Count ``upstream`` busy with the request (chosen by ``route``), as ``reserve`` does with its choice."""
+    def take(self, balancer: Balancer, upstream: Upstream, hint: Fingerprint | None) -> int:
+        """Count ``upstream`` busy with the request (chosen by ``route``), as ``reserve`` does with its choice; the
+        prompt's chunks it held when chosen."""
         balancer.acquire(upstream)
-        trip.held[balancer.role] = (upstream, upstream.prefix.match(hint.chunks) if hint is not None else 0)
+        held = upstream.prefix.match(hint.chunks) if hint is not None else 0
         if hint is not None:
             upstream.prefix.add(hint.chunks)
         self.routed.labels(role=balancer.role, rule="estimate").inc()
         self.refresh(upstream)
+        return held
 
-    # ---------------------------------------------------------------- queues and costs
-    def trip(self, hint: Fingerprint | None) -> Trip:
-        return Trip(hint, 0.0 if hint is None else self.tokens(hint, cautious=True))
-
-    def _to_compute(self, trip: Trip, upstream: Upstream) -> float:
-        """The prompt's tokens ``upstream`` did not hold when it was chosen (all of them on an instance failed over
-        to)."""
-        if trip.hint is None:
-            return 0.0
-        chosen, chunks = trip.held.get(upstream.role, (None, 0))
-        held = self.tokens(trip.hint, chunks * trip.hint.chunk_units, cautious=True) if chosen is upstream else 0.0
-        return max(trip.total - held, 0.0)
-
-    def prefill_sent(self, trip: Trip, upstream: Upstream) -> None:
-        """The prefill went to ``upstream``: it is queued there until answered."""
-        if trip.prefill is not None:  # it failed over to another instance
-            trip.prefill.work.remove(trip.prefill_tokens)
-        trip.prefill = upstream
-        trip.prefill_tokens = self._to_compute(trip, upstream)
-        trip.prefill_ahead = upstream.work.tokens
-        trip.prefill_sent = time.monotonic()
-        upstream.work.add(trip.prefill_tokens)
-
-    def prefill_ended(self, trip: Trip, ok: bool) -> None:
-        """The prefill answered (``ok``) or failed: off the queue; an answer is a sample of its prefill cost."""
-        upstream = trip.prefill
-        if upstream is None or trip.prefill_done is not None:
-            return
-        now = time.monotonic()
-        trip.prefill_done = now
-        upstream.work.remove(trip.prefill_tokens)
-        trip.prefill_ok = ok
-        if ok and trip.hint is not None:
-            upstream.costs.prefill.observe(trip.prefill_ahead + trip.prefill_tokens, now - trip.prefill_sent)
-            self._publish(upstream)
-
-    def decode_sent(self, trip: Trip, upstream: Upstream, local: bool) -> None:
-        """The decode request went to ``upstream`` (``local``: it computes the prompt itself)."""
-        if trip.decode is not None:  # it failed over to another instance
-            self._off_queue(trip)
-        trip.decode, trip.local = upstream, local
-        trip.decode_tokens = self._to_compute(trip, upstream)
-        trip.decode_ahead = upstream.work.tokens
-        trip.decode_sent = time.monotonic()
-        upstream.work.add(trip.decode_tokens if local else 0.0)  # a load is no prefill work there
-
-    def _off_queue(self, trip: Trip) -> None:
-        assert trip.decode is not None
-        trip.decode.work.remove(trip.decode_tokens if trip.local else 0.0)
-
-    def chunk(self, trip: Trip) -> None:
-        """A streamed chunk of the decode's answer came: the first one ends the prefill (or load) there, the next
-        ones time its decode steps."""
-        if trip.decode is None or trip.ended:
-            return
-        now = time.monotonic()
-        if trip.first_token is None:
-            self._first_token(trip, now)
-        else:
-            trip.decode.costs.observe_step(now - trip.last_chunk)
-        trip.last_chunk = now
-
-    def _first_token(self, trip: Trip, now: float) -> None:
-        upstream = trip.decode
-        assert upstream is not None
-        trip.first_token = now
-        self._off_queue(trip)
-        upstream.work.running += 1
-        if trip.hint is None:
-            return
-        if trip.local:
-            upstream.costs.prefill.observe(trip.decode_ahead + trip.decode_tokens, now - trip.decode_sent)
-        elif trip.prefill_ok and trip.prefill_done is not None:
-            upstream.costs.load.observe(trip.decode_tokens, now - max(trip.decode_sent, trip.prefill_done))
-        self._publish(upstream)
-
-    def decode_ended(self, trip: Trip, ok: bool, answer: dict[str, Any] | None = None) -> None:
-        """The decode's answer ended (``ok``: whole). A whole answer that was not streamed gives its first token's
-        time as its end less its other tokens' steps, if the instance's step is known."""
-        if trip.decode is None or trip.ended:
-            return
-        upstream = trip.decode
-        if trip.first_token is None:
-            usage = answer.get("usage") if isinstance(answer, dict) else None
-            produced = usage.get("completion_tokens") if isinstance(usage, dict) else None
-            now = time.monotonic()
-            if ok and isinstance(produced, int) and produced >= 1 and upstream.costs.steps:
-                self._first_token(trip, max(now - (produced - 1) * upstream.costs.step, trip.decode_sent))
-            else:  # no first token known: off the queue, never counted as running
-                trip.ended = True
-                self._off_queue(trip)
-                return
-        trip.ended = True
-        upstream.work.running -= 1
-
-    def _publish(self, upstream: Upstream) -> None:
+    def publish(self, upstream: Upstream) -> None:
+        """``upstream``'s learned costs on /metrics."""
         name = str(upstream.index)
         costs = upstream.costs
         (prefill_base, prefill_per_token), (load_base, load_per_token) = costs.prefill.line(), costs.load.line()
         for cost, value in (("prefill_base", prefill_base), ("prefill_per_token", prefill_per_token),
                             ("load_base", load_base), ("load_per_token", load_per_token), ("step", costs.step)):
             self.estimated.labels(role=upstream.role, instance=name, cost=cost).set(value)
-
-    def answered(self, upstream: Upstream, hint: Fingerprint | None) -> None:
-        """``upstream`` answered a request for ``hint``'s prompt: it holds that prompt's KV now."""
-        if hint is not None:
-            upstream.prefix.confirm(hint.chunks)
 
     # ---------------------------------------------------------------- bounds and freshness
     def resize(self) -> None:
@@ -382,7 +244,7 @@ class Router:
     def refresh(self, upstream: Upstream) -> None:
         """Read the instance's /metrics in the background (``Discovery.metrics``: at most once per DISCOVERY_TTL)."""
         now = time.monotonic()
-        if self.config.prefix_index_entries == 0 or id(upstream) in self._refreshing or \
+        if self.config.prefix_index_entries == 0 or id(upstream) in self.refreshing or \
                 self.discovery.knows(upstream, METRICS_TOPIC) or now - upstream.cache_asked < RETRY:
             return
         upstream.cache_asked = now
@@ -393,14 +255,10 @@ class Router:
             except Exception as error:  # whatever it is, a request to it will meet it too
                 log.debug("%s: no /metrics (%r)", upstream.url, error)
             finally:
-                del self._refreshing[id(upstream)]
+                del self.refreshing[id(upstream)]
 
-        self._refreshing[id(upstream)] = asyncio.ensure_future(run())
-
-    async def settle(self) -> None:
-        """Wait for the background reads under way."""
-        await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
+        self.refreshing[id(upstream)] = asyncio.ensure_future(run())
 
     async def stop(self) -> None:
-        for task in list(self._refreshing.values()):
+        for task in list(self.refreshing.values()):
             task.cancel()

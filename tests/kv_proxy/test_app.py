@@ -1,4 +1,4 @@
-"""proxy/app.py: the request flow (prefill, then decode), the headers passed on, /health and /v1/models, and how
+"""kv_proxy/app.py: the request flow (prefill, then decode), the headers passed on, /health and /v1/models, and how
 upstream failures end a request (relayed, 502, 504, naming the stage, never an internal URL). Real HTTP: fake vLLM
 upstreams (aiohttp), the proxy served by Hypercorn, an aiohttp client, all on 127.0.0.1."""
 
@@ -10,14 +10,15 @@ import time
 
 import pytest
 
-from proxy.protocols import NO_LOAD
-from tests.proxy.upstreams import (
+from kv_proxy.protocols import NO_LOAD
+from tests.kv_proxy.upstreams import (
     CHAT,
     COMPLETION,
     PRODUCER_ANSWER,
     REMOTE_DECODE,
     Environment,
     assert_idle,
+    outstanding,
     proxy_metric,
     run,
     unused_port,
@@ -181,7 +182,7 @@ def test_client_disconnect_during_prefill_cancels_it() -> None:
         request.cancel()  # closes the client connection
         await asyncio.wait_for(env.prefill[0].cancelled.wait(), 5)
         assert env.prefill[0].received[0].cancelled and not env.decode[0].received
-        await wait_until(lambda: env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0})
+        await wait_until(lambda: outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0})
         await assert_idle(env)
 
     run(test)

@@ -26,9 +26,9 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_connector.param_keys import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, ENDPOINT_INFO, PUSH_TO
-from proxy.app import Proxy, create_app
-from proxy.config import ProxyConfig
-from proxy.gate import ClientGate
+from kv_proxy.app import Proxy, create_app
+from kv_proxy.config import ProxyConfig
+from kv_proxy.gate import ClientGate
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -354,12 +354,24 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
         await asyncio.sleep(0.01)
 
 
+def outstanding(proxy: Proxy) -> dict[str, int]:
+    """The requests each role's instances have under way, all together."""
+    return {b.role: sum(u.outstanding for u in b.upstreams) for b in (proxy.prefill_balancer, proxy.decode_balancer)}
+
+
+async def settle(proxy: Proxy) -> None:
+    """Wait for the proxy's background work: its reads of the instances' /metrics, and the prefills running beside
+    their decode."""
+    await asyncio.gather(*proxy.router.refreshing.values(), return_exceptions=True)
+    while proxy.background:
+        await asyncio.gather(*proxy.background, return_exceptions=True)
+
+
 async def assert_idle(env: Environment) -> None:
     """No request outstanding in the proxy, nothing queued on any instance, no connection checked out of its pool
-    (once the proxy's background reads of the instances' /metrics ended)."""
-    await env.proxy.proxy.router.settle()
-    await env.proxy.proxy.settle()
-    assert env.proxy.proxy.outstanding() == {"prefill": 0, "decode": 0}
+    (once the proxy's background work ended)."""
+    await settle(env.proxy.proxy)
+    assert outstanding(env.proxy.proxy) == {"prefill": 0, "decode": 0}
     for balancer in (env.proxy.proxy.prefill_balancer, env.proxy.proxy.decode_balancer):
         for upstream in balancer.upstreams:  # the queues the estimate reads: nothing left on them
             assert (upstream.work.queued, upstream.work.tokens, upstream.work.running) == (0, 0.0, 0), upstream.name

@@ -1,13 +1,6 @@
-"""What each request tells the instances (``--protocol``), and what the proxy learns from them to say it.
-
-- ``ParamsProtocol``: vLLM's disaggregation protocol as this project's MooncakeConnector answers it; a push-mode
-  consumer's pipe addresses, read from its /metrics (``discovery.push_target``), go on the prefill.
-- ``BootstrapProtocol``: vLLM's built-in MooncakeConnector; a transfer id on both requests, and the decode names the
-  prefill instance's bootstrap server and engine id (``bootstrap_engine_id``, from that server's /query).
-
-Both build the ``kv_transfer_params`` that ``prefill_payload`` and ``decode_payload`` put on the two requests; what
-they need to know about an instance they learn through the ``Discovery`` they are given.
-"""
+"""What each request tells the instances (``--protocol``): ``ParamsProtocol`` (vLLM's disaggregation protocol as this
+project's MooncakeConnector answers it, with push targets) and ``BootstrapProtocol`` (vLLM's built-in
+MooncakeConnector: a transfer id, the prefill's bootstrap server and engine id). See docs/proxy.md#protocols."""
 
 from __future__ import annotations
 
@@ -19,19 +12,19 @@ from typing import Any
 import aiohttp
 
 from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
-from proxy.balancer import Upstream
-from proxy.config import PREFILL
-from proxy.discovery import Discovery, push_target  # push_target: still importable from here (tests, benchmarks)
-from proxy.errors import ProxyError
+from kv_proxy.balancer import Upstream
+from kv_proxy.config import PREFILL
+from kv_proxy.discovery import Discovery
+from kv_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
 
 ENGINE_TOPIC = "engine"  # Discovery.learn's topic for a prefill instance's engine id, from its bootstrap server
 
 
-def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The prefill copy: one token of one sequence, not streamed, with the protocol's kv_transfer_params (None:
-    without); everything else unchanged."""
+def prefill_payload(payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill copy: one token of one sequence, not streamed, without kv_transfer_params (``with_params`` adds
+    the protocol's); everything else unchanged."""
     copy = dict(payload)
     copy["max_tokens"] = 1
     if chat:
@@ -41,14 +34,7 @@ def prefill_payload(payload: dict[str, Any], chat: bool, kv_params: dict[str, An
     copy["stream"] = False
     copy.pop("stream_options", None)
     copy.pop("kv_transfer_params", None)
-    if kv_params is not None:
-        copy["kv_transfer_params"] = dict(kv_params)
     return copy
-
-
-def decode_payload(payload: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The original request plus the protocol's kv_transfer_params (where the KV waits)."""
-    return {**payload, "kv_transfer_params": dict(kv_params)}
 
 
 def json_answer(body: bytes) -> dict[str, Any] | None:
@@ -66,11 +52,6 @@ def answer_params(answer: dict[str, Any] | None) -> dict[str, Any] | None:
     return params if isinstance(params, dict) else None
 
 
-def kv_transfer_params(body: bytes) -> dict[str, Any] | None:
-    """``kv_transfer_params`` of a prefill answer, None if absent, not an object, or the body is not JSON."""
-    return answer_params(json_answer(body))
-
-
 NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped: it loads nothing
 
 
@@ -83,12 +64,6 @@ AWAITED_PUSH = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: Tr
 # to a push-mode consumer: it waits for whichever producer pushes the prompt (no producer's answer needed)
 
 
-def push_address(metrics: str) -> list[str] | None:
-    """The pipe addresses of ``discovery.push_target`` (a decode instance's, from its /metrics text)."""
-    target = push_target(metrics)
-    return None if target is None else target[0]
-
-
 def bootstrap_engine_id(answer: Any) -> str:
     """The engine id in a bootstrap server's ``/query`` answer ({dp_rank: {"engine_id", "worker_addr"}})."""
     entries = list(answer.values()) if isinstance(answer, dict) else []
@@ -99,7 +74,7 @@ def bootstrap_engine_id(answer: Any) -> str:
 
 
 class ParamsProtocol:
-    """vLLM's disaggregation protocol as our MooncakeConnector answers it (see the package docstring)."""
+    """vLLM's disaggregation protocol as our MooncakeConnector answers it (docs/proxy.md#protocols)."""
 
     needs_params = True  # a prefill answer without kv_transfer_params is no use to the decode
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from proxy.config import DECODE
-from proxy.errors import ProxyError
+from kv_proxy.config import DECODE
+from kv_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""proxy/config.py: upstream URLs, ProxyConfig's checks and the command line."""
+"""kv_proxy/config.py: upstream URLs, ProxyConfig's checks and the command line."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
+from kv_proxy.config import ConfigError, ProxyConfig, normalize_upstream_url, parse_args
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""proxy/prepare.py: a client's body is checked and written again off the event loop (large ones in a worker process),
+"""kv_proxy/prepare.py: a client's body is checked and written again off the event loop (large ones in a worker process),
 bounded in size, in structure and in the bytes held at once; the other clients are served meanwhile. Units of the
 pure functions, and real HTTP through the proxy (fake vLLM upstreams)."""
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from proxy.prepare import INLINE_MAX, MAX_CONTAINERS, Preparer, prepare, with_params
-from tests.proxy.upstreams import COMPLETION, PRODUCER_ANSWER, Environment, assert_idle, proxy_metric, run
+from kv_proxy.prepare import INLINE_MAX, MAX_CONTAINERS, Preparer, prepare, with_params
+from tests.kv_proxy.upstreams import COMPLETION, PRODUCER_ANSWER, Environment, assert_idle, proxy_metric, run
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,18 @@ import time
 
 import pytest
 
-from proxy.protocols import NO_LOAD
-from tests.proxy.upstreams import CHAT, COMPLETION, Environment, assert_idle, endpoint_info, proxy_metric, run, unused_port
+from kv_proxy.protocols import NO_LOAD
+from tests.kv_proxy.upstreams import (
+    CHAT,
+    COMPLETION,
+    Environment,
+    assert_idle,
+    endpoint_info,
+    proxy_metric,
+    run,
+    settle,
+    unused_port,
+)
 
 pytestmark = pytest.mark.timeout(60)
 FALLBACKS = "mooncake_proxy_prefill_fallbacks_total"
@@ -26,7 +36,7 @@ def test_no_prefill_instance_reachable_sends_requests_whole_and_says_so_once(cap
     dead = f"http://127.0.0.1:{unused_port()}"
 
     async def test(env: Environment) -> None:
-        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        with caplog.at_level(logging.WARNING, logger="kv_proxy.app"):
             for _ in range(3):
                 status, _, body = await env.post("/v1/completions", COMPLETION)
                 assert status == 200 and body["served_by"] == "D0"
@@ -46,7 +56,7 @@ def test_no_prefill_instance_reachable_sends_requests_whole_and_says_so_once(cap
 def test_a_prefill_failing_with_a_server_error_falls_back_and_recovery_is_logged(status: int, caplog) -> None:
     async def test(env: Environment) -> None:
         env.prefill[0].status = status
-        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        with caplog.at_level(logging.WARNING, logger="kv_proxy.app"):
             got, _, body = await env.post("/v1/completions", COMPLETION)
             assert got == 200 and body["served_by"] == "D0" and whole(env) == [NO_LOAD]
             env.prefill[0].status = 200  # it serves again: remote prefills resume
@@ -80,7 +90,7 @@ def test_push_mode_with_every_prefill_instance_cooling_down_sends_the_decode_who
         env.decode[0].metrics_text = endpoint_info("push", "10.0.0.5:17100")
         await env.prefill[0].stop()
         await env.post("/v1/completions", COMPLETION)  # the background prefill finds it gone: cooling down
-        await env.proxy.proxy.settle()
+        await settle(env.proxy.proxy)
         status, _, body = await env.post("/v1/completions", COMPLETION)
         assert status == 200 and body["served_by"] == "D0" and whole(env)[-1] == NO_LOAD
         assert await proxy_metric(env, FALLBACKS, reason="cooldown") == 1.0
@@ -125,7 +135,7 @@ def test_a_decode_whose_load_failed_before_its_first_token_is_sent_again_whole(p
         env.prefill[0].kv_params = {"do_remote_prefill": True, "remote_pipe": ["127.0.0.1:9"]}  # a producer's answer
         env.decode[0].failed_loads = 1
         payload = CHAT if path.endswith("/chat/completions") else COMPLETION
-        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        with caplog.at_level(logging.WARNING, logger="kv_proxy.app"):
             status, _, body = await env.post(path, {**payload, "stream": stream})
         assert status == 200
         if stream:
