@@ -55,7 +55,7 @@ def _mac(body: torch.Tensor, context: bytes, secret: bytes) -> bytes:
 
 
 def seal_context(key: bytes, descriptor: torch.Tensor | None) -> bytes:
-    """What a seal binds the digests to: the entry ``key`` (``push_wire.entry_key`` of its tokens) and the layout
+    """What a seal binds the digests to: the entry ``key`` (``kv_lookup_buffer.entry_key`` of its tokens) and the layout
     descriptor it travels with (the model, and the TP rank's head span: another rank's digests do not verify)."""
     data = b"" if descriptor is None else descriptor.contiguous().view(torch.uint8).numpy().tobytes()
     return key + hashlib.sha256(data).digest()

@@ -217,10 +217,11 @@ def push_entries(cfg: dict[str, Any], seeds: list[int], done: Any, stop_after_pi
 def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
     """Speak the push protocol badly (wrong types, bad magic, unknown kind, a DATA bigger than its BEGIN), then push
     one good entry by hand."""
+    from kv_lookup_buffer import entry_key
     from kv_lookup_buffer import push_wire as pw
 
     tokens, kv = push_entry(seed)
-    key = pw.entry_key(tokens)
+    key = entry_key(tokens)
     nbytes = kv.numel() * kv.element_size()
     with open_pipe(cfg, 0) as pipe:
         pipe.send_tensor(pw.encode(pw.Hello(12345)))
@@ -231,7 +232,7 @@ def push_garbage_then_entry(cfg: dict[str, Any], seed: int, done: Any) -> None:
         unknown = pw.encode(pw.Begin(pw.NO_KEY, 0, 0, 0))
         unknown[2] = 99
         pipe.send_tensor(unknown)                                           # unknown kind
-        other = pw.entry_key([1, 2, 3])
+        other = entry_key([1, 2, 3])
         pipe.send_tensor(pw.encode(pw.Begin(other, 64, 3, 5)))
         pipe.send_tensor(pw.encode(pw.Data(other, 0, 0, 1)))
         pipe.send_tensor(torch.zeros(1000))                                 # 4000 bytes > the 64 announced

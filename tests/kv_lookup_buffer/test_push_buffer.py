@@ -10,6 +10,7 @@ import torch
 
 from harness.pipes import make_config, open_pipe
 from kv_lookup_buffer.push_buffer import PushBuffer, PushReceiver, entry_key
+from kv_lookup_buffer.push_receiver import STAGED
 from kv_lookup_buffer.push_wire import Begin, Commit
 from tests.kv_lookup_buffer import programs
 from tests.kv_pipe.peers import Peer, ctx
@@ -38,7 +39,7 @@ def take_once_begun(buf: PushReceiver, key: bytes, timeout: float = 30.0):
     """``take`` waits only for a push that has begun: wait for its BEGIN first (a real load comes after the prefill,
     long after the BEGIN)."""
     deadline = time.monotonic() + timeout
-    while not buf.has_begun(key) and time.monotonic() < deadline:
+    while buf.look(key) != STAGED and time.monotonic() < deadline:
         time.sleep(0.01)
     return buf.take(key, timeout=max(deadline - time.monotonic(), 0.0))
 
@@ -278,10 +279,10 @@ def test_a_dead_receiving_thread_releases_what_it_staged(cfg, monkeypatch):
             deadline = time.monotonic() + 60
             while buf._thread.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert buf.staged_bytes() == ENTRY_BYTES and buf.has_begun(key)  # staged, never committed
+            assert buf.staged_bytes() == ENTRY_BYTES and buf.look(key) == STAGED  # staged, never committed
             start = time.monotonic()
             assert not buf.healthy
-            assert buf.staged_bytes() == 0 and not buf.has_begun(key)
+            assert buf.staged_bytes() == 0 and buf.look(key) != STAGED
             assert buf.take(key, timeout=30) is None and time.monotonic() - start < 1.0
         finally:
             done.set()

@@ -344,18 +344,18 @@ def late_bye_server(cfg: dict[str, Any], address: str, clients: int, late: float
     (a lossy link retransmitting it)."""
     import time
 
-    from kv_pipe import channel
+    from kv_pipe import connections
     from kv_pipe.wire import Kind
 
-    handle = channel.Outbound._handle
+    handle = connections.Outbound._handle
 
     def late_handle(self: Any, kind: Any, payload: bytes) -> None:
         if kind == Kind.BYE:
             time.sleep(late)
         handle(self, kind, payload)
 
-    channel.Outbound._handle = late_handle  # type: ignore[method-assign]
-    channel.Connection.probe_alive = channel.Connection.alive.fget  # type: ignore[method-assign,attr-defined]
+    connections.Outbound._handle = late_handle  # type: ignore[method-assign]
+    connections.Connection.probe_alive = connections.Connection.alive.fget  # type: ignore[method-assign,attr-defined]
     return endpoint_server(cfg, address, clients)
 
 
