@@ -44,7 +44,6 @@ class ConnectorOptions:
     kv_digest: str = "sampled"
     kv_digest_sample: int = 16
     hold_blocks: str = "auto"
-    allow_test_corruption: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorOptions:
@@ -86,9 +85,8 @@ class ConnectorOptions:
                 not 0 <= opts.recompute_tokens <= 4096:
             raise ConfigError("kv_connector_extra_config.recompute_tokens: expected an integer from 1 to 4096 (or 0 "
                               f"for the default), got {opts.recompute_tokens!r}")
-        for name in ("allow_test_corruption", "receive_into_cache"):
-            if not isinstance(getattr(opts, name), bool):
-                raise ConfigError(f"kv_connector_extra_config.{name}: expected true or false")
+        if not isinstance(opts.receive_into_cache, bool):
+            raise ConfigError("kv_connector_extra_config.receive_into_cache: expected true or false")
         return opts
 
 

@@ -9,10 +9,6 @@ from dataclasses import dataclass, field
 
 from kv_connector.source import LoadSource
 
-CORRUPT_PARAM = "mooncake_corrupt_kv_for_testing"  # kv_transfer_params key; honoured only with allow_test_corruption
-# its value: true (scramble the loaded KV: proves it is used) or one of these faults, which the KV digest must catch
-TEST_FAULTS = ("flip_byte", "wrong_block", "stale", "forged_digest")
-
 
 @dataclass
 class SaveRequest:
@@ -34,9 +30,6 @@ class LoadRequest:
     block_ids: list[int]
     num_tokens: int  # tokens claimed
     source: LoadSource  # the producer it reads from (``source.load_source``)
-    corrupt: bool = False  # test-only: scramble the KV before writing it (see ConnectorOptions.allow_test_corruption)
-    fault: str = ""  # test-only, one of TEST_FAULTS: flip a byte of what arrived, write two blocks into each other's
-    # places, or write nothing (the blocks keep what they held)
     lease: int = 0  # the lease under which the lookup found the producer's entry (0: none, e.g. an awaited push)
 
 

@@ -28,8 +28,6 @@ from vllm.logger import init_logger
 from kv_connector import params as kv_params
 from kv_connector import prompt_blocks as blocks
 from kv_connector.metadata import (
-    CORRUPT_PARAM,
-    TEST_FAULTS,
     LeaseRelease,
     LoadRequest,
     LookupRequest,
@@ -173,11 +171,9 @@ class ConsumerScheduler:
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
-        switch = request.kv_transfer_params.get(CORRUPT_PARAM) if request.kv_transfer_params else None
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
-                                      block_ids[first:end], num_external_tokens, source, switch is True,
-                                      switch if isinstance(switch, str) and switch in TEST_FAULTS else "",
-                                      0 if lookup is None else lookup.lease))
+                                      block_ids[first:end], num_external_tokens, source,
+                                      lease=0 if lookup is None else lookup.lease))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look, releases=self.to_release,

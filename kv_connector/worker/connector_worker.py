@@ -136,14 +136,14 @@ class ConnectorWorker:
     def _transfer(self, layout: KVCacheLayout, links: PeerLinks, split: HeadSplit, block_size: int, peer: str
                   ) -> KVTransfer:
         opts = self.options
-        pull = PullTransfer(layout, links, self.stats, block_size, split, opts.allow_test_corruption,
-                            opts.load_concurrency, rank_to_rank=self.push_mode, staging=self.staging,
+        pull = PullTransfer(layout, links, self.stats, block_size, split, opts.load_concurrency,
+                            rank_to_rank=self.push_mode, staging=self.staging,
                             into_cache=self._into_cache(layout),
                             checks=Sampler(opts.kv_digest, opts.kv_digest_sample), secret=self.config.secret)
         if not self.push_mode:
             return pull
         return PushTransfer(layout, links, pull, self.stats, block_size, split.rank, peer, opts.push_wait,
-                            opts.allow_test_corruption, staging=self.staging)
+                            staging=self.staging)
 
     def _connect(self, peer: str, rank: int) -> None:
         """Link to the peer mooncake.json names before the first request needs it; a consumer starts its loads."""

@@ -46,7 +46,7 @@ from kv_connector.stats import StatsRecorder
 from kv_connector.worker import digest
 from kv_connector.worker.digest import DigestMismatch, Sampler
 from kv_connector.worker.links import PeerLinks
-from kv_connector.worker.transfer import KVMiss, KVTransfer, LoadResult
+from kv_connector.worker.transfer import KVMiss, KVTransfer, LoadResult, LoadTamper, Tampered
 from kv_lookup_buffer import AnswerAbandoned, BufferClosed, entry_key
 from kv_pipe import PipeError, WarmPool
 
@@ -82,7 +82,7 @@ class PullTransfer(KVTransfer):
     secret, which seals the KV digests (``digest.pack``)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, stats: StatsRecorder, block_size: int,
-                 split: HeadSplit, corrupt_ok: bool = False, concurrency: int = 1, rank_to_rank: bool = False,
+                 split: HeadSplit, concurrency: int = 1, rank_to_rank: bool = False,
                  staging: KVStaging | None = None, into_cache: bool = False, checks: Sampler | None = None,
                  secret: bytes = b"") -> None:
         self.layout, self.links, self.stats = layout, links, stats
@@ -98,7 +98,7 @@ class PullTransfer(KVTransfer):
         self.rank = split.rank
         self.rank_to_rank = rank_to_rank
         self._pieces: ThreadPoolExecutor | None = None  # a load's pieces from several producer ranks, in parallel
-        self.corrupt_ok = corrupt_ok
+        self.tamper: LoadTamper | None = None  # tests only (harness/tamper.py)
         self.scratch = WarmPool(keep=1)  # producer: gathers land here, then the buffer copies them (both warm)
         # consumer, host cache: one receive buffer per load in flight (a device cache's come from the staging's
         # pinned arena: copied onto the device without waits)
@@ -271,21 +271,15 @@ class PullTransfer(KVTransfer):
                 raise KVMiss()
             ids = req.block_ids[:usable]
             in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
-            scrambled = req.corrupt and self.corrupt_ok
-            if scrambled:  # test-only control: proves the consumer really uses the KV (not checked: it is meant)
-                if count is not None:
-                    raise ValueError("test corruption is for equal TP sizes only")
-                kv = (block_copy.gather(self.layout.layers, self.layout.block_dim, ids) if in_place else kv).flip(-1)
-                in_place = False
-                logger.warning("MooncakeConnector: corrupting the KV of request %s on purpose (test switch)", req.req_id)
-            fault = req.fault if self.corrupt_ok else ""
-            if fault:
-                kv, ids = self._fault(req, fault, kv, ids, in_place)
-            if not in_place and fault != "stale":
+            done = Tampered(kv, ids, not in_place, check)
+            if self.tamper is not None:
+                done = self.tamper.pulled(req, kv, ids, in_place, count is None, lambda: block_copy.gather(
+                    self.layout.layers, self.layout.block_dim, ids)) or done
+            if done.write:
                 heads = None if count is None else (piece.at, piece.at + count)
-                self.staging.scatter(ids, kv[:usable], heads)
+                self.staging.scatter(done.ids, done.kv[:usable], heads)
             copied = time.perf_counter()
-            if check and not scrambled:
+            if check and done.check:
                 verified = self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part,
                                        piece.at, span[1] - span[0])
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"
@@ -297,23 +291,6 @@ class PullTransfer(KVTransfer):
         source = "" if piece.whole else f"heads {piece.part[0]}-{piece.part[1] - 1} of producer rank {piece.producer}: "
         return (usable, kv.numel() * kv.element_size(), f"{source}fetch {(fetched - start) * 1e3:.1f} ms, {where}",
                 verified)
-
-    def _fault(self, req: LoadRequest, fault: str, kv: torch.Tensor, ids: list[int], in_place: bool
-               ) -> tuple[torch.Tensor, list[int]]:
-        """Test-only faults the KV digest must catch (``LoadRequest.fault``); "forged_digest": a byte changed (here)
-        and the digests of the blocks made to match (``verify``), as whoever could write into the transfer buffers
-        could: only the seal of a secret catches it."""
-        if in_place:
-            raise ValueError("test faults need receive_into_cache false")
-        logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
-                       req.req_id)
-        if fault in ("flip_byte", "forged_digest"):  # one byte changed in flight
-            kv = kv.clone()
-            flat = kv.view(-1).view(torch.uint8)
-            flat[flat.numel() // 2] ^= 0xFF
-        elif fault == "wrong_block" and len(ids) > 1:  # the first two blocks written into each other's places
-            ids = [ids[1], ids[0], *ids[2:]]
-        return kv, ids
 
     def verify(self, req: LoadRequest, sums: torch.Tensor | None, usable: int, tokens: torch.Tensor | list[int],
                descriptor: torch.Tensor | None, part: tuple[int, int] | None = None, at: int = 0,
@@ -333,10 +310,8 @@ class PullTransfer(KVTransfer):
         seen = Counter(loaded)
         positions = [i for i, block in enumerate(loaded) if seen[block] == 1]
         ids = [loaded[i] for i in positions]
-        if sums is not None and req.fault == "forged_digest" and self.corrupt_ok and part is None:
-            forged = digest.groups_of(sums) or 1  # test switch (see ``_fault``): landed digests over the producer's
-            sums = digest.overwrite(sums, req.first_block, positions,
-                                    self._landed(ids, None if forged == 1 else (0, forged)))
+        if sums is not None and self.tamper is not None and part is None:
+            sums = self.tamper.expected(req, sums, positions, lambda heads: self._landed(ids, heads))
         try:
             if sums is None:
                 raise digest.DigestUnusable("the producer sent no KV digests (its kv_digest is \"off\")")

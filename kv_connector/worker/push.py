@@ -61,14 +61,13 @@ class PushTransfer(KVTransfer):
     from the producer its ``LoadRequest.source`` names)."""
 
     def __init__(self, layout: KVCacheLayout, links: PeerLinks, pull: PullTransfer, stats: StatsRecorder,
-                 block_size: int, rank: int, default_peer: str, push_wait: float, corrupt_ok: bool = False,
+                 block_size: int, rank: int, default_peer: str, push_wait: float,
                  staging: KVStaging | None = None) -> None:
         self.layout, self.links, self.pull, self.stats = layout, links, pull, stats
         self.staging = staging or KVStaging(layout.layers, layout.block_dim)
         self.block_size = block_size
         self.rank, self.default_peer = rank, default_peer
         self.push_wait = push_wait
-        self.corrupt_ok = corrupt_ok
         self.pushing: dict[str, _PushState] = {}  # producer: requests being pushed
         self.targets: dict[str, PushSender] = {}  # producer: the link each request in flight goes to
         self.step_pushes: list[tuple[_PushState, int, list[int]]] = []  # producer: (entry, first block, ids) this step
@@ -265,18 +264,13 @@ class PushTransfer(KVTransfer):
             if shared is None:
                 continue
             lo, hi = shared
-            rows = piece[lo - piece_first:hi - piece_first]
-            if req.corrupt and self.corrupt_ok:
-                rows = rows.flip(-1)
-            jobs.append((layer, req.block_ids[lo - first:hi - first], rows))
+            jobs.append((layer, req.block_ids[lo - first:hi - first], piece[lo - piece_first:hi - piece_first]))
             covered[layer] += hi - lo
         if any(n != end - first for n in covered):
             raise ValueError(f"the pushed entry covers {min(covered)} of the {end - first} blocks wanted")
-        if req.corrupt and self.corrupt_ok:
-            logger.warning("MooncakeConnector: corrupted the KV of request %s on purpose (test switch)", req.req_id)
-        fault = req.fault if self.corrupt_ok else ""
-        if fault:
-            jobs = _fault(req, fault, jobs)
+        check = True
+        if self.pull.tamper is not None:  # tests only (harness/tamper.py)
+            jobs, check = self.pull.tamper.pushed(req, jobs) or (jobs, check)
         last = None
         try:
             for layer, ids, rows in jobs:
@@ -284,7 +278,7 @@ class PushTransfer(KVTransfer):
         finally:  # copies into a device cache run in order on one stream: the last ends last
             if last is not None:
                 last.wait()
-        if not (req.corrupt and self.corrupt_ok) and self.pull.checks.due() and \
+        if check and self.pull.checks.due() and \
                 self.pull.verify(req, entry.hidden, end - first, req.token_ids, entry.meta):
             self.stats.count("digest_checks")
         return end - first
@@ -329,23 +323,3 @@ def _digests(state: _PushState, descriptor: torch.Tensor, secret: bytes, sums: t
             return
         sums.copy_(digest.pack(got, digest.seal_context(state.key, descriptor) if secret else b"", secret))
     return ready
-
-
-def _fault(req: LoadRequest, fault: str, jobs: list[tuple[int, list[int], torch.Tensor]]
-           ) -> list[tuple[int, list[int], torch.Tensor]]:
-    """Test-only faults the KV digest must catch (``LoadRequest.fault``), as ``PullTransfer`` makes them."""
-    logger.warning("MooncakeConnector: fault %s in the load of request %s on purpose (test switch)", fault,
-                   req.req_id)
-    if fault == "stale":  # nothing written: the blocks keep what they held
-        return []
-    if fault in ("flip_byte", "forged_digest") and jobs:  # one byte changed in flight (forged: see verify)
-        layer, ids, rows = jobs[0]
-        rows = rows.clone()
-        flat = rows.view(-1).view(torch.uint8)
-        flat[flat.numel() // 2] ^= 0xFF
-        return [(layer, ids, rows), *jobs[1:]]
-    if fault == "wrong_block" and len(req.block_ids) > 1:  # the first two blocks written into each other's places
-        a, b = req.block_ids[0], req.block_ids[1]
-        swap = {a: b, b: a}
-        return [(layer, [swap.get(i, i) for i in ids], rows) for layer, ids, rows in jobs]
-    return jobs

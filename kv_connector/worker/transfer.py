@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from kv_connector.metadata import LeaseRelease, LoadRequest, LookupRequest, MooncakeConnectorMetadata, SaveRequest
 from kv_connector.source import LoadSource
@@ -23,6 +27,38 @@ class LoadResult:
     fetched_bytes: int  # received over the wire for this load (0 when it was pushed beforehand)
     source: str  # "pulled" or "pushed"
     detail: str  # timings, for the log line
+
+
+Rows = list[tuple[int, list[int], torch.Tensor]]  # (layer, block ids, their rows): a pushed entry's writes
+
+
+@dataclass
+class Tampered:
+    """What a ``LoadTamper`` made of a load: the rows to write (``[blocks, layers, *block]``) and their block ids,
+    whether to write them at all, and whether the digest check applies."""
+
+    kv: torch.Tensor
+    ids: list[int]
+    write: bool = True
+    check: bool = True
+
+
+class LoadTamper(Protocol):
+    """A test harness's hand in the consumer's loads (harness/tamper.py sets ``PullTransfer.tamper``; None in
+    service): it changes what arrived before it reaches the KV cache, to prove that the KV is used and that the digest
+    check catches what it must. Each method answers None to leave a load alone."""
+
+    def pulled(self, req: LoadRequest, kv: torch.Tensor, ids: list[int], in_place: bool, whole: bool,
+               gather: Callable[[], torch.Tensor]) -> Tampered | None:
+        """A pulled load's rows ``kv`` for blocks ``ids`` (``in_place``: received into the blocks already, ``gather``
+        reads them back; ``whole``: every head of each block)."""
+
+    def pushed(self, req: LoadRequest, rows: Rows) -> tuple[Rows, bool] | None:
+        """A pushed entry's writes into the cache, and whether the digest check applies."""
+
+    def expected(self, req: LoadRequest, sums: torch.Tensor, positions: list[int],
+                 landed: Callable[[tuple[int, int] | None], torch.Tensor]) -> torch.Tensor:
+        """The producer's digests ``sums`` a load is checked against (``landed``: the loaded blocks' own digests)."""
 
 
 class KVTransfer(ABC):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.tamper import CORRUPT_PARAM
 from harness.vllm import VllmServer
-from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.instance_stats import kv_stats, settled_stats
 from tests.kv_connector.instances import BLOCK, SERVE_ARGS, blocks, start_pair
 

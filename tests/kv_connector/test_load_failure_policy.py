@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.tamper import CORRUPT_PARAM
 from harness.vllm import VllmServer, start_vllm
-from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.instance_stats import LOADS, diff, kv_stats, log_mark, looked_up, settled_stats, warnings_since
 from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
 

@@ -14,8 +14,8 @@ import pytest
 
 from harness.ports import free_port
 from harness.processes import http_ok, spawn, stop, wait_ready
+from harness.tamper import CORRUPT_PARAM
 from harness.vllm import REPO, OpenAIClient, VllmServer, build_model, connector_config, mooncake_json, start_vllm
-from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.instance_stats import kv_stats, settled_stats
 from tests.kv_connector.instances import SERVE_ARGS, start_early
 from tests.kv_connector.prompts import HITS, MAX_TOKENS, PROMPT_LENGTHS, disaggregated, prompt

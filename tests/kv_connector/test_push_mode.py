@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port
+from harness.tamper import CORRUPT_PARAM
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
-from kv_connector.metadata import CORRUPT_PARAM
 from kv_connector.param_keys import PUSH_PROOF
 from kv_proxy.discovery import push_target
 from tests.kv_connector.instance_stats import log_mark

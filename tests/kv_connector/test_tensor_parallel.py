@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from harness.ports import free_port, port_pair
+from harness.tamper import CORRUPT_PARAM
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
-from kv_connector.metadata import CORRUPT_PARAM
 from tests.kv_connector.instance_stats import kv_stats, log_mark, settled_stats, warnings_since
 from tests.kv_connector.instances import ROW_BYTES, SERVE_ARGS, blocks
 from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt

@@ -9,7 +9,7 @@ import pytest
 
 from kv_connector import params as kv_params
 from kv_connector import source
-from kv_connector.metadata import CORRUPT_PARAM, LookupAnswer, MooncakeWorkerMetadata
+from kv_connector.metadata import LookupAnswer, MooncakeWorkerMetadata
 from kv_connector.scheduler import consumer as scheduler_consumer
 from kv_connector.scheduler.consumer import ConsumerScheduler
 from kv_connector.scheduler.producer import ProducerScheduler
@@ -311,9 +311,9 @@ def test_an_allocation_without_external_tokens_starts_no_load():
 
 def test_loads_go_out_once_and_an_empty_step_is_idle():
     sched = ConsumerScheduler(config(), BLOCK)
-    claim(sched, request("r", 40, {CORRUPT_PARAM: True}), 0, [1, 2, 3])
+    claim(sched, request("r", 40, {}), 0, [1, 2, 3])
     meta = sched.build_meta(step())
-    assert meta.idle and len(meta.loads) == 1 and meta.loads[0].corrupt
+    assert meta.idle and len(meta.loads) == 1
     assert sched.build_meta(step(cached={"x": (5, 1)})).loads == []
     assert not sched.build_meta(step(cached={"x": (5, 1)})).idle
 

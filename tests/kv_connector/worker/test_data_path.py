@@ -261,7 +261,7 @@ def test_the_kv_digest_catches_blocks_that_differ_from_what_was_saved(fault, mod
     prompts = [("a", a, [7, 3, 12, 20, 5]), ("b", b, [9, 10, 11, 2, 17, 4])]
     loads = [{**load("a", a, 0, [14, 2, 21, 8, 6]), "fault": fault}, load("b", b, 2, [15, 16, 23, 19])]
     result, _ = transfer(layout_name, mode, "cpu", prompts, loads, chunk=40, consumer_options={
-        "options": {"kv_digest": "always", "allow_test_corruption": True}})
+        "options": {"kv_digest": "always"}})
     assert result["failed"] == ["a"] and sorted(result["done"]) == ["a", "b"], result
     stats = result["stats"]
     assert stats["digest_mismatches"] == 1 and stats["digest_checks"] == 1 and stats["load_failures"] == 1, stats
@@ -311,7 +311,7 @@ def test_with_a_secret_the_digests_are_sealed_and_a_forged_digest_is_caught(mode
     assert result["failed"] == [] and result["stats"]["digest_checks"] == 2, result["stats"]
     assert result["stats"].get("push_loaded", 0) == (2 if mode == "push" else 0), result["stats"]
     forged = [{**load("a", a, 0, [14, 2, 21, 8, 6]), "fault": "forged_digest"}]
-    options = {"options": {"kv_digest": "always", "allow_test_corruption": True}}
+    options = {"options": {"kv_digest": "always"}}
     unsealed, _ = transfer("gqa-cpu", mode, "cpu", prompts[:1], forged, chunk=40, consumer_options=options)
     assert unsealed["failed"] == [] and unsealed["stats"]["digest_checks"] == 1, unsealed["stats"]  # not caught
     sealed, _ = transfer("gqa-cpu", mode, "cpu", prompts[:1], forged, chunk=40, consumer_options=options,
@@ -326,7 +326,7 @@ def test_the_kv_digest_catches_a_byte_changed_in_a_part_of_each_block():
     a = prompt(4 * BLOCK + 5, 5)
     loads = [{**load("a", a, 1, [14, 2, 21, 8]), "fault": "flip_byte"}]
     result, _ = transfer("gqa-cpu", "pull", "cpu", [("a", a, [7, 3, 12, 20, 5])], loads, producer_tp=2,
-                         consumer_options={"options": {"kv_digest": "always", "allow_test_corruption": True}})
+                         consumer_options={"options": {"kv_digest": "always"}})
     stats = result["stats"]
     assert result["failed"] == ["a"] and stats["digest_mismatches"] >= 1 and stats["load_failures"] == 1, stats
 
