@@ -2,9 +2,9 @@
 ``{CORRUPT_PARAM: true}`` has its loaded KV scrambled (proves the consumer really uses the KV it loads), or one of
 ``TEST_FAULTS`` made in it (faults the KV digest must catch).
 
-vLLM instances get them by naming this module in ``--kv-transfer-config`` (``harness.vllm.connector_config`` with
-``allow_test_corruption=True``): its ``MooncakeConnector`` is the product's plus the switches. The data-path tests
-(``harness.workers.run_loads``) install a ``Tamper`` on a worker directly.
+vLLM instances get them by naming ``harness.tamper_connector`` in ``--kv-transfer-config``
+(``harness.vllm.connector_config`` with ``allow_test_corruption=True``); the data-path tests
+(``harness.workers.run_loads``) install a ``Tamper`` on a worker directly. This module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from kv_connector.metadata import LoadRequest
-from kv_connector.mooncake_connector import MooncakeConnector as _MooncakeConnector
 from kv_connector.worker import digest
 from kv_connector.worker.connector_worker import ConnectorWorker
 from kv_connector.worker.transfer import Rows, Tampered
@@ -103,30 +102,3 @@ def install(worker: ConnectorWorker, switches: dict[str, bool | str]) -> Tamper:
 def switch_of(params: dict | None) -> bool | str | None:
     value = (params or {}).get(CORRUPT_PARAM)
     return value if value is True or (isinstance(value, str) and value in TEST_FAULTS) else None
-
-
-class MooncakeConnector(_MooncakeConnector):
-    """The product's connector; a consumer's scheduler side passes each load's switch to the workers with the step's
-    metadata (``meta.tamper``: plain data, pickled with it), which set it before the step's loads start."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._switches: dict[str, bool | str] = {}
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-        switch = switch_of(request.kv_transfer_params)
-        if switch is not None:
-            self._switches[request.request_id] = switch
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        meta.tamper = {load.req_id: self._switches.pop(load.req_id) for load in meta.loads
-                       if load.req_id in self._switches}
-        return meta
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        switches = getattr(self._meta(), "tamper", None)
-        if switches:
-            install(self._worker, switches)
-        super().start_load_kv(forward_context, **kwargs)

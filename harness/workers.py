@@ -90,7 +90,6 @@ def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp
     then collect until they all ended: (done, failed, blocks to recompute). ``pushed``: the producers pushed these
     prompts here, as their params would say (the consumer waits for the news of each push, which its receiving
     thread may not have read yet). A load's ``corrupt`` (true) or ``fault`` is a test switch (harness/tamper.py)."""
-    from harness.tamper import install
     from kv_connector.metadata import LoadRequest, MooncakeConnectorMetadata
     from kv_connector.source import LoadSource
 
@@ -98,6 +97,8 @@ def run_loads(worker: Any, loads: list[dict[str, Any]], producers: list[str], tp
     switches = {load["req_id"]: load.get("corrupt") or load["fault"] for load in loads
                 if load.get("corrupt") or load.get("fault")}
     if switches:
+        from harness.tamper import install
+
         install(worker, switches)
     fields = [{k: v for k, v in load.items() if k not in ("corrupt", "fault")} for load in loads]
     meta = MooncakeConnectorMetadata(loads=[LoadRequest(**load, source=source) for load in fields], idle=True)
