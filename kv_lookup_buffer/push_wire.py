@@ -1,25 +1,8 @@
-"""The wire protocol of the push channel (``push_sender`` / ``push_receiver``): its messages, built and parsed here only,
-and the counters both ends keep (``push_stats``).
+"""The wire protocol of the push channel (``push_sender`` / ``push_receiver``): its messages (HELLO, BEGIN, DATA,
+COMMIT, PULL, ABORT, CREDIT), one dataclass each, built and parsed here only, and the counters both ends keep
+(``push_stats``). Nothing on the wire is executed.
 
-Messages, all on one pipe: an int64 header ``[MAGIC, VERSION, kind, k0, k1, k2, k3, f0, f1, f2, f3]`` (``k`` = the
-SHA-256 of the entry's tokens, as four int64; ``f``: the message's fields in the order below, unused ones 0),
-followed by one tensor for DATA and COMMIT (two for a COMMIT with ``hidden`` 1).
-
-producer -> consumer
-  HELLO   epoch                              a (re)started producer; the consumer answers with a CREDIT
-  BEGIN   nbytes, num_layers, num_blocks     an entry of this size (its DATA, and its COMMIT's hidden tensor)
-                                             follows (sent once the credit allows it)
-  DATA    layer, first_block, num_blocks     + a tensor: ``num_blocks`` blocks of one layer, from ``first_block``
-  COMMIT  num_tokens, hidden                 + a tensor (the caller's metadata, e.g. a layout descriptor); + a
-                                             second if ``hidden`` is 1 (e.g. the entry's KV digests)
-  PULL                                       these tokens go through the pull path: stop waiting for a push
-  ABORT                                      the producer gave up on this entry
-consumer -> producer
-  CREDIT  epoch, free_bytes, begun           free staging bytes once the first ``begun`` BEGINs of ``epoch`` count
-
-Each kind is a dataclass whose fields are named for what they mean; ``encode`` lays one out as a header and ``parse``
-reads one back, checking magic, version, kind and that no field is negative (ranges against the BEGIN are the
-receiver's to check). Nothing on the wire is executed.
+Message layout: docs/wire.md.
 """
 
 from __future__ import annotations

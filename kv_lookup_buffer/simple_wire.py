@@ -1,25 +1,9 @@
-"""The wire protocol of ``SimpleBuffer``: the frames its consumer and producer exchange, built and parsed here only.
+"""The wire protocol of ``SimpleBuffer``: the requests its consumer sends (drop_select, lookup, release, close) and
+the answers its producer sends back, each an int64 tensor on the pipes, built and parsed here only. Every frame is
+validated field by field (nothing on the wire is executed); a malformed one raises ``BadRequest`` (requests) or
+``ValueError`` (answers) with a message saying what was expected.
 
-The conversation on the pipes (``signal_pipe`` and ``data_pipe`` may be one and the same pipe):
-
-- consumer -> producer, signal pipe: one int64 tensor per request,
-  ``[op, seq, kind, row_start, row_stop, part_start, part_stop, shares, lease, lease_ms, *tokens]``:
-  ``OP_DROP_SELECT`` with ``kind`` ``QUERY`` followed by the query's roi-masked tokens (the consumer applies the roi;
-  only the masked tokens take part in the match) or ``kind`` ``ANY`` and nothing after it (``drop_select(None,
-  None)``); ``row_start``/``row_stop`` ask for rows [start, stop) of the entry's key (its first dimension), ``stop``
-  -1 for all of them; ``part_start``/``part_stop`` a range of its third dimension (-1: all); ``shares``: how many
-  requests take parts of this entry (it leaves the buffer with the last of them); ``lease``: the lease (0: none)
-  under which a lookup found the entry (an entry under another live lease is not taken). ``OP_LOOKUP``, the same
-  fields with ``kind`` ``QUERY``: say how much of the query the best entry holds, and hold that entry for ``lease``
-  (non-zero) for ``lease_ms`` milliseconds. ``OP_RELEASE`` with a ``lease`` (nothing else; not answered): the
-  entries held for that lease are free again. Or ``OP_CLOSE`` (the consumer is going away).
-- producer -> consumer, data pipe: an int64 tensor ``[ANSWER_MAGIC, status, seq]`` echoing the request's ``seq``:
-  ``HIT`` followed by the five tensors of the entry, ``MISS`` (nothing follows), or ``CLOSED`` (the producer is going
-  away; ``seq`` -1); or, answering a lookup, ``[ANSWER_MAGIC, LOOKED, seq, agree, held]``: the entry held for the
-  lease agrees with the query on its first ``agree`` tokens and holds ``held`` tokens (0 and 0: none).
-
-Every frame is parsed and validated field by field (nothing on the wire is executed); a malformed one raises
-``BadRequest`` (requests) or ``ValueError`` (answers) with a message saying what was expected.
+Frame layout: docs/wire.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""The pipe's side-channel wire format: versioned, length-checked frames; nothing on it is ever executed.
+"""The pipe's side-channel wire format: the versioned, length-checked frames of the handshake and of each tensor
+(whose bytes the Transfer Engine writes; a frame only says where they are), built, parsed and validated here only.
+Nothing on it is ever executed; a malformed frame raises ``ProtocolError`` with a message naming what is wrong.
 
-Every frame is a 12-byte header followed by ``length`` payload bytes::
-
-    magic b"MKVP" | version u8 | kind u8 | flags u16 (0) | length u32      (network byte order)
-
-Kinds and payloads (the tensor bytes themselves never travel here: they are written by the Transfer Engine
-into the receiver's registered staging ring, or straight into its result tensor, and a frame only says where they are):
-
-- HELLO / WELCOME: a small JSON object (the handshake; parsed with ``json`` and every field validated).
-- ERROR: UTF-8 text, the reason the peer refused us.
-- TENSOR: dtype code u8, ndim u8, 6 pad, nbytes u64, ndim x dim u64 - a tensor starts; its bytes follow as CHUNK /
-  DCHUNK frames. TENSOR frames are counted per connection (0, 1, ...): that count is the tensor's ``seq``.
-- TENSOR_INLINE: dtype code u8, ndim u8, 6 pad, nbytes u64, ndim x dim u64, then the nbytes of the tensor itself
-  (small tensors ride in the frame that has to be sent anyway; at most ``MAX_INLINE`` bytes).
-- NONE: empty; the value ``None`` (nothing a real tensor could carry is reserved for it).
-- CHUNK: offset u64, length u64, end u64 - the next piece of the current tensor sits at ``offset`` in the ring.
-- ACK: end u64 - the receiver has consumed the ring up to the absolute position ``end``.
-- DIRECT (receiver -> sender): seq u64, nbytes u64, count u32, 4 pad, then count x (addr u64, length u64) - "write
-  the rest of tensor ``seq`` straight into these registered regions, filled in order" (zero-copy receive over TCP: the
-  result tensor, or the regions of a scatter target such as KV cache blocks; a sender may ignore it). ``count`` 0:
-  "no offer for this tensor: use the ring" (a sender expecting an offer stops waiting).
-- DCHUNK: pos u64, length u64 - bytes [pos, pos+length) of the current tensor were written into the result directly.
-- BYE: empty; an orderly close.
-
-Decoding validates sizes and values and raises ``ProtocolError`` with a message naming what is wrong.
+Frame layout, kinds and payloads: docs/wire.md.
 """
 
 from __future__ import annotations
