@@ -1,36 +1,9 @@
-"""MooncakePipe: a tensor FIFO between two processes over Mooncake Transfer Engine registered buffers.
+"""MooncakePipe: a tensor FIFO between two processes over Mooncake Transfer Engine registered buffers: a TCP side
+channel carries the frames (``kv_pipe.wire``), the engine writes the bytes one-sided into the receiver's staging ring
+or straight into its result. This module holds the link itself (making it, taking the peer's connection, closing);
+the sending half is ``kv_pipe.sending``, the receiving half ``kv_pipe.receiving``.
 
-How one tensor travels (sender A -> receiver B):
-
-1. A holds a TCP side channel to B (opened on first send, see ``kv_pipe.handshake``) on which B announced, in its WELCOME,
-   its engine session and the address of its registered *staging ring* (``staging_buffer_size`` bytes).
-2. A sends a TENSOR frame (dtype, shape, size), then splits the bytes into chunks (``chunk_size``). For each:
-   reserve ring space, start a one-sided Transfer Engine write into B's ring (over TCP straight from the tensor;
-   RDMA first copies into A's own registered staging area; a device tensor is first copied whole into pinned host
-   memory, ``kv_pipe.devices``). Up to ``max_chunks_in_flight`` writes
-   run at once; as each completes, a CHUNK frame tells B where it is.
-3. B's ``recv_tensor`` takes the result from the endpoint's pool of memory kept mapped (``ResultPool``: a fresh
-   result's page faults cost as much as the transfer; a slot is reused once the caller dropped every reference to
-   its result) or allocates it, copies each chunk out of the ring and ACKs it, which frees the space for A's next
-   chunks. Memory use is fixed: two staging areas plus the result tensor (and the pool, ``result_pool_size``).
-4. Zero-copy receive (TCP, host result of at least ``DIRECT_MIN`` bytes): on the TENSOR frame B registers the
-   result itself and offers it (DIRECT; its WELCOME told A whether it does). A writes a first small chunk to the ring
-   meanwhile and then waits up to ``OFFER_WAIT`` for the offer (a receiver that is not reading yet gets its ring
-   filled instead); from then on A writes the rest straight into it, in at most
-   ``max_chunks_in_flight`` large writes started at once (every completion wakes a Python thread, which in a
-   process with a busy Python thread waits up to the 5 ms GIL switch interval), and announces them with DCHUNK frames.
-   B unregisters the result before returning it. Registering is cheap bookkeeping over TCP with
-   P2PHANDSHAKE; with a metadata server it would write to that server twice per tensor, and RDMA would
-   pin memory per tensor, so those keep the ring.
-5. Scatter targets (``recv_tensor(out=Scatter(...))``): the bytes go into several regions in order, e.g. the KV cache
-   blocks a request loads into. Regions inside memory registered once with ``register_receive_region`` are offered
-   to the sender as in 4 (with any metadata server: nothing is registered per tensor); otherwise chunks are copied
-   out of the ring straight into the regions. Either way the bytes are copied once, into the place they are used.
-
-Nothing on the side channel is executed or unpickled: frames are parsed by ``kv_pipe.wire`` and validated.
-
-This module holds the link itself (making it, taking the peer's connection, closing); the sending half is
-``kv_pipe.sending``, the receiving half ``kv_pipe.receiving``.
+How a tensor travels: docs/architecture.md (The pipe's data path); the API: docs/api.md.
 """
 
 from __future__ import annotations

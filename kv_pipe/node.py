@@ -1,19 +1,9 @@
 """Node: the workings of a pipe endpoint - a Transfer Engine, a side-channel listener on the instance's own address,
-and links to any number of peer endpoints - whatever class its links are.
+and links to any number of peer endpoints, one per peer and channel, made on first use - whatever class its links
+are. ``PipeEndpoint`` (``kv_pipe.endpoint``) is the node whose links are ``MooncakePipe``s; the link class is handed in
+(``link``) rather than imported, so the pipe module builds on this one and not the other way round.
 
-``PipeEndpoint`` (``kv_pipe.endpoint``) is the node whose links are ``MooncakePipe``s; a ``MooncakePipe`` made with
-vLLM v0's signature makes a node of its own. The link class is handed in (``link``) rather than imported, so the
-pipe module builds on this one and not the other way round.
-
-A link is one peer endpoint on one *channel* (e.g. ``"kv"`` for the lookup buffer, ``"push"`` for pushed KV:
-protocols that must not interleave get a channel each). ``link(peer, channel)`` returns the link, making it on first
-use; a peer that connects first makes it on this side, and ``on_link`` hears of it (a producer serves each consumer
-that shows up). Each direction of a link is its own TCP connection, opened by the sender to the receiver's listener;
-the peer names the endpoint it listens on in its HELLO, so both directions meet in one link.
-
-The handshake (``kv_pipe.handshake``) runs in a thread per connection with a short deadline (``kv_pipe.acceptor``):
-a connection that sends nothing, or garbage, delays nobody else and is closed with a logged reason. A link nobody
-used for ``link_idle`` seconds is closed, its memory released; either side makes it again when needed.
+Links, channels and connections: docs/architecture.md (XpYd: endpoints, links and params); the API: docs/api.md.
 """
 
 from __future__ import annotations
