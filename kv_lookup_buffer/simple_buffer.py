@@ -1,23 +1,9 @@
 """SimpleBuffer: the producer holds KV entries keyed by tokens; the consumer asks for one over a KV pipe and takes it.
+vLLM v0's interface (``insert`` on the producer, ``drop_select`` on the consumer), plus lookups under leases; each
+call goes to its producer half (``simple_producer.BufferProducer``: the entries, the threads answering requests) or
+its consumer half (``simple_consumer.BufferConsumer``: requests in flight, the thread receiving answers).
 
-``SimpleBuffer`` is vLLM v0's interface (``insert`` on the producer, ``drop_select`` on the consumer); it hands each
-call to its producer half (``simple_producer.BufferProducer``: the entries, and the threads answering requests) or
-its consumer half (``simple_consumer.BufferConsumer``: requests in flight, the thread receiving answers). The frames
-they exchange are defined in ``simple_wire``.
-
-The consumer may have several requests in flight (several threads calling ``drop_select``): a receiving thread
-hands each answer to the request with its ``seq``; an answer nobody waits for any more (its caller timed out) is
-received and dropped (counted as late). The producer answers requests in order, one at a time.
-
-Requests are validated by the producer; a malformed one is answered with MISS (or skipped, if it does not even
-carry an op and a seq) and logged, and the serving thread goes on.
-
-Extensions to vLLM v0's contract (all off by default): ``max_age`` drops entries nobody took within that many seconds,
-``evict`` makes ``insert`` drop the oldest entries to make room instead of waiting for a consumer,
-``drop_select(..., key_rows=..., key_part=..., shares=...)`` fetches only some rows of the entry's key, only a range
-of its third dimension (some KV heads), and lets several consumers (the TP ranks of one instance) each take a part of
-one entry; and ``lookup`` asks how much of a query the producer holds and has it hold that entry for a lease, which
-``drop_select(..., lease=...)`` then takes (find before you claim).
+The contract and its extensions: docs/api.md; the frames (``simple_wire``): docs/wire.md.
 """
 
 from __future__ import annotations
