@@ -1,37 +1,9 @@
-"""``kv_transfer_params``: what a request carries between the instances (vLLM's disaggregation protocol).
+"""``kv_transfer_params``: what a request carries between the instances (vLLM's disaggregation protocol). A producer
+answers with ``producer_params`` (where the KV waits, signed with a secret); ``decode_params`` reads what a decode
+request's params ask of a consumer, ``push_targets`` where a producer pushes. Params come from the network: every
+field is checked (``ParamsError`` names it) and, with a secret, only params whose proof verifies are used.
 
-The proxy sends the prefill with ``{"do_remote_decode": true}`` and ``"mooncake_push_to"``: the consumer's pipe
-address per TP rank if it takes pushed KV, else ``[]`` (a push-mode producer then keeps the KV for pull). The
-producer's ``request_finished`` answers with ``producer_params``: where the KV waits. The proxy puts those on the
-decode request; the consumer loads from exactly that producer.
-
-What a decode request's params ask of a consumer (``decode_params``):
-
-- ``{"do_remote_prefill": true, "remote_pipe": [...], ...}`` (a producer's answer): load from that producer. With
-  ``"mooncake_pushed": true`` (push mode: that producer pushes the prompt here, or tells this consumer to pull it)
-  the load waits for that news from the producer's push link, up to ``load_timeout``, before it pulls.
-- ``{"do_remote_prefill": false}``: load nothing, compute the whole prompt here (as vLLM's protocol has it: only
-  ``true`` loads). A proxy sends this when it skips the remote prefill, e.g. because this instance already holds
-  most of the prompt in its prefix cache.
-- ``{"do_remote_prefill": true, "mooncake_await_push": true}`` (push mode; the decode is sent together with its
-  prefill, so no producer has answered yet): a producer will push this prompt's KV here; wait up to ``push_wait``
-  seconds for a push of it to begin on any of this consumer's push links (authenticated by the pipe's handshake,
-  so nothing in the params needs proving), and if that producer answers "pull", load from it. A pull-mode consumer
-  loads nothing for it.
-- No params, or none of the above (a proxy that forwards none, or prefill and decode sent by hand): load from the
-  producer named by mooncake.json's ``prefill_url``.
-
-What a request's params ask of a producer: every prompt is saved (or pushed) for a consumer, whatever its params,
-except ``{"do_remote_decode": false}``: the request is served whole here, nothing is kept for anyone (a proxy sends
-this when it skips the remote prefill and an idle prefill instance serves the request).
-
-Params reach us from the network through the proxy: every field is checked (``ParamsError`` says which and why) and
-a request with bad params is recomputed, never loaded from a guessed place. With a secret (mooncake.json's
-``auth_secret`` or ``MOONCAKE_KV_SECRET``) nobody outside the fleet can name where KV comes from or goes to: the
-producer signs the params it answers with (``mooncake_proof``, an HMAC under the secret of the pipes, engine id, TP
-size and request id) and a consumer loads only from params whose proof verifies; a consumer publishes a proof of its
-push address beside it on /metrics, which the proxy passes on (``mooncake_push_proof``) and a producer checks before
-it pushes. Proofs can be replayed, but only to name the same genuine instances.
+What the params ask of each side: docs/configuration.md (kv_transfer_params); the proofs: docs/deployment.md (Security).
 """
 from __future__ import annotations
 

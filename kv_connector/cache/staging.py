@@ -1,24 +1,9 @@
-"""Copies between the paged KV cache and host memory that never stall the forward pass.
+"""Copies between the paged KV cache and host memory that never stall the forward pass. Host caches:
+``block_copy``'s memmoves, done at once. Device caches (CUDA): blocks are staged in pinned host memory
+(``pinned.PinnedArena``) by copies on two streams of the worker's own (``out``, ``in``), ordered by events, never by
+a synchronizing call in the forward pass's thread; ``suspend`` stops them for sleep mode.
 
-Host caches: ``block_copy``'s memmoves, done at once (there is no device to wait for).
-
-Device caches (CUDA): the Transfer Engine moves host memory over TCP, so blocks are staged in pinned host memory
-(``pinned.PinnedArena``, allocated once) by copies on two streams of the worker's own, never by a synchronizing call
-in the forward pass's thread:
-
-- **Out of the cache** (a save, a push): an event recorded on the caller's stream (the forward pass's) orders the copy
-  after the kernels queued so far, among them the ones that wrote those blocks; the blocks are gathered on the device
-  and copied into pinned memory on the ``out`` stream. The caller gets the host tensor and a wait for that copy's
-  event (``Staged.wait``): the thread that sends it waits, the forward pass goes on. The copy still reads the blocks,
-  so they must not be reused until it ended: the request is held (vLLM's ``request_finished`` answers True) and
-  reported in ``finished_sending`` once ``sent`` says so; a preempted request's blocks are freed by vLLM without
-  asking, so ``protect`` makes the forward stream wait for its copies before the next forward.
-- **Into the cache** (a load): the blocks were just handed to the request and kernels of their previous owner may
-  still be queued, so the copy waits on the ``in`` stream for an event recorded by ``mark`` (in the step that started
-  the load, after its forward was queued); the loader thread then waits for the copy's event before it reports the
-  load done, and vLLM runs the request only after that.
-
-Sleep mode: ``suspend`` lets no copy start into or out of the cache, then waits for both streams.
+How each copy is ordered, and why a request's blocks are held: docs/architecture.md (A GPU KV cache).
 """
 
 from __future__ import annotations

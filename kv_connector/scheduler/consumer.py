@@ -1,19 +1,9 @@
 """The consumer's scheduler side (vLLM's EngineCore process of the decode instance): decides what to load; knows
-requests and block ids, never touches KV.
+requests and block ids, never touches KV. Find before you claim: a request's first ask sends a lookup to the
+workers, and vLLM hears ``None`` until every rank answered; then the request claims what was found beyond its own
+prefix-cache hit as one asynchronous load under the lookup's lease (one attempt: a failed load is not retried).
 
-Find before you claim (vLLM's contract for ``get_num_new_matched_tokens``: claim only KV that is available). A
-request's first ask sends a lookup to the workers (``lookups.py``): each TP rank asks the producer ranks it would load
-from - the producer the request's params name, else mooncake.json's - how much of the prompt they hold, and has them
-hold that entry for a lease. Until every rank answered, vLLM is told ``None`` ("ask again next step"); the engine
-loop never waits on the network. Then the request claims the blocks found beyond its own prefix-cache hit, except its
-last ``recompute`` tokens (vLLM computes at least the last one itself), as one asynchronous load into exactly the
-blocks it lacks, under the lease; found nothing (or no answer within ``lookup_timeout`` plus a margin): it claims
-nothing and is computed here. So vLLM's ``kv_load_failure_policy`` means what vLLM says: only a load of KV that was
-found and then broke fails (``fail``: its request ends with an error; ``recompute``: it is recomputed).
-
-Not looked up: a request whose params say ``do_remote_prefill: false`` (claims nothing), and one whose producer
-pushes its prompt here (``mooncake_await_push``, ``mooncake_pushed``: it claims at once and waits for the push, as
-the push protocol says). A request gets one load attempt: a failed one is not retried.
+The protocol, its deadlines and leases: docs/architecture.md (Find before you claim).
 """
 
 from __future__ import annotations

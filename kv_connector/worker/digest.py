@@ -1,25 +1,8 @@
-"""End-to-end KV digests: the blocks a consumer's request attends to hold the bytes its producer saved.
+"""End-to-end KV digests: the blocks a consumer's request attends to hold the bytes its producer saved. The producer
+hashes each block it saves or pushes (XXH3-64, per block or per KV head of each block) and packs the digests, sealed
+with a secret; the consumer reads a load's blocks back from its KV cache and compares (``kv_digest``).
 
-The producer hashes each block it saves (every layer's rows of that block, laid out as ``block_copy.gather`` lays
-them out) with xxHash's XXH3-64 (a fast non-cryptographic hash, as storage systems use for checksums), one int64
-per block (or per head of each block, below); the digests travel with the entry (the buffer's ``hidden`` tensor,
-over the pipe, whose peers proved the secret if one is set). The consumer, once a load's blocks are written into its
-KV cache and before vLLM may run the request, reads those blocks back and hashes them: a difference (a byte changed
-in flight or in a buffer, a block written into the wrong place, blocks left holding what they held before) fails
-the load, which vLLM recomputes (or ends the request: ``kv_load_failure_policy`` "fail"). Modes (``kv_digest``):
-``off``, ``sampled`` (one load in ``kv_digest_sample``), ``always``. Pushed entries carry their digests in their
-commit: the producer's push sender hashes each piece as it sends it (``BlockHasher``). Checked: every load, pulled
-or pushed, of whole blocks or of some heads of each (a consumer of another TP size).
-
-Digests travel packed (``pack``): ``[groups, *digests]``, one per block, or one per KV head of each block where the
-layout holds a block's heads first (``heads_split``), so that a consumer of another TP size, which loads some heads
-of each block, checks those. With a secret the producer seals them (an HMAC-SHA256 under the secret of the entry's
-key and the digests, appended) and the consumer checks the seal first (``unpack``). XXH3 catches accidents, not an
-attacker: whoever can write into the Transfer Engine's buffers (they take writes from anyone who reaches their port,
-secret or not) could change a block and its digest alike; with the seal they cannot make digests that match what they
-wrote.
-(The seal cannot ride in the request's signed params: vLLM's scheduler answers the prefill, params included, before
-the worker's output of that step - where the digests are - reaches the scheduler side.)
+What is hashed, the packed format, the seal and what it guards against: docs/architecture.md (The KV digest).
 """
 
 from __future__ import annotations

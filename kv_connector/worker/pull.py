@@ -1,26 +1,9 @@
-"""Pull mode: the producer keeps each finished prompt's KV in a SimpleBuffer; the consumer asks for the blocks it
-lacks and copies them into its KV cache.
-
-Save (producer, inside the forward pass): gather the prompt's blocks of every layer into one block-major tensor and
-insert it keyed by the prompt's tokens. The buffer evicts the oldest unclaimed entries when full and expires those
-nobody takes within ``entry_ttl``, so a save never waits for a consumer.
-
-Load (consumer, in a loader thread): ``drop_select`` by the prompt's tokens from the producer that prefilled it (its
-params name it; else the one in mooncake.json), asking only for rows [first_block, first_block + n) - the blocks
-this instance does not hold in its prefix cache - so only those bytes cross the wire, into a pooled receive buffer
-(a device cache's: pinned memory of its staging arena), then copied into the request's blocks. Not straight into the
-blocks: a receive the network cuts off may resume writing long after, so at the load's deadline (``load_timeout``
-from the claim) the load ends, the request is recomputed, and the buffer is quarantined until nothing more can land
-in it (``AnswerAbandoned``); the KV cache is never open to a peer's writes. (``receive_into_cache``: straight into
-the blocks, registered once, one copy less per byte; a stalled receive then holds its load until it ends.) The
-entry's tokens come back with it: a block is used only where its tokens agree with the prompt; blocks written with
-anything else are reported and recomputed. Then, for a load the ``kv_digest`` sampler picks, the blocks are read
-back and checked against the digests the producer computed when it saved them (``digest``): a mismatch fails the
-load.
-
-Tensor parallelism (``heads``): each consumer rank reads its KV heads from the producer ranks that hold them, a part
-of each block from each, even when the two instances run different TP sizes; KV every rank holds alike (MLA) is
-saved by one producer rank only and read from it by every consumer rank.
+"""Pull mode (``PullTransfer``): the producer saves each finished prompt's KV into its SimpleBuffer, keyed by the
+prompt's tokens; the consumer's load takes from the producer that holds it only the blocks it lacks, receives them
+into a pooled buffer (never into the KV cache, unless ``receive_into_cache``), copies them into the request's blocks
+and may check them against the producer's digests. Each consumer rank reads its KV heads from the producer ranks
+that hold them. Which blocks move, deadlines: docs/architecture.md (Which blocks move, Concurrent loads); TP:
+docs/deployment.md (Tensor parallelism).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Push mode: the producer streams each layer's newly computed blocks to the consumer while the prefill runs, then
-commits the entry; the consumer stages it until the request's load takes it, and copies only the blocks it lacks
-into its KV cache. Pull (``PullTransfer``) serves whatever push cannot: an entry the consumer has no room for, a
-push that failed, a request the producer never announced.
+"""Push mode (``PushTransfer``): the producer streams each layer's newly computed blocks to the consumer while the
+prefill runs, then commits the entry; the consumer stages it until the request's load takes it, and copies only the
+blocks it lacks into its KV cache. Pull (``PullTransfer``) serves whatever push cannot: an entry the consumer has no
+room for, a push that failed, a request the producer never announced.
 
-The producer cannot know the consumer's prefix cache when it prefills, so a pushed entry always holds the whole
-prompt; the load still writes exactly the blocks the consumer lacks.
-
-A load waits for a push only if it has begun (the consumer has its BEGIN): a request nobody pushes is a miss in
-milliseconds, never a ``push_wait``. Except a decode the proxy sent together with its prefill (``mooncake_await_push``
-in its params): its load waits up to ``push_wait`` seconds for any producer to begin pushing the prompt (woken by
-every arrival on any push link, not by polling), then for the commit until the load's deadline; if that producer
-says "pull", the load pulls from it (the peer of that push link); if nothing begins, or the push is dropped, the
-load fails and vLLM recomputes the prompt.
-
-XpYd: the producer pushes each request to the consumer its params name (``mooncake_push_to``, chosen by the proxy
-before the prefill), else to the consumer in mooncake.json; the consumer takes it from the push link of the producer
-its decode params name (else the configured one).
+How loads wait for pushes, and XpYd: docs/architecture.md (Push mode); the messages: docs/wire.md.
 """
 
 from __future__ import annotations
