@@ -85,7 +85,7 @@ def _addresses(value: Any, field: str, tp_size: int | None) -> list[str]:
 
 @dataclass(frozen=True)
 class DecodeParams:
-    """Consumer: what a decode request's params ask for (see the module docstring)."""
+    """Consumer: what a decode request's params ask for (the keys: docs/configuration.md)."""
 
     load: bool = True  # False: load nothing (``do_remote_prefill: false``)
     pipes: list[str] | None = None  # the producer whose KV waits there, per its TP rank; None: mooncake.json's

@@ -351,7 +351,7 @@ def test_recycle_pool_keeps_large_host_buffers_up_to_its_limit():
 
 
 def test_the_frames_are_as_documented():
-    """The frames' bytes, spelled out (simple_wire's docstring): a peer of another build reads them so."""
+    """The frames' bytes, spelled out (docs/wire.md): a peer of another build reads them so."""
     frame = request_frame(OP_DROP_SELECT, 5, torch.tensor([7, 8]), (1, 3), None, 2, lease=9)
     assert frame.dtype == torch.int64 and frame.tolist() == [5, 5, 1, 1, 3, 0, -1, 2, 9, 0, 7, 8]
     assert request_frame(OP_LOOKUP, 6, torch.tensor([7]), lease=-3, lease_ms=250).tolist() == \
