@@ -83,6 +83,7 @@ class FakePull:
     def __init__(self, checks: str = "off") -> None:
         self.saved, self.loaded, self.verified = [], [], []
         self.checks, self.secret, self.digest_groups = Sampler(checks, 1), b"", 1
+        self.tamper = None  # as PullTransfer's in service
 
     def verify(self, req, sums, usable, tokens, descriptor):
         self.verified.append((req.req_id, sums, usable))
