@@ -121,7 +121,7 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._scheduler.answered(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # a producer holds the blocks a copy out of a GPU cache may still read (scheduler_producer's ``hold``)
+        # a producer holds the blocks a copy out of a GPU cache may still read (``scheduler.producer``'s ``hold``)
         if isinstance(self._scheduler, ProducerScheduler):
             return self._scheduler.finished(request)
         return False, self._scheduler.finished(request)

@@ -1,5 +1,5 @@
 """The worker's stats: the buffers' counts that are the connector's too are recorded as they happen, under the
-connector's names (the metric names and meanings on /metrics are checked by test_metrics.py)."""
+connector's names (the metric names and meanings on /metrics are checked by test_vllm_stats.py)."""
 
 from __future__ import annotations
 
