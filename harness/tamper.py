@@ -3,7 +3,7 @@
 ``TEST_FAULTS`` made in it (faults the KV digest must catch).
 
 vLLM instances get them by naming ``harness.tamper_connector`` in ``--kv-transfer-config``
-(``harness.vllm.connector_config`` with ``allow_test_corruption=True``); the data-path tests
+(``harness.vllm.connector_config`` with ``tamper=True``); the data-path tests
 (``harness.workers.run_loads``) install a ``Tamper`` on a worker directly. This module imports no vLLM.
 """
 

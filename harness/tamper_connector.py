@@ -1,4 +1,4 @@
-"""The connector test instances name (``harness.vllm.connector_config`` with ``allow_test_corruption=True``): the
+"""The connector test instances name (``harness.vllm.connector_config`` with ``tamper=True``): the
 product's ``MooncakeConnector`` plus the test switches of harness/tamper.py."""
 
 from __future__ import annotations

@@ -30,13 +30,14 @@ def build_model(preset: str, quiet: bool = False) -> Path:
     return REPO / ".cache" / "models" / preset
 
 
-def connector_config(role: str, *, failure_policy: str | None = "recompute", **extra: object) -> dict:
+def connector_config(role: str, *, failure_policy: str | None = "recompute", tamper: bool = False,
+                     **extra: object) -> dict:
     """``--kv-transfer-config`` for our connector in ``role`` (kv_producer, kv_consumer), with vLLM's
     ``kv_load_failure_policy`` (``recompute`` unless given: the tests' fallbacks; None: not set, vLLM's default, as
     users run it); ``extra`` goes to its ``kv_connector_extra_config`` (a 512 MiB buffer unless overridden), but for
-    ``allow_test_corruption``, which names the product's connector with the tests' switches (harness/tamper_connector.py)."""
+    ``tamper``, which names the product's connector with the tests' switches (harness/tamper_connector.py)."""
     policy = {} if failure_policy is None else {"kv_load_failure_policy": failure_policy}
-    module = "harness.tamper_connector" if extra.pop("allow_test_corruption", False) else "kv_connector.mooncake_connector"
+    module = "harness.tamper_connector" if tamper else "kv_connector.mooncake_connector"
     return {"kv_connector": "MooncakeConnector", "kv_connector_module_path": module,
             "kv_role": role, **policy, "kv_connector_extra_config": {"buffer_size": 512 << 20, **extra}}
 
@@ -72,8 +73,8 @@ class OpenAIClient:
 
 def base_env() -> dict[str, str]:
     """The environment every instance starts with (offline, no usage stats, the Transfer Engine's warnings only; the
-    checkout on the path, for the tests' connector harness.tamper_connector: the product is found through the installed
-    package, as for users)."""
+    checkout first on the path, for the tests' connector harness.tamper_connector: the product then comes from this
+    checkout too, the same files the editable install points at)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "WARNING",
             "PYTHONPATH": path}

@@ -1,10 +1,10 @@
-"""Connector workers without vLLM (``kv_connector.worker.ConnectorWorker`` over a KV cache of plain tensors), driven
-in the order vLLM 0.32's model runner drives them (``KVConnectorModelRunnerMixin._get_kv_connector_output``; a step
-of this connector has no synchronous load, so ``start_load_kv`` comes after the forward pass): bind the step's
-metadata, the forward pass (``save_layer`` per layer), ``start_step`` (vLLM's ``start_load_kv``), ``wait_for_save``,
-``transfer_results``. Loads are steps with no forward. Finished requests a producer holds are reported in a later
-step's ``transfer_results`` (``finish``). For the data-path tests and the GPU benchmark; kv_connector is imported
-when used (a peer process pays for it then)."""
+"""Connector workers without vLLM (``kv_connector.worker.connector_worker.ConnectorWorker`` over a KV cache of plain
+tensors), driven in the order vLLM 0.32's model runner drives them
+(``KVConnectorModelRunnerMixin._get_kv_connector_output``; a step of this connector has no synchronous load, so
+``start_load_kv`` comes after the forward pass): bind the step's metadata, the forward pass (``save_layer`` per
+layer), ``start_step`` (vLLM's ``start_load_kv``), ``wait_for_save``, ``transfer_results``. Loads are steps with no
+forward. Finished requests a producer holds are reported in a later step's ``transfer_results`` (``finish``). For the
+data-path tests and the GPU benchmark; kv_connector is imported when used (a peer process pays for it then)."""
 
 from __future__ import annotations
 

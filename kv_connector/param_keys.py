@@ -1,7 +1,7 @@
 """The protocol facts the connector and the proxy share: ``kv_transfer_params`` keys and the endpoint info on /metrics.
 
 Plain constants only: the proxy imports this module, so it must import nothing (no torch, no vLLM); see
-``params.py`` for what each key means and how it is checked, ``stats.py`` for how the endpoint info is exported.
+``params.py`` for what each key means and how it is checked, ``vllm_stats.py`` for how the endpoint info is exported.
 """
 
 # vLLM's disaggregation protocol: what a request asks of an instance
@@ -30,4 +30,3 @@ TRANSFER_MODE_LABEL = "transfer_mode"  # "pull" or "push"
 PIPES_LABEL = "pipes"  # pipe address per TP rank, comma separated
 ENGINE_ID_LABEL = "kv_engine_id"
 PUSH_PROOF_LABEL = "push_proof"  # a consumer's proof of its pipe addresses ("" without a secret)
-ENDPOINT_LABELS = (KV_ROLE_LABEL, TRANSFER_MODE_LABEL, PIPES_LABEL, ENGINE_ID_LABEL, PUSH_PROOF_LABEL)

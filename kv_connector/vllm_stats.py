@@ -11,7 +11,14 @@ from vllm.logger import init_logger
 
 from kv_connector import params as kv_params
 from kv_connector.config import ConnectorConfig
-from kv_connector.param_keys import ENDPOINT_INFO
+from kv_connector.param_keys import (
+    ENDPOINT_INFO,
+    ENGINE_ID_LABEL,
+    KV_ROLE_LABEL,
+    PIPES_LABEL,
+    PUSH_PROOF_LABEL,
+    TRANSFER_MODE_LABEL,
+)
 from kv_connector.stats import COUNTERS, GAUGES, TransferStats
 
 if TYPE_CHECKING:
@@ -29,9 +36,9 @@ def endpoint_info(config: ConnectorConfig) -> dict[str, str]:
     """What a proxy needs to know about this instance: role, transfer mode, pipe address per TP rank, engine id, and
     (a consumer, with a secret) the proof of its pipe addresses that a producer checks before pushing there."""
     pipes = config.pipes
-    return {"kv_role": config.kv_role, "transfer_mode": config.options.transfer_mode, "pipes": ",".join(pipes),
-            "kv_engine_id": config.engine_id,
-            "push_proof": "" if config.is_producer else kv_params.push_proof(config.secret, pipes)}
+    return {KV_ROLE_LABEL: config.kv_role, TRANSFER_MODE_LABEL: config.options.transfer_mode,
+            PIPES_LABEL: ",".join(pipes), ENGINE_ID_LABEL: config.engine_id,
+            PUSH_PROOF_LABEL: "" if config.is_producer else kv_params.push_proof(config.secret, pipes)}
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):

@@ -94,7 +94,6 @@ class Credit:
 Message = Hello | Begin | Data | Commit | Pull | Abort | Credit
 _BY_KIND: dict[int, type[Message]] = {cls.KIND: cls for cls in (Hello, Begin, Data, Commit, Pull, Abort, Credit)}
 _KEYED = (Begin, Data, Commit, Pull, Abort)
-PAYLOAD_KINDS = (DATA, COMMIT)  # tensors follow the header: DATA one, COMMIT one or two (``hidden``)
 
 
 def key_of(message: Message) -> bytes:

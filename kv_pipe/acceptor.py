@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kv_pipe.config import join_host_port
+from kv_pipe.addresses import join_host_port
 from kv_pipe.errors import ConfigError
 from kv_pipe.handshake import Tally
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from kv_pipe import auth, wire
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.addresses import join_host_port, parse_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig
 from kv_pipe.connections import tune
 from kv_pipe.errors import ConfigError, PeerDisconnected, PipeError, PipeTimeout, ProtocolError
 from kv_pipe.wire import Kind

@@ -16,8 +16,9 @@ import time
 import torch
 
 from kv_pipe import auth, handshake
+from kv_pipe.addresses import join_host_port, parse_host_port
 from kv_pipe.base import KVPipeBase
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port, parse_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig
 from kv_pipe.connections import Inbound, Outbound
 from kv_pipe.errors import PeerDisconnected, PipeClosed
 from kv_pipe.handshake import DEFAULT_CHANNEL

@@ -20,7 +20,8 @@ import torch
 
 from kv_pipe import handshake
 from kv_pipe.acceptor import Acceptor
-from kv_pipe.config import MooncakeTransferEngineConfig, is_loopback, join_host_port, parse_host_port, physical_memory
+from kv_pipe.addresses import is_loopback, join_host_port, parse_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig, physical_memory
 from kv_pipe.devices import canonical
 from kv_pipe.errors import ConfigError, PipeError, ProtocolError
 from kv_pipe.handshake import DEFAULT_CHANNEL, check_channel

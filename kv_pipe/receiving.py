@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from kv_pipe import wire
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
+from kv_pipe.addresses import join_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig
 from kv_pipe.connections import DIRECT_MIN, Inbound
 from kv_pipe.devices import pinned_empty, same_device, to_device
 from kv_pipe.errors import PipeError, PipeStalled, PipeTimeout, ProtocolError

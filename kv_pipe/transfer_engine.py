@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from kv_pipe.config import MooncakeTransferEngineConfig, join_host_port
+from kv_pipe.addresses import join_host_port
+from kv_pipe.config import MooncakeTransferEngineConfig
 from kv_pipe.errors import ConfigError, TransferError
 from kv_pipe.memory import advise_huge_pages, mapped, prefault
 

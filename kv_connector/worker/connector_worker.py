@@ -1,7 +1,7 @@
 """The connector's worker side (vLLM's Worker process): owns the KV cache tensors, the peer links (``links``) and the
 transfer (pull or push); saves inside the forward pass, loads in pool threads.
 
-No vLLM here: vLLM's objects are read once by the glue (``vllm_glue.worker_spec``) into a ``WorkerSpec``, and the
+No vLLM here: vLLM's objects are read once by the glue (``vllm_spec.worker_spec``) into a ``WorkerSpec``, and the
 worker takes the KV cache as a dict of plain tensors, so the whole data path runs (and is tested) without vLLM.
 """
 
@@ -35,12 +35,12 @@ from kv_pipe import PipeEndpoint
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker knows of its instance besides the KV cache tensors (``vllm_glue.worker_spec`` reads it off
+    """What a worker knows of its instance besides the KV cache tensors (``vllm_spec.worker_spec`` reads it off
     vLLM's objects; tests write it by hand)."""
 
     rank: int  # this worker's tensor-parallel rank
     block_size: int  # tokens per KV cache block
-    fingerprint: str  # the model, equal for the same model on any host (``vllm_glue.model_fingerprint``)
+    fingerprint: str  # the model, equal for the same model on any host (``vllm_spec.model_fingerprint``)
     kv_heads: int  # the model's KV heads in all (1 for MLA's latent)
     replicated: bool = False  # every rank holds the same KV (MLA)
     num_blocks: int | None = None  # blocks per layer (None: the first dimension of the first layer)

@@ -1,4 +1,4 @@
-"""What a worker needs of vLLM's objects, read once into plain values (``worker.WorkerSpec``): the rest of the
+"""What a worker needs of vLLM's objects, read once into plain values (``connector_worker.WorkerSpec``): the rest of the
 worker's data path never touches vLLM."""
 
 from __future__ import annotations

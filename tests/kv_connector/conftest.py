@@ -63,7 +63,7 @@ def default_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                           config, SERVE_ARGS, worker_process=False)
     consumer = VllmServer("default-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", failure_policy=None, kv_digest="always",
-                                           allow_test_corruption=True), config, SERVE_ARGS, worker_process=False)
+                                           tamper=True), config, SERVE_ARGS, worker_process=False)
     yield producer, consumer
     producer.stop()
     consumer.stop()

@@ -52,7 +52,7 @@ def start_pair(model: Path, work: Path, name: str, consumer_extra: dict | None =
                           connector_config("kv_producer", transfer_mode=mode, **(producer_extra or {})), config,
                           serve_args, confine=confine, **on[0])
     consumer = VllmServer(f"{name}-consumer", model, free_port(), 1, work,
-                          connector_config("kv_consumer", allow_test_corruption=True, transfer_mode=mode,
+                          connector_config("kv_consumer", tamper=True, transfer_mode=mode,
                                            failure_policy=failure_policy,
                                            **{"kv_digest": "always", **(consumer_extra or {})}), config, serve_args,
                           confine=confine, **on[1])

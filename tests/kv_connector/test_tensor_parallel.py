@@ -43,7 +43,7 @@ def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # for a producer whose TP workers spin (see SETTLE below), longer beside the quick tier; the defaults (2 s, 10 s)
     # then compute prompts these tests mean to load (a rank's load failed once in a full suite run)
     consumer = VllmServer("tp2-consumer", tiny_model, free_port(), 1, work,
-                          connector_config("kv_consumer", allow_test_corruption=True, lookup_timeout=5.0,
+                          connector_config("kv_consumer", tamper=True, lookup_timeout=5.0,
                                            load_timeout=30.0), config, args, env)
     try:
         start_vllm(producer, consumer)

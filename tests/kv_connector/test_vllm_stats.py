@@ -1,4 +1,4 @@
-"""The connector's Prometheus metrics on a real producer's and consumer's ``/metrics`` (kv_connector/stats.py): every
+"""The connector's Prometheus metrics on a real producer's and consumer's ``/metrics`` (kv_connector/vllm_stats.py): every
 counter, the loads-in-flight gauge and the histograms are there from the start, and one real transfer moves them by
 exactly what moved - in pull mode (the load is a transfer) and in push mode (the consumer's wait is not)."""
 

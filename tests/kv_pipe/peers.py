@@ -269,7 +269,7 @@ def send_then_hang(cfg: dict[str, Any], kv_rank: int, nbytes: int, seconds: floa
 
 def open_endpoint(cfg: dict[str, Any], kv_rank: int, address: str, **kwargs: Any):
     """A ``PipeEndpoint`` listening on ``address`` (``host:port``) with the settings of ``cfg``."""
-    from kv_pipe.config import parse_host_port
+    from kv_pipe.addresses import parse_host_port
     from kv_pipe.endpoint import PipeEndpoint
 
     host, port = parse_host_port(address, "address")
