@@ -71,7 +71,7 @@ def default_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="session")
 def refused_starts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
-    """``vllm serve`` with each of ``BAD_STARTS``' connector mistakes (test_options.py), which it must refuse: spawned
+    """``vllm serve`` with each of ``BAD_STARTS``' connector mistakes (test_refused_starts.py), which it must refuse: spawned
     early (``spawn_early``); its test waits for each to exit."""
     work = tmp_path_factory.mktemp("bad-options")
     config = mooncake_json(work / "mooncake.json")

@@ -21,7 +21,7 @@ SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1100"
 BLOCK = 128  # the CPU backend's block size
 ROW_BYTES = 4 * 2 * 128 * 128 * 4  # one block of every layer of the tiny model in float32: 4 layers x [2, 128, 128]
 PUSH_PAIR_SECRET = "push-pair-secret-" + "7" * 32  # the push pair's shared secret (conftest ``push_pair``)
-BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say): conftest ``refused_starts``, test_options.py
+BAD_STARTS = {  # name: (extra config, vLLM args, what the log must say): conftest ``refused_starts``, test_refused_starts.py
     "misspelled-option": ({"bufer_size": 1}, [], "kv_connector_extra_config: unknown key(s) 'bufer_size' (did you "
                           "mean 'buffer_size'?)"),
 }
