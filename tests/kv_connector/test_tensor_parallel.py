@@ -41,7 +41,7 @@ def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                           connector_config("kv_producer", hold_blocks="always"), config, args, env)
     # lookup_timeout 5 s, load_timeout 30 s: on this box a lookup, the link it makes first, or a load may wait seconds
     # for a producer whose TP workers spin (see SETTLE below), longer beside the quick tier; the defaults (2 s, 10 s)
-    # then compute prompts these tests mean to load (a rank's load failed once in a full suite run)
+    # then compute prompts these tests mean to load
     consumer = VllmServer("tp2-consumer", tiny_model, free_port(), 1, work,
                           connector_config("kv_consumer", tamper=True, lookup_timeout=5.0,
                                            load_timeout=30.0), config, args, env)

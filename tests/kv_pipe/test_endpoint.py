@@ -26,8 +26,8 @@ def cfg():
 
 def test_producers_and_consumers_in_any_combination(cfg):
     """2 producer endpoints x 3 consumer endpoints, each consumer linked to both producers, all at once: every
-    answer comes back on the link that asked, nothing lost. (A 30 s timeout: five peer processes start at once, and
-    beside the vLLM tier one consumer's first link once came after a producer's 10 s.)"""
+    answer comes back on the link that asked, nothing lost. (A 30 s timeout: five peer processes start at once,
+    slowly beside the vLLM tier.)"""
     cfg = {**cfg, "timeout": 30.0}
     servers = [free_address(), free_address()]
     clients = [free_address() for _ in range(3)]

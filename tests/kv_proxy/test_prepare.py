@@ -72,8 +72,8 @@ def test_a_body_over_the_cap_is_refused_with_413_before_it_is_read() -> None:
 def test_a_costly_body_is_prepared_without_stalling_the_event_loop() -> None:
     """#46 finding 1: a 4 MiB body of token ids was parsed, checked, fingerprinted and written again twice on the
     event loop, and every other client waited behind it (seconds). Now it is prepared in a worker process: the loop
-    answers a 5 ms timer meanwhile, late by a fraction of what preparing it inline takes, measured in the same run
-    (idle: ~0.03 s against 0.3-0.5 s here; beside the vLLM tier both grow, the lag once to 0.126 s)."""
+    answers a 5 ms timer meanwhile, late by less than half of what preparing it inline takes, measured in the same
+    run (a fixed bound broke beside the vLLM tier, where both grow)."""
     costly = body_of_token_ids((4 << 20) - 64)
     start = time.perf_counter()
     prepare(costly, False)  # what the loop would be held for, inline

@@ -220,7 +220,7 @@ def test_a_load_whose_answer_stalls_ends_by_its_deadline_and_its_late_bytes_neve
     """The producer's answer begins (header, tokens) and then its KV comes 6 s late; the load's deadline
     (load_timeout 1.5 s) comes first: the load ends then, failed (vLLM recomputes the prompt into its blocks), not
     when the bytes finally arrive (the bound leaves 3 s for linking up and collecting the load: CI's quick tier
-    runs beside the vLLM tier, and linking alone took 1 s there). Those land in a quarantined receive buffer, never
+    runs beside the vLLM tier, which slows linking up). Those land in a quarantined receive buffer, never
     in the KV cache: the request's blocks are as they were. The link then serves the next load, bit for bit."""
     layout = LAYOUTS["gqa-cpu"]
     a, b = prompt(5 * BLOCK - 3, 11), prompt(4 * BLOCK + 2, 12)

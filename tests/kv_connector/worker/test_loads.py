@@ -117,8 +117,7 @@ def test_the_deadline_runs_from_the_claim_and_a_load_queued_past_it_is_failed_un
         return result(3)
 
     stats = StatsRecorder()
-    # one at a time: "b" waits behind "a" past its 1 s deadline ("a" must start within it: 0.2 s was too short for a
-    # pool thread to take it beside the vLLM tier)
+    # one at a time: "b" waits behind "a" past its 1 s deadline ("a" must start within it, also beside the vLLM tier)
     loads = Loads(slow, 1, 1.0, stats)
     try:
         loads.start(load_request("a"))
