@@ -29,7 +29,7 @@ from kv_connector.stats import StatsRecorder
 from kv_connector.worker import digest
 from kv_connector.worker.digest import DigestMismatch, Sampler
 from kv_connector.worker.links import PeerLinks
-from kv_connector.worker.transfer import KVMiss, KVTransfer, LoadResult, LoadTamper
+from kv_connector.worker.transfer import KVMiss, KVTransfer, LoadResult, LoadTamper, Tampered
 from kv_lookup_buffer import AnswerAbandoned, BufferClosed, entry_key
 from kv_pipe import PipeError, WarmPool
 
@@ -254,16 +254,15 @@ class PullTransfer(KVTransfer):
                 raise KVMiss()
             ids = req.block_ids[:usable]
             in_place = received_in_place = kv.device.type == "meta"  # the rows are in the blocks already
-            rows, write = kv, not in_place
-            if self.tamper is not None and (done := self.tamper.pulled(
-                    req, kv, ids, in_place, count is None,
-                    lambda: block_copy.gather(self.layout.layers, self.layout.block_dim, ids))) is not None:
-                rows, ids, write, check = done.kv, done.ids, done.write, check and done.check
-            if write:
+            done = Tampered(kv, ids, not in_place, check)
+            if self.tamper is not None:
+                done = self.tamper.pulled(req, kv, ids, in_place, count is None, lambda: block_copy.gather(
+                    self.layout.layers, self.layout.block_dim, ids)) or done
+            if done.write:
                 heads = None if count is None else (piece.at, piece.at + count)
-                self.staging.scatter(ids, rows[:usable], heads)
+                self.staging.scatter(done.ids, done.kv[:usable], heads)
             copied = time.perf_counter()
-            if check:
+            if check and done.check:
                 verified = self.verify(req, sums, usable, tokens, descriptor, None if piece.whole else piece.part,
                                        piece.at, span[1] - span[0])
                 checked = f", digest check {(time.perf_counter() - copied) * 1e3:.1f} ms"

@@ -114,7 +114,7 @@ def test_corrupted_kv_changes_the_output(tp2_pair):
     producer, consumer = tp2_pair
     tokens = prompt(8220, 500)
     expected = producer.complete(tokens, MAX_TOKENS)
-    params = prefill(producer, tokens)
+    params = settled_prefill(producer, tokens)  # else its lookup may time out and the prompt be computed, uncorrupted
     assert consumer.complete(tokens, MAX_TOKENS, kv_transfer_params={**params, CORRUPT_PARAM: True}) \
         != expected
 
