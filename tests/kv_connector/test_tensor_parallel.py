@@ -34,8 +34,11 @@ TP = 2
 @pytest.fixture(scope="module")
 def tp2_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     work = tmp_path_factory.mktemp("tp2")
+    # the pipes' timeout 30 s (the product's default; the harness's 5 s suits its fault tests): a producer rank whose
+    # serving thread waits for a core behind spinning TP workers once paused more than 5 s mid-answer beside the
+    # quick tier, and that rank's load failed
     config = mooncake_json(work / "mooncake.json", prefill_url=f"127.0.0.1:{port_pair()}",
-                           decode_url=f"127.0.0.1:{port_pair()}")
+                           decode_url=f"127.0.0.1:{port_pair()}", timeout=30)
     args, env = [*SERVE_ARGS, "--tensor-parallel-size", str(TP)], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     producer = VllmServer("tp2-producer", tiny_model, free_port(), 0, work,
                           connector_config("kv_producer", hold_blocks="always"), config, args, env)
