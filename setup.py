@@ -18,6 +18,7 @@ setup(
         "aiohttp>=3.9",
         "prometheus_client>=0.17",
         "xxhash>=4.1",  # the end-to-end KV digest (kv_connector/worker/digest.py)
+        "blake3>=0.4",  # the KV pool's object tags (kv_lookup_buffer/mooncake_store.py)
     ],
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.

@@ -79,3 +79,27 @@ class KVLookupBufferBase(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop serving and tell the other side, which gets a clear error if it is blocked on us. Idempotent."""
+
+
+class KVStoreBufferBase(ABC):
+    """A buffer every instance writes and reads by key, with no peer to ask (vLLM v0's ``KVStoreBufferBase``:
+    ``put`` / ``get``), batched: a prompt's blocks are one object each, asked for together. Keys address content (the
+    same KV under the same key on any instance), so a put of a key that is there already is not needed, and any
+    object may be gone (evicted, its holder dead) by the time it is asked for."""
+
+    @abstractmethod
+    def contains(self, keys: list[str], timeout: float) -> int:
+        """How many of ``keys``, from the first, the store holds now."""
+
+    @abstractmethod
+    def put(self, keys: list[str], values: torch.Tensor, timeout: float) -> int:
+        """Store ``values[i]`` under ``keys[i]``; how many were stored, from the first."""
+
+    @abstractmethod
+    def get_into(self, keys: list[str], out: torch.Tensor, timeout: float) -> int:
+        """Write the objects of ``keys`` into ``out[i]``; how many, from the first, arrived whole and checked (the
+        rows after them are undefined)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the store (objects in this process's memory go with it). Idempotent."""

@@ -32,6 +32,10 @@ DECODE_PORT_OFFSET = 100  # Mooncake's guide: same URL for both roles -> decode 
 MiB = 1 << 20
 MAX_INLINE = 1 << 20  # the wire protocol's cap on a tensor carried inside its frame
 EPHEMERAL = (32768, 60999)  # the Transfer Engine falls back to its default ports for a range touching these
+# mooncake.json's keys of Mooncake Store (the same names Mooncake and vLLM's store connector read): the pipe leaves
+# them to the store's own config (kv_lookup_buffer/store_config.py), which checks them
+STORE_KEYS = frozenset({"master_server_address", "global_segment_size", "local_buffer_size", "mode",
+                        "enable_offload", "tenant_id"})
 
 
 @lru_cache(maxsize=1)
@@ -52,6 +56,22 @@ def engine_has_redis_plugin() -> bool:
         except OSError:
             continue
     return False
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """The JSON in mooncake.json at ``path`` (not yet checked: each layer checks its keys)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; copy mooncake.json.example to {path} or point "
+                          f"{CONFIG_ENV} at an existing file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
 @dataclass(frozen=True)
@@ -282,29 +302,17 @@ class MooncakeTransferEngineConfig:
                               "kv_connector_extra_config.transfer_mode in --kv-transfer-config (same values, "
                               "\"pull\" or \"push\") and remove it from mooncake.json")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - STORE_KEYS)
         if unknown:
-            raise unknown_keys_error(source, unknown, known)
+            raise unknown_keys_error(source, unknown, known | STORE_KEYS)
         try:
-            return cls(**data)
+            return cls(**{k: v for k, v in data.items() if k in known})
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> MooncakeTransferEngineConfig:
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file; copy mooncake.json.example to {path} or point "
-                              f"{CONFIG_ENV} at an existing file") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_config_file(path), source=str(path))
 
     @classmethod
     def load_from_env(cls) -> MooncakeTransferEngineConfig:

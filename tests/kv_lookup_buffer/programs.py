@@ -388,3 +388,53 @@ def produce_slowly(cfg: dict[str, Any], pause: float, done: Any) -> dict[str, An
         stats = dict(buf.stats)
         buf.close()
     return stats
+
+
+# ---------------------------------------------------------------- the KV pool (Mooncake Store)
+def pool_rows(seed: int, n: int, size: int) -> torch.Tensor:
+    """``n`` rows of ``size`` random bytes, the same for the same seed in any process."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=g)
+
+
+def pool_keys(seed: int, n: int) -> list[str]:
+    from kv_lookup_buffer.mooncake_store import block_keys
+
+    return block_keys(f"test-{seed}", list(range(seed, seed + 4 * n)), 4)
+
+
+def open_pool(master: str, segment: int, secret: bytes = b""):
+    from kv_lookup_buffer.mooncake_store import MooncakeStore
+    from kv_lookup_buffer.store_config import StoreConfig
+
+    config = StoreConfig(master, global_segment_size=segment, local_buffer_size=16 << 20)
+    return MooncakeStore(config, "127.0.0.1", "P2PHANDSHAKE", secret=secret)
+
+
+def pool_put(master: str, seed: int, n: int, size: int, segment: int, secret: bytes, ready: Any, done: Any) -> int:
+    """Join the pool, put ``n`` rows under ``pool_keys(seed, n)``, say ``ready``, hold the segment until ``done``."""
+    pool = open_pool(master, segment, secret)
+    rows = pool_rows(seed, n, size)
+    pool.register(rows)
+    stored = pool.put(pool_keys(seed, n), rows, timeout=30.0)
+    ready.set()
+    done.wait(120)
+    pool.close()
+    return stored
+
+
+def pool_forge(master: str, key: str, payload: bytes, tag: bytes, ready: Any, done: Any) -> int:
+    """A stranger with a bare store client (no tag of its own making): puts ``payload`` + ``tag`` under ``key``."""
+    import os
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master) == 0
+    data = torch.frombuffer(bytearray(payload + tag), dtype=torch.uint8)
+    assert client.register_buffer(data.data_ptr(), data.numel()) == 0
+    rc = client.put_from(key, data.data_ptr(), data.numel())
+    ready.set()
+    done.wait(120)
+    return rc

@@ -1,0 +1,292 @@
+"""MooncakeStore: a lookup buffer over Mooncake Store, the fleet's KV pool (vLLM v0's store-backed buffer of the same
+name). Every instance puts KV blocks in and gets them out; an object is one block of one TP rank (every layer), keyed
+by content (``block_keys``), so the same prefix computed on any instance is the same object.
+
+A pool is written by many, so every object carries a tag: a BLAKE3 hash of its key and bytes, keyed with the fleet's
+secret when one is set (a MAC: an object forged, altered or put under another key fails its check), plain without
+one (catches corruption only). A get checks each object before it counts; one that fails is counted, removed from
+the pool (its key can be put again) and ends the batch there.
+
+The store's calls block (a frozen master holds one for 30 s): each runs in a thread of this buffer's own and is
+waited for until its timeout, then reported as ``StoreTimeout``; the memory it reads or writes stays the caller's
+to keep until ``StoreTimeout.done`` (the call really ended).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import blake3
+import torch
+
+from kv_lookup_buffer.base import Counts, KVStoreBufferBase
+from kv_lookup_buffer.store_config import StoreConfig
+from kv_pipe import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TAG = 32  # bytes of an object's tag, after its KV bytes
+KEY_PREFIX = "mkv1"
+TAG_CONTEXT = "mooncake-kv-transfer pool object tag v1"
+MAX_TAGS = 8192  # objects in flight at once (their tags live in one registered array)
+THREADS = 8
+SETUP_TIMEOUT = 30.0
+# the store's error codes a caller may meet (Mooncake's ErrorCode)
+CODES = {-200: "segment not mounted (the master restarted?)", -600: "buffer too small", -704: "object not found",
+         -900: "master unreachable", -901: "request to the master timed out", -1010: "no space in the pool"}
+COUNTS = ("put_objects", "put_bytes", "got_objects", "got_bytes", "rejected", "missing", "errors", "timeouts")
+
+
+class StoreError(RuntimeError):
+    """The pool could not do what was asked (master or holder unreachable, an error code)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A call did not end in time; it may still read or write its memory until ``done`` completes."""
+
+    def __init__(self, message: str, done: Future[Any]) -> None:
+        super().__init__(message)
+        self.done = done
+
+
+def block_keys(namespace: str, tokens: Sequence[int], block_size: int, first: int = 0,
+               count: int | None = None) -> list[str]:
+    """The keys of the full blocks of ``tokens`` (blocks ``first`` .. ``first + count - 1``; default all): each is
+    the namespace (what the KV's bytes depend on besides the tokens: the model, the layout, the rank's heads) and a
+    chained hash of every token up to the end of its block, so that a key names one prefix."""
+    full = len(tokens) // block_size
+    end = full if count is None else min(full, first + count)
+    chain = hashlib.sha256(namespace.encode()).digest()
+    keys = []
+    ids = torch.as_tensor(list(tokens[:end * block_size]), dtype=torch.int64).numpy().tobytes()
+    step = block_size * 8
+    for i in range(end):
+        chain = hashlib.sha256(chain + ids[i * step:(i + 1) * step]).digest()
+        if i >= first:
+            keys.append(f"{KEY_PREFIX}/{namespace}/{chain[:16].hex()}")
+    return keys
+
+
+def _describe(code: int) -> str:
+    return f"{code} ({CODES[code]})" if code in CODES else str(code)
+
+
+class MooncakeStore(KVStoreBufferBase):
+    """A client of the pool at ``config.master_server_address``. ``local_hostname``: this host's address as the
+    other clients reach it (its segment's data moves over the store's own Transfer Engine); ``metadata_server``,
+    ``protocol``, ``device_name``: as the pipe's (mooncake.json's). ``secret``: the fleet's (tags are MACs); b"":
+    plain hashes. Rows put or got must lie in memory given to ``register``. ``on_count``: see ``Counts``."""
+
+    def __init__(self, config: StoreConfig, local_hostname: str, metadata_server: str, protocol: str = "tcp",
+                 device_name: str = "", secret: bytes = b"", on_count: Callable[[str, int], None] | None = None,
+                 client: Any = None) -> None:
+        self.config = config
+        self.stats = Counts(COUNTS, on_count)
+        self._key = blake3.blake3(secret, derive_key_context=TAG_CONTEXT).digest() if secret else None
+        self._calls = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-pool")
+        self._lock = threading.Condition()
+        self._closed = False
+        self._registered: list[torch.Tensor] = []
+        self._tags = torch.zeros(MAX_TAGS * TAG, dtype=torch.uint8)
+        self._free_tags = list(range(MAX_TAGS))
+        if client is None:
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname.rsplit(":", 1)[0].strip("[]"))
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as e:
+                raise ConfigError(f"cannot import Mooncake Store ({e}): install the Mooncake Transfer Engine wheel, "
+                                  "which ships it") from e
+            client = MooncakeDistributedStore()
+            kwargs = {} if config.tenant_id == "default" else {"tenant_id": config.tenant_id}
+            rc = self._call(client.setup, local_hostname, metadata_server, config.global_segment_size,
+                            config.local_buffer_size, protocol, device_name, config.master_server_address,
+                            timeout=SETUP_TIMEOUT, **kwargs)
+            if rc != 0:
+                self._calls.shutdown(wait=False)
+                raise StoreError(f"could not join the pool at master {config.master_server_address} (setup returned "
+                                 f"{_describe(rc)}): is mooncake_master running there, and metadata_server "
+                                 f"{metadata_server!r} the one it uses?")
+        self._client = client
+        self._placement = self._local_first(client, config)
+        self.register(self._tags)
+
+    @staticmethod
+    def _local_first(client: Any, config: StoreConfig) -> Any:
+        """Puts go to this client's own segment while it has room (then anywhere in the pool): each instance holds
+        what it computed, and a get of one's own blocks is a local copy."""
+        if not config.global_segment_size:
+            return None
+        try:
+            from mooncake.store import ReplicateConfig
+        except ImportError:
+            return None
+        placement = ReplicateConfig()
+        placement.preferred_segment = client.get_hostname()
+        return placement
+
+    # ---------------------------------------------------------------- memory
+    def register(self, memory: torch.Tensor) -> None:
+        """Let puts read from and gets write into ``memory`` (a contiguous host tensor the caller keeps alive until
+        ``close``)."""
+        if memory.device.type != "cpu" or not memory.is_contiguous():
+            raise ValueError("only contiguous host memory can be registered with the store")
+        rc = self._call(self._client.register_buffer, memory.data_ptr(), memory.numel() * memory.element_size(),
+                        timeout=SETUP_TIMEOUT)
+        if rc != 0:
+            raise StoreError(f"registering {memory.nbytes} bytes with the store failed ({_describe(rc)})")
+        self._registered.append(memory)
+
+    def _take_tags(self, n: int) -> list[int]:
+        with self._lock:
+            if n > MAX_TAGS:
+                raise ValueError(f"at most {MAX_TAGS} objects per call, got {n}")
+            if not self._lock.wait_for(lambda: len(self._free_tags) >= n, timeout=SETUP_TIMEOUT):
+                raise StoreError("no tag slots free: too many pool calls are stuck")
+            taken, self._free_tags = self._free_tags[:n], self._free_tags[n:]
+            return taken
+
+    def _give_tags(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free_tags.extend(slots)
+            self._lock.notify_all()
+
+    # ---------------------------------------------------------------- calls
+    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float, after: Callable[[], None] | None = None,
+              **kwargs: Any) -> Any:
+        """``fn(*args)`` in a thread of ours, waited for at most ``timeout`` seconds; ``after`` runs once it really
+        ended (at once if it did in time)."""
+        if self._closed:
+            raise StoreError("the pool client is closed")
+        future = self._calls.submit(fn, *args, **kwargs)
+        if after is not None:
+            future.add_done_callback(lambda _: after())
+        try:
+            return future.result(timeout=max(timeout, 0.001))
+        except FutureTimeout:
+            if future.cancel():  # it never started: nothing of it can run any more
+                raise StoreTimeout(f"the pool call waited {timeout:.1f} s for a thread (the store is stuck)",
+                                   future) from None
+            self.stats.add("timeouts")
+            raise StoreTimeout(f"the pool did not answer within {timeout:.1f} s", future) from None
+
+    def _tag(self, key: str, row: torch.Tensor) -> bytes:
+        h = blake3.blake3(key=self._key) if self._key is not None else blake3.blake3()
+        h.update(key.encode())
+        h.update(b"\0")
+        h.update(row.reshape(-1).view(torch.uint8).numpy())
+        return h.digest(TAG)
+
+    @staticmethod
+    def _rows(values: torch.Tensor, n: int) -> tuple[int, int]:
+        """(first row's address, bytes per row) of ``values[:n]``, which must be contiguous."""
+        if values.device.type != "cpu" or not values.is_contiguous() or values.shape[0] < n:
+            raise ValueError("rows must be a contiguous host tensor with a row per key")
+        return values.data_ptr(), values[0].numel() * values.element_size()
+
+    # ---------------------------------------------------------------- the contract
+    def contains(self, keys: list[str], timeout: float) -> int:
+        if not keys:
+            return 0
+        found = self._call(self._client.batch_is_exist, keys, timeout=timeout)
+        held = 0
+        for code in found:
+            if code == 1:
+                held += 1
+                continue
+            if code < 0:
+                self.stats.add("errors")
+                raise StoreError(f"the pool could not tell whether it holds a block ({_describe(code)})")
+            break
+        return held
+
+    def put(self, keys: list[str], values: torch.Tensor, timeout: float) -> int:
+        if not keys:
+            return 0
+        base, size = self._rows(values, len(keys))
+        slots = self._take_tags(len(keys))
+        try:
+            for key, row, slot in zip(keys, values, slots, strict=False):
+                self._tags[slot * TAG:(slot + 1) * TAG] = torch.frombuffer(bytearray(self._tag(key, row)),
+                                                                           dtype=torch.uint8)
+        except BaseException:
+            self._give_tags(slots)
+            raise
+        tags = self._tags.data_ptr()
+        where = () if self._placement is None else (self._placement,)
+        codes = self._call(self._client.batch_put_from_multi_buffers, keys,
+                           [[base + i * size, tags + slot * TAG] for i, slot in enumerate(slots)],
+                           [[size, TAG]] * len(keys), *where, timeout=timeout, after=lambda: self._give_tags(slots))
+        stored = 0
+        for code in codes:
+            if code != 0:
+                self.stats.add("errors")
+                logger.debug("a pool put failed: %s", _describe(code))
+                break
+            stored += 1
+        self.stats.add("put_objects", stored)
+        self.stats.add("put_bytes", stored * size)
+        return stored
+
+    def get_into(self, keys: list[str], out: torch.Tensor, timeout: float) -> int:
+        if not keys:
+            return 0
+        base, size = self._rows(out, len(keys))
+        slots = self._take_tags(len(keys))
+        tags = self._tags.data_ptr()
+        done = threading.Event()
+        try:
+            codes = self._call(self._client.batch_get_into_multi_buffers, keys,
+                               [[base + i * size, tags + slot * TAG] for i, slot in enumerate(slots)],
+                               [[size, TAG]] * len(keys), timeout=timeout, after=done.set)
+        except BaseException:
+            threading.Thread(target=lambda: (done.wait(), self._give_tags(slots)), daemon=True).start()
+            raise
+        try:
+            return self._check(keys, out, slots, codes, size)
+        finally:
+            self._give_tags(slots)
+
+    def _check(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int) -> int:
+        """How many objects, from the first, arrived whole with a tag that matches their key and bytes."""
+        good = 0
+        for key, row, slot, code in zip(keys, out, slots, codes, strict=False):
+            if code != size + TAG:
+                self.stats.add("missing" if code == -704 or code >= 0 else "errors")
+                logger.debug("pool object %s: %s", key, "its size differs" if code >= 0 else _describe(code))
+                break
+            tag = bytes(self._tags[slot * TAG:(slot + 1) * TAG].numpy())
+            if not hmac.compare_digest(tag, self._tag(key, row)):
+                self.stats.add("rejected")
+                logger.warning("a pool object failed its check (%s: forged, altered, or put under another key, or by "
+                               "an instance without this fleet's secret): removed, its blocks are computed", key)
+                self._remove_quietly(key)
+                break
+            good += 1
+        self.stats.add("got_objects", good)
+        self.stats.add("got_bytes", good * size)
+        return good
+
+    def _remove_quietly(self, key: str) -> None:
+        try:
+            self._calls.submit(self._client.remove, key, True)
+        except RuntimeError:  # closed meanwhile
+            pass
+
+    def close(self) -> None:
+        """Leave the pool. A client whose master is gone takes seconds to say goodbye: that runs in the
+        background."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        client = self._client
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        threading.Thread(target=client.close, name="mooncake-pool-close", daemon=True).start()

@@ -1,0 +1,207 @@
+"""MooncakeStore, the KV pool's buffer, against a real ``mooncake_master`` and a second real client process (whose
+segment holds what it put): objects come back exact and checked; a stranger's forged object, a fleet object put under
+another key and an unchecked one are refused and removed; a master that is down answers at once, a frozen one within
+the caller's timeout, a restarted one serves again; a dead holder's objects are missing, never hung on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.store import MooncakeMaster
+from kv_lookup_buffer.mooncake_store import TAG, StoreError, StoreTimeout, block_keys
+from tests.kv_lookup_buffer import programs
+from tests.kv_pipe import peers
+from tests.kv_pipe.peers import Peer
+
+pytestmark = pytest.mark.pipes
+
+ctx = peers.ctx()
+SECRET = b"s" * 40
+MiB = 1 << 20
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    with MooncakeMaster(tmp_path) as m:
+        yield m
+
+
+class Holder:
+    """A second process in the pool that put ``n`` rows and holds its segment until ``release``."""
+
+    def __init__(self, master: MooncakeMaster, seed: int, n: int, size: int, secret: bytes = SECRET,
+                 segment: int = 64 * MiB) -> None:
+        self.ready, self.done = ctx.Event(), ctx.Event()
+        self.peer = Peer(programs.pool_put, master.address, seed, n, size, segment, secret, self.ready, self.done)
+        assert self.ready.wait(60), "the holder did not join the pool"
+
+    def release(self) -> int:
+        self.done.set()
+        return self.peer.result()
+
+
+def reader(master: MooncakeMaster, secret: bytes = SECRET, segment: int = 16 * MiB):
+    """This process's client (what the holder put lies in the holder's segment: puts go to the putter's first)."""
+    return programs.open_pool(master.address, segment, secret)
+
+
+def test_block_keys_name_prefixes():
+    tokens = list(range(100))
+    keys = block_keys("ns", tokens, 16)
+    assert len(keys) == 6  # full blocks only
+    assert block_keys("ns", tokens[:40], 16) == keys[:2]  # a prefix's keys are the longer prompt's first keys
+    assert block_keys("ns", tokens, 16, first=2, count=3) == keys[2:5]
+    other = block_keys("ns", [7] + tokens[1:], 16)
+    assert not set(other) & set(keys)  # a block's key depends on every token before it
+    assert not set(block_keys("other", tokens, 16)) & set(keys)  # and on the namespace (model, layout, heads)
+
+
+def test_rows_put_by_another_process_come_back_exact(master):
+    holder = Holder(master, seed=1, n=16, size=256 << 10)
+    pool = reader(master)
+    try:
+        keys = programs.pool_keys(1, 16)
+        assert pool.contains(keys, timeout=5) == 16
+        assert pool.contains(keys[:3] + programs.pool_keys(2, 1) + keys[3:], timeout=5) == 3  # the leading run
+        out = torch.zeros(16, 256 << 10, dtype=torch.uint8)
+        pool.register(out)
+        assert pool.get_into(keys, out, timeout=10) == 16
+        assert torch.equal(out, programs.pool_rows(1, 16, 256 << 10))
+        assert pool.stats["got_objects"] == 16 and pool.stats["got_bytes"] == 16 * (256 << 10)
+        assert pool.stats["rejected"] == pool.stats["missing"] == 0
+    finally:
+        pool.close()
+        assert holder.release() == 16
+
+
+def test_a_missing_object_ends_the_run(master):
+    holder = Holder(master, seed=3, n=4, size=64 << 10)
+    pool = reader(master)
+    try:
+        keys = programs.pool_keys(3, 4)
+        out = torch.zeros(5, 64 << 10, dtype=torch.uint8)
+        pool.register(out)
+        assert pool.get_into(keys[:2] + programs.pool_keys(4, 1) + keys[2:], out, timeout=10) == 2
+        assert pool.stats["missing"] == 1
+    finally:
+        pool.close()
+        holder.release()
+
+
+@pytest.mark.parametrize("forgery", ["stranger", "other key", "other secret", "no secret"])
+def test_objects_the_fleet_did_not_put_under_their_key_are_refused_and_removed(master, forgery):
+    """With a secret a get checks each object's MAC over its key and bytes: a stranger's object (its own tag), a
+    fleet object copied under another key, one tagged with another secret or with none fail, are counted, removed
+    from the pool, and end the run; the rows before them count."""
+    size = 64 << 10
+    holder = Holder(master, seed=5, n=2, size=size, secret={"other secret": b"o" * 40, "no secret": b""}.get(
+        forgery, SECRET))
+    pool = reader(master)
+    forger = None
+    try:
+        keys = programs.pool_keys(5, 2)
+        if forgery in ("stranger", "other key"):
+            row = programs.pool_rows(9, 1, size)[0]
+            target = programs.pool_keys(6, 1)[0]  # the next block of the fleet's prompt
+            # "other key": the row and tag a fleet member put under its own key (anyone may read the pool), copied
+            tag = pool._tag(keys[0], programs.pool_rows(5, 1, size)[0]) if forgery == "other key" else bytes(TAG)
+            payload = bytes(programs.pool_rows(5, 1, size)[0].numpy()) if forgery == "other key" else \
+                bytes(row.numpy())
+            ready, done = ctx.Event(), ctx.Event()
+            forger = (Peer(programs.pool_forge, master.address, target, payload, tag, ready, done), done)
+            assert ready.wait(60)
+            asked = [keys[0], target]
+            want = 1
+        else:
+            asked, want = keys, 0
+        out = torch.zeros(2, size, dtype=torch.uint8)
+        pool.register(out)
+        assert pool.get_into(asked, out, timeout=10) == want
+        assert pool.stats["rejected"] == 1
+        deadline = time.monotonic() + 10
+        while pool.contains(asked[want:want + 1], timeout=5) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.contains(asked[want:want + 1], timeout=5) == 0  # removed: the fleet can put it again
+    finally:
+        pool.close()
+        if forger is not None:
+            forger[1].set()
+            forger[0].result()
+        holder.release()
+
+
+def test_a_dead_master_answers_at_once_and_a_restarted_one_serves_again(master):
+    pool = reader(master, segment=16 * MiB)
+    try:
+        rows = programs.pool_rows(7, 2, 64 << 10)
+        pool.register(rows)
+        keys = programs.pool_keys(7, 2)
+        master.kill()
+        start = time.monotonic()
+        with pytest.raises(StoreError):  # refused at once
+            pool.contains(keys, timeout=1)
+        assert time.monotonic() - start < 1.5
+        try:  # a put retries the master for a few seconds: it ends by its timeout
+            assert pool.put(keys, rows, timeout=1) == 0
+        except StoreTimeout:
+            pass
+        assert time.monotonic() - start < 3
+        master.start()  # the same ports; the new master knows no object and no segment yet
+        deadline = time.monotonic() + 30
+        while pool.put(keys, rows, timeout=5) < 2:
+            assert time.monotonic() < deadline, "the client never rejoined the restarted master"
+            time.sleep(0.5)
+        out = torch.zeros_like(rows)
+        pool.register(out)
+        assert pool.get_into(keys, out, timeout=5) == 2 and torch.equal(out, rows)
+    finally:
+        pool.close()
+
+
+def test_a_frozen_master_costs_a_caller_its_timeout_only(master):
+    holder = Holder(master, seed=8, n=2, size=64 << 10)
+    pool = reader(master)
+    try:
+        out = torch.zeros(2, 64 << 10, dtype=torch.uint8)
+        pool.register(out)
+        master.freeze()
+        stuck = []
+        for call in (lambda: pool.get_into(programs.pool_keys(8, 2), out, timeout=1.0),  # (its answer may be cached)
+                     lambda: pool.put(programs.pool_keys(9, 2), out, timeout=1.0)):
+            start = time.monotonic()
+            try:
+                call()
+            except StoreTimeout as e:
+                stuck.append(e.done)
+            assert time.monotonic() - start < 2.5
+        assert stuck and pool.stats["timeouts"] == len(stuck)  # the put at least needs the master
+        master.thaw()
+        for done in stuck:
+            done.result(timeout=60)  # the calls themselves end once the master answers again
+    finally:
+        master.thaw()
+        pool.close()
+        holder.release()
+
+
+def test_a_dead_holders_objects_are_missing_not_hung_on(master):
+    holder = Holder(master, seed=10, n=4, size=2 * MiB)
+    pool = reader(master)
+    try:
+        keys = programs.pool_keys(10, 4)
+        out = torch.zeros(4, 2 * MiB, dtype=torch.uint8)
+        pool.register(out)
+        holder.peer.kill()
+        start = time.monotonic()
+        try:
+            got = pool.get_into(keys, out, timeout=10)
+        except StoreTimeout:
+            got = -1
+        assert got in (0, -1) and time.monotonic() - start < 11
+    finally:
+        pool.close()
