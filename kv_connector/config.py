@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from kv_pipe import CONFIG_ENV, ConfigError, MooncakeTransferEngineConfig, join_host_port, unknown_keys_error
+from kv_lookup_buffer import StoreConfig
+from kv_pipe import (
+    CONFIG_ENV,
+    ConfigError,
+    MooncakeTransferEngineConfig,
+    join_host_port,
+    read_config_file,
+    unknown_keys_error,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,6 +52,8 @@ class ConnectorOptions:
     kv_digest: str = "sampled"
     kv_digest_sample: int = 16
     hold_blocks: str = "auto"
+    pool_namespace: str = ""
+    pool_save_output: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorOptions:
@@ -85,19 +95,24 @@ class ConnectorOptions:
                 not 0 <= opts.recompute_tokens <= 4096:
             raise ConfigError("kv_connector_extra_config.recompute_tokens: expected an integer from 1 to 4096 (or 0 "
                               f"for the default), got {opts.recompute_tokens!r}")
-        if not isinstance(opts.receive_into_cache, bool):
-            raise ConfigError("kv_connector_extra_config.receive_into_cache: expected true or false")
+        for name in ("receive_into_cache", "pool_save_output"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ConfigError(f"kv_connector_extra_config.{name}: expected true or false")
+        if not isinstance(opts.pool_namespace, str) or len(opts.pool_namespace) > 256:
+            raise ConfigError("kv_connector_extra_config.pool_namespace: expected a string of at most 256 characters")
         return opts
 
 
-def load_mooncake_config(options: ConnectorOptions) -> MooncakeTransferEngineConfig:
-    """mooncake.json, from MOONCAKE_CONFIG_PATH or the ``mooncake_config_path`` option."""
-    if os.environ.get(CONFIG_ENV):
-        return MooncakeTransferEngineConfig.load_from_env()
-    if options.mooncake_config_path:
-        return MooncakeTransferEngineConfig.from_file(options.mooncake_config_path)
-    raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or set "
-                      "kv_connector_extra_config.mooncake_config_path")
+def load_mooncake_config(options: ConnectorOptions) -> tuple[MooncakeTransferEngineConfig, StoreConfig | None]:
+    """mooncake.json: the pipe's keys and, if ``master_server_address`` is set, the KV pool's (Mooncake Store's).
+    From the ``mooncake_config_path`` option if set (a setting of this connector wins over the environment, which
+    connectors composed in vLLM's MultiConnector share), else from MOONCAKE_CONFIG_PATH."""
+    path = options.mooncake_config_path or os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ConfigError(f"{CONFIG_ENV} is not set: point it at your mooncake.json (see mooncake.json.example), or "
+                          "set kv_connector_extra_config.mooncake_config_path")
+    data = read_config_file(path)
+    return MooncakeTransferEngineConfig.from_dict(data, source=str(path)), StoreConfig.from_dict(data, source=str(path))
 
 
 def recompute_tokens(vllm_config: VllmConfig, options: ConnectorOptions) -> int:
@@ -131,7 +146,7 @@ def check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
                           "--calculate-kv-scales (use a checkpoint's scales, or the default 1.0)")
 
 
-ROLES = ("kv_producer", "kv_consumer")
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 def kv_rank(is_producer: bool) -> int:
@@ -142,6 +157,18 @@ def kv_rank(is_producer: bool) -> int:
 def role_pipe(mooncake: MooncakeTransferEngineConfig, is_producer: bool, rank: int) -> str:
     """The pipe address of TP rank ``rank`` of the instance in that role, as mooncake.json names it."""
     return join_host_port(*mooncake.pipe_address(kv_rank(is_producer), rank))
+
+
+def store_host(config: ConnectorConfig) -> str:
+    """The address other pool clients reach this instance's store client at (its segment's data moves there):
+    mooncake.json's ``local_hostname``, else ``VLLM_HOST_IP`` (vLLM's own), else the host of this role's pipe
+    (prefill_url's for kv_both)."""
+    assert config.store is not None
+    if config.store.local_hostname:
+        return config.store.local_hostname
+    if os.environ.get("VLLM_HOST_IP"):
+        return os.environ["VLLM_HOST_IP"]
+    return config.mooncake.pipe_address(kv_rank(not config.has_producer), 0)[0]
 
 
 def role_pipes(mooncake: MooncakeTransferEngineConfig, is_producer: bool, tp_size: int) -> list[str]:
@@ -160,6 +187,7 @@ class ConnectorConfig:
     tp_size: int
     engine_id: str
     fail_loads: bool = False  # vLLM's kv_load_failure_policy is "fail": a failed load ends its request with an error
+    store: StoreConfig | None = None  # the KV pool (mooncake.json's master_server_address); None: no pool
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
@@ -167,15 +195,35 @@ class ConnectorConfig:
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_role not in ROLES:
             raise ConfigError(f"kv_role {transfer.kv_role!r}: MooncakeConnector needs \"kv_producer\" (prefill instance) "
-                              "or \"kv_consumer\" (decode instance)")
+                              "or \"kv_consumer\" (decode instance), or \"kv_both\" (an instance that prefills and "
+                              "decodes, sharing the KV pool)")
         options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-        return cls(transfer.kv_role, options, load_mooncake_config(options),
-                   vllm_config.parallel_config.tensor_parallel_size, transfer.engine_id or "",
-                   transfer.kv_load_failure_policy == "fail")
+        mooncake, store = load_mooncake_config(options)
+        if transfer.kv_role == "kv_both" and store is None:
+            raise ConfigError("kv_role \"kv_both\" shares KV through the KV pool only: set master_server_address (the "
+                              "mooncake_master's \"host:port\") in mooncake.json, or run the instance as kv_producer or "
+                              "kv_consumer")
+        return cls(transfer.kv_role, options, mooncake, vllm_config.parallel_config.tensor_parallel_size,
+                   transfer.engine_id or "", transfer.kv_load_failure_policy == "fail", store)
 
     @property
     def is_producer(self) -> bool:
         return self.kv_role == "kv_producer"
+
+    @property
+    def is_both(self) -> bool:
+        """kv_both: no pipe, no peer; KV comes from and goes to the pool."""
+        return self.kv_role == "kv_both"
+
+    @property
+    def has_producer(self) -> bool:
+        """A consumer: requests load from a producer's hand-off (and the pool)."""
+        return self.kv_role == "kv_consumer"
+
+    @property
+    def loads(self) -> bool:
+        """This instance loads KV: a consumer, or any instance with a pool."""
+        return self.has_producer or self.store is not None
 
     @property
     def push_mode(self) -> bool:
@@ -188,8 +236,8 @@ class ConnectorConfig:
 
     @cached_property
     def pipes(self) -> list[str]:
-        """This instance's pipe address per TP rank."""
-        return role_pipes(self.mooncake, self.is_producer, self.tp_size)
+        """This instance's pipe address per TP rank (none for kv_both)."""
+        return [] if self.is_both else role_pipes(self.mooncake, self.is_producer, self.tp_size)
 
     @cached_property
     def peer_pipes(self) -> list[str]:

@@ -31,6 +31,7 @@ class LoadRequest:
     num_tokens: int  # tokens claimed
     source: LoadSource  # the producer it reads from (``source.load_source``)
     lease: int = 0  # the lease under which the lookup found the producer's entry (0: none, e.g. an awaited push)
+    from_pool: bool = False  # read from the KV pool (Mooncake Store), not from the producer
 
 
 @dataclass
@@ -65,6 +66,19 @@ class LookupAnswer:
     rank: int
     tokens: int
     error: str = ""
+    pool_tokens: int = 0  # tokens of the prompt (whole blocks from its start) the KV pool holds for this rank
+
+
+@dataclass
+class PoolSave:
+    """Any role with a KV pool: a request ended; store its blocks ``block_ids`` (those of its tokens ``token_ids``
+    whose KV was computed, whole blocks) in the pool, from block ``first_block`` (the ones before it are known to be
+    there). vLLM holds the blocks until the workers report the request in ``finished_sending``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    first_block: int = 0
 
 
 @dataclass
@@ -108,3 +122,4 @@ class MooncakeConnectorMetadata:
     # once their copies out of the cache ended (a GPU cache: ``staging``)
     held: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # producer: requests preempted since the last step
+    pool_saves: list[PoolSave] = field(default_factory=list)  # requests whose blocks go into the KV pool

@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from kv_connector.config import ConnectorConfig, check_kv_cache_dtype, recompute_tokens
 from kv_connector.metadata import MooncakeConnectorMetadata, MooncakeWorkerMetadata
 from kv_connector.scheduler.consumer import ConsumerScheduler
+from kv_connector.scheduler.pool import PoolSaves
 from kv_connector.scheduler.producer import ProducerScheduler
 from kv_connector.vllm_stats import MooncakeConnectorStats, MooncakePromMetrics
 from kv_connector.worker.connector_worker import ConnectorWorker
@@ -80,51 +81,86 @@ class MooncakeConnector(KVConnectorBase_V1):
             logger.error("MooncakeConnector: configuration error: %s", e)
             raise
         self._bad_blocks: set[int] = set()
-        self._scheduler: ProducerScheduler | ConsumerScheduler
+        # the scheduler side: what a producer saves, what an instance that loads looks up and loads (a consumer from
+        # its producers and the pool; a producer or kv_both from the pool), and what goes into the pool
+        self._producer: ProducerScheduler | None = None
+        self._consumer: ConsumerScheduler | None = None
+        self._pool: PoolSaves | None = None
+        block_size = vllm_config.cache_config.block_size
         if role != KVConnectorRole.SCHEDULER:
             self._worker = ConnectorWorker(config)
             self._kv_cache_config = kv_cache_config
-        elif config.is_producer:
-            self._scheduler = ProducerScheduler(config, vllm_config.cache_config.block_size,
-                                                hold=holds_blocks(vllm_config, config))
-        else:
-            self._scheduler = self._consumer_scheduler(vllm_config, config)
+            return
+        if config.store is not None:
+            self._pool = PoolSaves(block_size, config.options.pool_save_output)
+        if config.is_producer:
+            self._producer = ProducerScheduler(config, block_size, hold=holds_blocks(vllm_config, config))
+        if config.loads:
+            self._consumer = self._consumer_scheduler(vllm_config, config, self._pool)
 
     @staticmethod
-    def _consumer_scheduler(vllm_config: VllmConfig, config: ConnectorConfig) -> ConsumerScheduler:
+    def _consumer_scheduler(vllm_config: VllmConfig, config: ConnectorConfig, pool: PoolSaves | None
+                            ) -> ConsumerScheduler:
         recompute = recompute_tokens(vllm_config, config.options)
         if recompute > 1:
             logger.info("MooncakeConnector: the consumer computes the last %d tokens of each prompt itself "
                         "(recompute_tokens%s)", recompute, "" if config.options.recompute_tokens else
                         ": an MLA model on the CPU, whose decode attention path disagrees with its prefill path")
         fail = config.fail_loads
+        if config.store is not None:
+            logger.info("MooncakeConnector: KV pool at master %s: each request %s the pool how much of its prompt "
+                        "it holds, loads the longest prefix found, and stores its blocks there when it ends",
+                        config.store.master_server_address, "asks its producer and" if config.has_producer else "asks")
+        if not config.has_producer:
+            return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute,
+                                     pool.found if pool is not None else None)
         logger.info("MooncakeConnector: kv_load_failure_policy=%s: each request asks its producer how much of its "
                     "prompt it holds and claims only that (found nothing: computed here); %s", "fail" if fail else
                     "recompute", "a KV load that was found and then fails ends its request with an error (set "
                     "kv_load_failure_policy to recompute in --kv-transfer-config to recompute the prompt instead)"
                     if fail else "a KV load that fails is recomputed here")
-        return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute)
+        return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute,
+                                 pool.found if pool is not None else None)
 
     # ------------------------------------------------------------------ scheduler side (EngineCore process)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        if self._consumer is None:
+            return 0, False  # a producer without a pool loads nothing
+        return self._consumer.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        if self._consumer is not None:
+            self._consumer.after_alloc(request, blocks, num_external_tokens)
+        if self._producer is not None:
+            self._producer.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        meta = MooncakeConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if self._producer is not None:
+            meta = self._producer.build_meta(scheduler_output)
+        if self._consumer is not None:
+            loading = self._consumer.build_meta(scheduler_output)
+            meta.loads, meta.lookups, meta.releases = loading.loads, loading.lookups, loading.releases
+        if self._pool is not None:
+            meta.pool_saves = self._pool.take()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, MooncakeWorkerMetadata) and isinstance(self._scheduler, ConsumerScheduler):
-            self._scheduler.answered(meta)
+        if isinstance(meta, MooncakeWorkerMetadata) and self._consumer is not None:
+            self._consumer.answered(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # a producer holds the blocks a copy out of a GPU cache may still read (``scheduler.producer``'s ``hold``)
-        if isinstance(self._scheduler, ProducerScheduler):
-            return self._scheduler.finished(request)
-        return False, self._scheduler.finished(request)
+        # a producer holds the blocks a copy out of a GPU cache may still read (``scheduler.producer``'s ``hold``),
+        # and any role the blocks a pool save will copy out (``scheduler.pool``)
+        held, params = False, None
+        if self._producer is not None:
+            held, params = self._producer.finished(request)
+        if self._consumer is not None:
+            params = self._consumer.finished(request) or params
+        if self._pool is not None:
+            held = self._pool.finished(request, block_ids) or held
+        return held, params
 
     # ------------------------------------------------------------------ worker side (Worker process)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

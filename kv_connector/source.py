@@ -32,11 +32,17 @@ class LoadSource:
 
     def peer(self, rank: int) -> str | None:
         """The producer rank paired with our ``rank`` (push links go rank to rank); None if the TP sizes differ or no
-        producer is known yet (an awaited push)."""
-        return self.pipes[rank] if self.same_tp and not self.await_push else None
+        producer is known yet (an awaited push), or there is none (the pool only)."""
+        return self.pipes[rank] if self.same_tp and not self.await_push and self.pipes else None
+
+    @property
+    def pool_only(self) -> bool:
+        """No producer to ask: the KV pool is the only place the prompt's KV may be."""
+        return not self.pipes and not self.await_push
 
 
 AWAITED_PUSH = LoadSource([], from_params=False, same_tp=True, await_push=True)
+POOL_ONLY = LoadSource([], from_params=False, same_tp=True)  # an instance that loads from the KV pool only
 
 
 def load_source(params: dict[str, Any] | None, config: ConnectorConfig) -> LoadSource | None:
@@ -44,6 +50,8 @@ def load_source(params: dict[str, Any] | None, config: ConnectorConfig) -> LoadS
     prompt here. Raises ``params.ParamsError`` if they are unusable (malformed, or a producer unproven with a
     secret): such a request is recomputed, never loaded from a guessed place."""
     global _told_await_push_in_pull_mode
+    if not config.has_producer:  # kv_both, or a producer: it computes its prompts, finding what it can in the pool
+        return POOL_ONLY
     asked = kv_params.decode_params(params, config.secret)
     if not asked.load:
         return None

@@ -58,9 +58,26 @@ COUNTERS = {  # name -> help text
     "saved_bytes": "KV bytes the producer saved for consumers.",
     "served_bytes": "KV bytes the producer sent to consumers that asked for them.",
     "pushed_bytes": "KV bytes the producer pushed to consumers during prefills.",
+    "pool_lookups": "Lookups that asked the KV pool how much of a prompt it holds (per TP rank).",
+    "pool_lookup_hits": "Pool lookups that found some of the prompt's blocks.",
+    "pool_lookup_misses": "Pool lookups that found none of the prompt's blocks.",
+    "pool_lookup_errors": "Pool lookups that could not tell (master unreachable or slow): nothing loaded from it.",
+    "pool_hit_tokens": "Prompt tokens pool lookups found in the pool.",
+    "pool_loaded": "Loads that wrote KV from the pool into this instance's cache (also counted in loaded).",
+    "pool_load_misses": "Loads from the pool that found none of their blocks any more (evicted, their holder gone; "
+                        "recomputed, or failed under kv_load_failure_policy fail).",
+    "pool_loaded_bytes": "KV bytes loads wrote from the pool into this instance's cache.",
+    "pool_saved_blocks": "Blocks this instance stored in the pool (those there already are skipped).",
+    "pool_saved_bytes": "KV bytes this instance stored in the pool.",
+    "pool_save_errors": "Requests whose blocks could not be stored in the pool (master unreachable, no room).",
+    "pool_rejected": "Pool objects that failed their check (forged, altered, mis-keyed, or stored without this "
+                     "fleet's secret): removed, not loaded.",
+    "pool_timeouts": "Pool calls that did not end within their deadline (a frozen master or holder).",
+    "pool_errors": "Pool calls that failed (master or holder unreachable, an error code).",
 }
 GAUGES = {"loads_in_flight": "Loads started and not finished yet."}
-SAMPLES = ("loads", "push_loads", "saves", "lookup_times")  # per completed operation: [tokens, bytes, seconds]
+SAMPLES = ("loads", "push_loads", "saves", "lookup_times", "pool_loads", "pool_saves",
+           "pool_lookup_times")  # per completed operation: [tokens, bytes, seconds]
 
 
 @dataclass
@@ -99,7 +116,7 @@ class TransferStats:
             if samples:
                 nbytes, seconds = sum(s[1] for s in samples), sum(s[2] for s in samples)
                 out[f"{kind}_avg_ms"] = round(1e3 * seconds / len(samples), 2)
-                if kind not in ("push_loads", "lookup_times"):  # a wait, not a transfer: no rate
+                if kind not in ("push_loads", "lookup_times", "pool_lookup_times"):  # a wait, not a transfer
                     out[f"{kind}_GB/s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
         return out
 

@@ -61,7 +61,10 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                            ("push_load", "push-mode loads: the wait for the push's commit plus the copy from the "
                                          "staging area into the KV cache; not a transfer time (the KV moved during "
                                          "the prefill)"),
-                           ("save", "saves (gather from the KV cache into the producer's buffer)")):
+                           ("save", "saves (gather from the KV cache into the producer's buffer)"),
+                           ("pool_load", "loads from the KV pool (get, check, copy into the KV cache)"),
+                           ("pool_save", "stores into the KV pool (gather from the KV cache, check what is there, "
+                                         "put the rest)")):
             self.histograms[f"{kind}s", 2] = self._per_engine(self._histogram_cls(
                 name=f"vllm:mooncake_kv_{kind}_seconds", documentation=f"Duration of {what}.", buckets=seconds,
                 labelnames=labelnames))
@@ -73,6 +76,9 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         self.histograms["lookup_times", 2] = self._per_engine(self._histogram_cls(
             name="vllm:mooncake_kv_lookup_seconds", documentation="Duration of the consumer's lookups that got an "
             "answer (the question to the producer and its answer).", buckets=fine, labelnames=labelnames))
+        self.histograms["pool_lookup_times", 2] = self._per_engine(self._histogram_cls(
+            name="vllm:mooncake_kv_pool_lookup_seconds", documentation="Duration of lookups in the KV pool that got an "
+            "answer (a round trip to the master).", buckets=fine, labelnames=labelnames))
 
         try:
             # built in vLLM's front-end process, where no connector exists to hand its parsed config over

@@ -1,15 +1,19 @@
-"""Layer 2: the KV lookup buffer (insert on the producer, drop_select on the consumer) over a KV pipe, and push mode's
-buffer (the producer streams an entry while it is computed; the consumer stages it).
+"""Layer 2: the KV lookup buffer (insert on the producer, drop_select on the consumer) over a KV pipe, push mode's
+buffer (the producer streams an entry while it is computed; the consumer stages it), and the KV pool's buffer over
+Mooncake Store (every instance puts and gets blocks by content).
 
 Upper layers import from this package only (its API: docs/api.md)."""
 
-from kv_lookup_buffer.base import AnswerAbandoned, BufferFull, KVLookupBufferBase, entry_key
+from kv_lookup_buffer.base import AnswerAbandoned, BufferFull, KVLookupBufferBase, KVStoreBufferBase, entry_key
+from kv_lookup_buffer.mooncake_store import MooncakeStore, StoreError, StoreTimeout, block_keys
 from kv_lookup_buffer.push_buffer import PushBuffer, PushEnd
 from kv_lookup_buffer.push_receiver import DROPPED, PULL, STAGED, PushArrivals, PushedEntry, PushReceiver
 from kv_lookup_buffer.push_sender import PushSender
 from kv_lookup_buffer.simple_buffer import BufferClosed, SimpleBuffer
+from kv_lookup_buffer.store_config import StoreConfig
 
 __all__ = [
-    "DROPPED", "PULL", "STAGED", "AnswerAbandoned", "BufferClosed", "BufferFull", "KVLookupBufferBase", "PushArrivals",
-    "PushBuffer", "PushEnd", "PushReceiver", "PushSender", "PushedEntry", "SimpleBuffer", "entry_key",
+    "DROPPED", "PULL", "STAGED", "AnswerAbandoned", "BufferClosed", "BufferFull", "KVLookupBufferBase",
+    "KVStoreBufferBase", "MooncakeStore", "PushArrivals", "PushBuffer", "PushEnd", "PushReceiver", "PushSender",
+    "PushedEntry", "SimpleBuffer", "StoreConfig", "StoreError", "StoreTimeout", "block_keys", "entry_key",
 ]

@@ -193,19 +193,23 @@ class MooncakeStore(KVStoreBufferBase):
 
     # ---------------------------------------------------------------- the contract
     def contains(self, keys: list[str], timeout: float) -> int:
-        if not keys:
-            return 0
-        found = self._call(self._client.batch_is_exist, keys, timeout=timeout)
         held = 0
-        for code in found:
-            if code == 1:
-                held += 1
-                continue
-            if code < 0:
-                self.stats.add("errors")
-                raise StoreError(f"the pool could not tell whether it holds a block ({_describe(code)})")
-            break
+        for there in self.present(keys, timeout):
+            if not there:
+                break
+            held += 1
         return held
+
+    def present(self, keys: list[str], timeout: float) -> list[bool]:
+        """Whether the pool holds each of ``keys`` now."""
+        if not keys:
+            return []
+        found = self._call(self._client.batch_is_exist, keys, timeout=timeout)
+        if any(code < 0 for code in found):
+            self.stats.add("errors")
+            raise StoreError("the pool could not tell whether it holds a block "
+                             f"({_describe(next(c for c in found if c < 0))})")
+        return [code == 1 for code in found]
 
     def put(self, keys: list[str], values: torch.Tensor, timeout: float) -> int:
         if not keys:

@@ -43,7 +43,8 @@ class StoreConfig:
     memory each worker rank gives the pool (objects of any instance may land in it; 0 with ``mode``
     ``"standalone-store"``, where a separate ``mooncake_client`` process holds the pool's memory).
     ``local_buffer_size``: host memory each worker rank stages its puts and gets through. ``tenant_id``: objects of
-    another tenant are invisible. ``enable_offload`` is vLLM's (SSD offload); this connector does not offload."""
+    another tenant are invisible. ``enable_offload`` is vLLM's (SSD offload); this connector does not offload.
+    ``local_hostname``: the address other clients reach this one at (Mooncake's key; default: the instance's)."""
 
     master_server_address: str
     global_segment_size: int = DEFAULT_SEGMENT
@@ -51,6 +52,7 @@ class StoreConfig:
     mode: str = "embedded"
     tenant_id: str = "default"
     enable_offload: bool = False
+    local_hostname: str = ""
 
     def __post_init__(self) -> None:
         parse_host_port(self.master_server_address, "master_server_address")
@@ -72,6 +74,9 @@ class StoreConfig:
                               f"{self.local_buffer_size!r}; e.g. \"1GB\"")
         if not isinstance(self.tenant_id, str) or not self.tenant_id.strip():
             raise ConfigError(f"tenant_id: expected a non-empty string, got {self.tenant_id!r}")
+        if not isinstance(self.local_hostname, str) or (self.local_hostname and any(
+                c in self.local_hostname for c in " /")):
+            raise ConfigError(f"local_hostname: expected a host name or IP address, got {self.local_hostname!r}")
         if not isinstance(self.enable_offload, bool):
             raise ConfigError(f"enable_offload: expected true or false, got {self.enable_offload!r}")
         object.__setattr__(self, "global_segment_size", segment)

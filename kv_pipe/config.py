@@ -35,7 +35,7 @@ EPHEMERAL = (32768, 60999)  # the Transfer Engine falls back to its default port
 # mooncake.json's keys of Mooncake Store (the same names Mooncake and vLLM's store connector read): the pipe leaves
 # them to the store's own config (kv_lookup_buffer/store_config.py), which checks them
 STORE_KEYS = frozenset({"master_server_address", "global_segment_size", "local_buffer_size", "mode",
-                        "enable_offload", "tenant_id"})
+                        "enable_offload", "tenant_id", "local_hostname"})
 
 
 @lru_cache(maxsize=1)

@@ -67,6 +67,11 @@ class PinnedArena:
         self._cv = threading.Condition()
         self.used = 0
 
+    @property
+    def memory(self) -> torch.Tensor:
+        """All of the arena's bytes (to register them with a transfer engine once)."""
+        return self._base
+
     def take(self, nbytes: int, timeout: float = 0.0) -> Piece:
         """A piece of at least ``nbytes``; waits up to ``timeout`` seconds for room (0: not at all). Raises
         ``ArenaFull``."""

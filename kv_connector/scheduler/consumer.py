@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ class _Lookup:
     source: LoadSource
     asked: float  # time.monotonic() when it was (last) sent to the workers
     answers: dict[int, int] = field(default_factory=dict)  # TP rank -> tokens its producers hold
+    pool: dict[int, int] = field(default_factory=dict)  # TP rank -> tokens the KV pool holds for it
 
 
 class ConsumerScheduler:
@@ -60,8 +62,10 @@ class ConsumerScheduler:
     ``lookup_timeout`` plus a margin); a lease lasts that, plus ``load_timeout`` (the load, from the claim), plus
     ``LEASE_SLACK``, so it never ends before the load it was for. A lease no load will use is released."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, recompute: int = 1,
+                 pool_found: Callable[[str, int], None] | None = None) -> None:
         self.config = config
+        self.pool_found = pool_found  # told what the pool holds of a request's prompt (``scheduler.pool``)
         self.block_size = block_size
         self.recompute = max(recompute, 1)
         self.tp = config.tp_size
@@ -71,7 +75,8 @@ class ConsumerScheduler:
         self.lookups: dict[str, _Lookup] = {}  # asked, no load started yet
         self.to_look: list[LookupRequest] = []  # lookups to send in the next step
         self.to_release: list[LeaseRelease] = []  # leases no load will use, to release in the next step
-        self.claims: dict[str, tuple[LoadSource, int]] = {}  # claimed, not allocated: (source, local hit)
+        self.claims: dict[str, tuple[LoadSource, int, bool]] = {}  # claimed, not allocated: (source, local hit,
+        # from the pool)
         self.claimed: set[str] = set()  # one load attempt per request
         self.loads: list[LoadRequest] = []  # loads to start in the next step
 
@@ -93,43 +98,49 @@ class ConsumerScheduler:
             self.claimed.add(req_id)
             return 0, False
         if source.await_push or source.pushed:  # its producer pushes it here: claimed now, the load waits for it
-            self.claims[req_id] = (source, num_computed_tokens)
+            self.claims[req_id] = (source, num_computed_tokens, False)
             return blocks.claim_tokens(prompt_len, num_computed_tokens, self.recompute), True
-        found = self._found(request, source)
-        if found is None:
+        answer = self._found(request, source)
+        if answer is None:
             return None, False
+        held, pooled = answer
+        if pooled and self.pool_found is not None:
+            self.pool_found(req_id, pooled)
+        from_pool = pooled > held  # the longest prefix held, from where it is held
+        found = max(held, pooled)
         end = min(found, prompt_len - self.recompute)
         if end < prompt_len - self.recompute:  # a prefix of the prompt: whole blocks of it only
             end -= end % self.block_size
         claim = end - num_computed_tokens
-        logger.debug("MooncakeConnector: request %s: the producer holds %d of its %d tokens, %d in the prefix cache: "
-                     "claims %d", req_id, found, prompt_len, num_computed_tokens, max(claim, 0))
+        logger.debug("MooncakeConnector: request %s: the producer holds %d of its %d tokens, the pool %d, %d in the "
+                     "prefix cache: claims %d%s", req_id, held, prompt_len, pooled, num_computed_tokens, max(claim, 0),
+                     " from the pool" if from_pool else "")
         if claim <= 0:
             self.claimed.add(req_id)
             self._release(req_id)
             return 0, False
-        self.claims[req_id] = (source, num_computed_tokens)
+        self.claims[req_id] = (source, num_computed_tokens, from_pool)
         return claim, True
 
-    def _found(self, request: Request, source: LoadSource) -> int | None:
-        """Tokens of the prompt the producers hold for this request (every rank's answer); None while that is not
-        known yet (a lookup is sent, or on its way)."""
+    def _found(self, request: Request, source: LoadSource) -> tuple[int, int] | None:
+        """Tokens of the prompt the producers hold for this request, and the pool holds (each the least any rank
+        found); None while that is not known yet (a lookup is sent, or on its way)."""
         req_id = request.request_id
         now = time.monotonic()
         lookup = self.lookups.get(req_id)
         if lookup is not None and len(lookup.answers) >= self.tp:
             if now - lookup.asked <= self.claim_window:
-                return min(lookup.answers.values())
+                return min(lookup.answers.values()), min(lookup.pool.values(), default=0)
             # answered too long ago (vLLM could not schedule the request): the lease may end before a load started
             # now; asked again under the same lease, which renews the producer's hold on the same entry
-            lookup.answers = {}
+            lookup.answers, lookup.pool = {}, {}
         elif lookup is not None:
             if now - lookup.asked <= self.answer_wait:
                 return None
             logger.warning("MooncakeConnector: request %s: no answer to its lookup within %.1f s (%d of %d TP ranks "
                            "answered): computing its prompt here", req_id, self.answer_wait, len(lookup.answers),
                            self.tp)
-            return 0
+            return 0, 0
         if len(self.to_look) >= LOOKUPS_PER_STEP:
             return None  # asked next step
         if lookup is None:
@@ -142,7 +153,7 @@ class ConsumerScheduler:
     def _release(self, req_id: str) -> None:
         """The request's lookup, if it sent one, will have no load: its lease is released at the producers."""
         lookup = self.lookups.pop(req_id, None)
-        if lookup is not None:
+        if lookup is not None and not lookup.source.pool_only:
             self.to_release.append(LeaseRelease(lookup.lease, lookup.source))
 
     def answered(self, meta: MooncakeWorkerMetadata) -> None:
@@ -151,19 +162,24 @@ class ConsumerScheduler:
             lookup = self.lookups.get(answer.req_id)
             if lookup is not None and lookup.lease == answer.lease:  # else an earlier lookup's, or a forgotten one
                 lookup.answers[answer.rank] = answer.tokens
+                lookup.pool[answer.rank] = answer.pool_tokens
 
     def after_alloc(self, request: Request, kv_blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
         if claim is None or num_external_tokens <= 0:
             return  # no load (yet): a lookup stays for the next ask, or is released when the request ends
-        source, local = claim
-        lookup = self.lookups.pop(request.request_id, None)  # the load takes the entry under its lease
+        source, local, from_pool = claim
+        if from_pool:
+            self._release(request.request_id)  # the producer's entry is not used: its lease ends now
+            lookup = None
+        else:
+            lookup = self.lookups.pop(request.request_id, None)  # the load takes the entry under its lease
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source,
-                                      lease=0 if lookup is None else lookup.lease))
+                                      lease=0 if lookup is None else lookup.lease, from_pool=from_pool))
 
     def build_meta(self, out: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=self.loads, lookups=self.to_look, releases=self.to_release,

@@ -19,17 +19,18 @@ import torch
 from kv_connector.cache.heads import HeadSplit
 from kv_connector.cache.layout import KVCacheLayout
 from kv_connector.cache.staging import KVStaging
-from kv_connector.config import ConnectorConfig, kv_rank, role_pipe
+from kv_connector.config import ConnectorConfig, kv_rank, role_pipe, store_host
 from kv_connector.metadata import LookupAnswer, MooncakeConnectorMetadata
 from kv_connector.stats import StatsRecorder, TransferStats
 from kv_connector.worker.digest import Sampler
 from kv_connector.worker.links import PeerLinks
 from kv_connector.worker.loads import Finished, Loads
 from kv_connector.worker.lookups import Lookups
+from kv_connector.worker.pool import KVPool
 from kv_connector.worker.pull import PullTransfer
 from kv_connector.worker.push import PushTransfer
 from kv_connector.worker.transfer import KVTransfer
-from kv_lookup_buffer import PushArrivals, PushBuffer, SimpleBuffer
+from kv_lookup_buffer import MooncakeStore, PushArrivals, PushBuffer, SimpleBuffer
 from kv_pipe import PipeEndpoint
 
 
@@ -52,6 +53,7 @@ class WorkerSpec:
 BUFFER_COUNTS = {"expired": "expired", "evicted": "evicted", "hit_key_bytes": "served_bytes",
                  "leases": "leases", "leases_expired": "leases_expired"}
 PUSH_COUNTS = {"pushed_bytes": "pushed_bytes", "expired": "push_expired"}
+STORE_COUNTS = {"rejected": "pool_rejected", "timeouts": "pool_timeouts", "errors": "pool_errors"}
 DRAIN_MARGIN = 5.0  # seconds past load_timeout that sleep mode waits for loads in flight (their copy into the cache)
 IDLE_WAIT = 0.01  # seconds a step with nothing to compute may wait for a pending load or lookup (not spin)
 LOOKUP_BACKOFF = 2.0  # seconds a producer that failed to answer a lookup is not asked again (see lookups.py)
@@ -69,9 +71,10 @@ class ConnectorWorker:
         self.loads: Loads | None = None
         self.lookups: Lookups | None = None
         self.links: PeerLinks | None = None
+        self.pool: KVPool | None = None
         self.layout_checked = False
         self.suspended = False
-        self.held: set[str] = set()  # producer: requests vLLM holds for their copies out of the cache
+        self.held: set[str] = set()  # requests vLLM holds for their copies out of the cache (and into the pool)
 
     def register(self, kv_caches: dict[str, torch.Tensor], spec: WorkerSpec) -> None:
         """Set up this worker (TP rank) once vLLM has allocated its KV cache: ``kv_caches`` maps each attention layer's
@@ -80,14 +83,31 @@ class ConnectorWorker:
         split = HeadSplit(spec.kv_heads, self.config.tp_size, spec.rank, spec.replicated)
         self.layout = KVCacheLayout.from_caches(kv_caches, spec.num_blocks, spec.fingerprint, split.span,
                                                 spec.block_size, spec.cache_dtype, spec.kv_scales)
+        self.staging = KVStaging(self.layout.layers, self.layout.block_dim, self.pinned_bytes())
+        if self.config.store is not None:
+            self.pool = self._pool(self.layout, split, spec.block_size)
+        if self.config.is_both:  # no pipe: KV comes from and goes to the pool only
+            self._start_loads(spec.rank)
+            self._log_ready(spec.rank, split, "none (kv_both)", "none")
+            return
         endpoint = self._endpoint(spec.rank, self.layout)
         self.links = self._links(endpoint)
         endpoint.start()
         peer = role_pipe(self.config.mooncake, not self.is_producer, spec.rank)  # the peer mooncake.json names
-        self.staging = KVStaging(self.layout.layers, self.layout.block_dim, self.pinned_bytes())
         self.transfer = self._transfer(self.layout, self.links, split, spec.block_size, peer)
         self._connect(peer, spec.rank)
         self._log_ready(spec.rank, split, endpoint.address, peer)
+
+    def _pool(self, layout: KVCacheLayout, split: HeadSplit, block_size: int) -> KVPool:
+        """This rank's client of the KV pool, and what moves its blocks in and out."""
+        store_config = self.config.store
+        assert store_config is not None and self.staging is not None
+        mooncake = self.config.mooncake
+        store = MooncakeStore(store_config, store_host(self.config), mooncake.metadata.conn, mooncake.protocol,
+                              mooncake.device_for(split.rank), self.config.secret,
+                              on_count=self.stats.counter(STORE_COUNTS))
+        return KVPool(store, layout, self.staging, split, block_size, self.stats, store_config.local_buffer_size,
+                      self.options.pool_namespace)
 
     def pinned_bytes(self) -> int:
         """Pinned host memory a rank with a GPU cache allocates at start-up (``staging``'s arena): its buffer's
@@ -146,19 +166,29 @@ class ConnectorWorker:
                             staging=self.staging)
 
     def _connect(self, peer: str, rank: int) -> None:
-        """Link to the peer mooncake.json names before the first request needs it; a consumer starts its loads."""
+        """Link to the peer mooncake.json names before the first request needs it; a consumer (or an instance with a
+        pool) starts its loads."""
         assert self.links is not None
+        if self.config.loads:
+            self._start_loads(rank)
         if self.is_producer:
             if self.push_mode:  # its first credit is there before the first request
                 self.links.push_buffer(peer)
             return
-        assert self.staging is not None and self.transfer is not None
+        self.links.warm_up(peer, self.options.load_timeout)
+
+    def _start_loads(self, rank: int) -> None:
+        """Loads and lookups: from the producers (a consumer) and the pool (any role with one)."""
+        assert self.staging is not None
         self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
                            self.staging.bind_thread, fail=self.config.fail_loads)
-        transfer = self.transfer
-        self.lookups = Lookups(transfer.lookup, lambda req: transfer.producers(req.source), transfer.release, rank,
-                               self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF)
-        self.links.warm_up(peer, self.options.load_timeout)
+        transfer = self.transfer if self.config.has_producer else None
+        pool = self.pool
+        self.lookups = Lookups(transfer.lookup if transfer else _no_producer,
+                               (lambda req: transfer.producers(req.source)) if transfer else lambda req: [],
+                               transfer.release if transfer else lambda release: None, rank,
+                               self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF,
+                               pool=pool.lookup if pool is not None else None)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:
         layout = self.layout
@@ -171,6 +201,9 @@ class ConnectorWorker:
                     " (alike on every rank)" if split.replicated else "", address, peer)
 
     def _load(self, req, deadline):  # Loads' callback
+        if req.from_pool:
+            assert self.pool is not None
+            return self.pool.load(req, deadline)
         assert self.transfer is not None
         result = self.transfer.load(req, deadline)
         if not self.layout_checked:
@@ -182,8 +215,12 @@ class ConnectorWorker:
     def start_step(self, meta: MooncakeConnectorMetadata) -> None:
         """vLLM's ``start_load_kv``: after this step's forward pass was queued (or before it, when the step has a
         synchronous load - never with this connector)."""
-        assert self.transfer is not None and self.staging is not None
+        assert self.staging is not None
         self.held.update(meta.held)
+        if self.pool is not None:
+            for save in meta.pool_saves:
+                self.held.add(save.req_id)
+                self.pool.save(save)
         if meta.loads:
             self.staging.mark()
         if self.loads is not None:
@@ -194,9 +231,9 @@ class ConnectorWorker:
                 self.lookups.start(lookup)
             for release in meta.releases:
                 self.lookups.release(release)
-        if meta.pushes:
+        if meta.pushes and self.transfer is not None:
             self.transfer.begin_step(meta)
-        if meta.abandoned:
+        if meta.abandoned and self.transfer is not None:
             self.transfer.abandon(meta.abandoned)
 
     def handle_preemptions(self, meta: MooncakeConnectorMetadata) -> None:
@@ -213,7 +250,8 @@ class ConnectorWorker:
             self.transfer.save_layer(index, meta)
 
     def wait_for_save(self, meta: MooncakeConnectorMetadata) -> None:
-        assert self.transfer is not None
+        if self.transfer is None:
+            return
         for save in meta.saves:
             self.transfer.finish_prompt(save)
 
@@ -222,15 +260,23 @@ class ConnectorWorker:
         step had nothing to compute: wait a moment for a load or a lookup to end (vLLM would spin its engine loop,
         taking the CPU and the GIL from them). A producer's ``sending``: the requests held for their copies out of
         the cache whose copies all ended."""
-        if self.loads is None:
-            sending = self.staging.sent(self.held) if self.held and self.staging is not None else set()
+        sending: set[str] = set()
+        if self.held:
+            sending = self.staging.sent(self.held) if self.staging is not None else set(self.held)
+            if self.pool is not None:
+                sending = {req_id for req_id in sending if self.pool.copied(req_id)}
             self.held -= sending
+        if self.loads is None:
             return Finished(sending=sending)
         if idle:
             pending = self.loads.pending() + (self.lookups.pending() if self.lookups is not None else [])
             if pending:
                 futures_wait(pending, timeout=IDLE_WAIT, return_when=FIRST_COMPLETED)
-        return self.loads.collect()
+        finished = self.loads.collect()
+        finished.sending = sending
+        if self.pool is not None and (finished.failed or finished.bad_blocks):
+            self.pool.load_failed(finished.failed | finished.partial)
+        return finished
 
     def lookup_answers(self) -> list[LookupAnswer]:
         """The answers of the lookups that ended since the last call (for the scheduler)."""
@@ -275,3 +321,9 @@ class ConnectorWorker:
             self.transfer.close()
         if self.links is not None:
             self.links.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _no_producer(req, deadline):  # Lookups' producer callback where there is none (kv_both): never asked
+    raise AssertionError("a pool-only lookup asked a producer")

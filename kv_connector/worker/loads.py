@@ -37,7 +37,8 @@ class Finished:
     done: set[str] = field(default_factory=set)  # every finished load, failed ones included
     failed: set[str] = field(default_factory=set)  # nothing usable: the prompt is recomputed
     bad_blocks: set[int] = field(default_factory=set)  # blocks a partial load did not write (recomputed from there)
-    sending: set[str] = field(default_factory=set)  # producer: held requests whose copies out of the cache ended
+    sending: set[str] = field(default_factory=set)  # held requests whose copies out of the cache ended
+    partial: set[str] = field(default_factory=set)  # loads that wrote only some of their blocks
 
 
 class Loads:
@@ -97,7 +98,10 @@ class Loads:
         self.stats.count("loaded_bytes", result.loaded_bytes)
         self.stats.count("fetched_bytes", result.fetched_bytes)
         pushed = result.source == "pushed"
-        self.stats.sample("push_loads" if pushed else "loads", req.num_tokens, result.loaded_bytes, seconds)
+        if result.source == "pool":
+            self.stats.count("pool_loaded")
+        self.stats.sample({"pushed": "push_loads", "pool": "pool_loads"}.get(result.source, "loads"), req.num_tokens,
+                          result.loaded_bytes, seconds)
         partial = result.written < len(req.block_ids)
         if partial:
             self.stats.count("partial_loads")
@@ -131,8 +135,9 @@ class Loads:
             out.done.add(req_id)
             if result is None or result.written == 0:
                 out.failed.add(req_id)
-            else:
+            elif result.written < len(req.block_ids):
                 out.bad_blocks.update(req.block_ids[result.written:])
+                out.partial.add(req_id)
         return out
 
     def drain(self, timeout: float) -> int:

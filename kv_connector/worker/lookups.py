@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kv_connector.metadata import LeaseRelease, LookupAnswer, LookupRequest
 from kv_connector.stats import StatsRecorder
-from kv_lookup_buffer import BufferClosed
+from kv_lookup_buffer import BufferClosed, StoreError
 from kv_pipe import PipeError
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -38,8 +38,10 @@ class Lookups:
 
     def __init__(self, look: Callable[[LookupRequest, float], int], producers: Callable[[LookupRequest], list[str]],
                  release: Callable[[LeaseRelease], None], rank: int, timeout: float, stats: StatsRecorder,
-                 backoff: float, thread_init: Callable[[], None] | None = None) -> None:
-        self._look, self._producers, self._release = look, producers, release
+                 backoff: float, thread_init: Callable[[], None] | None = None,
+                 pool: Callable[[list[int], float], int] | None = None) -> None:
+        """``pool(tokens, deadline)``: the tokens of a prompt the KV pool holds for this rank (None: no pool)."""
+        self._look, self._producers, self._release, self._in_pool = look, producers, release, pool
         self.rank, self.timeout, self.stats, self.backoff = rank, timeout, stats, backoff
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-kv-lookup",
                                         initializer=thread_init)
@@ -62,8 +64,40 @@ class Lookups:
             logger.debug("MooncakeConnector: could not release lease %d: %s", release.lease, e)
 
     def _run(self, req: LookupRequest) -> LookupAnswer:
-        start = time.perf_counter()
         deadline = time.monotonic() + self.timeout  # from when a thread takes it: its wait in the queue is ours
+        pooled = 0 if self._in_pool is None else self._ask_pool(req, deadline)
+        if req.source.pool_only:
+            return LookupAnswer(req.req_id, req.lease, self.rank, 0, "", pooled)
+        answer = self._ask_producer(req, deadline)
+        answer.pool_tokens = pooled
+        return answer
+
+    def _ask_pool(self, req: LookupRequest, deadline: float) -> int:
+        """Tokens of the prompt the pool holds for this rank; 0 if it cannot tell (logged and counted)."""
+        assert self._in_pool is not None
+        start = time.perf_counter()
+        self.stats.count("pool_lookups")
+        try:
+            tokens = self._in_pool(req.token_ids, deadline)
+        except (StoreError, TimeoutError) as e:
+            self.stats.count("pool_lookup_errors")
+            logger.warning("MooncakeConnector: could not ask the KV pool about request %s (%s): not loaded from it",
+                           req.req_id, e)
+            return 0
+        except Exception:
+            self.stats.count("pool_lookup_errors")
+            logger.exception("MooncakeConnector: the pool lookup of request %s failed unexpectedly", req.req_id)
+            return 0
+        seconds = time.perf_counter() - start
+        self.stats.count("pool_lookup_hits" if tokens else "pool_lookup_misses")
+        self.stats.count("pool_hit_tokens", tokens)
+        self.stats.sample("pool_lookup_times", tokens, 0, seconds)
+        logger.debug("MooncakeConnector: the pool holds %d of the %d tokens of request %s (%.1f ms)", tokens,
+                     len(req.token_ids), req.req_id, seconds * 1e3)
+        return tokens
+
+    def _ask_producer(self, req: LookupRequest, deadline: float) -> LookupAnswer:
+        start = time.perf_counter()
         error = ""
         tokens = 0
         try:

@@ -1,0 +1,190 @@
+"""The KV pool on a worker (``KVPool``): this rank's blocks into and out of Mooncake Store through
+``kv_lookup_buffer.MooncakeStore``. An object is one block of this rank's KV (every layer, the heads it holds),
+block-major as everywhere else (``cache.layout``), under a key of its namespace (what the bytes depend on besides the
+tokens: the layout descriptor, so the model, dtype, block shape, KV heads and scales; and ``pool_namespace``) and
+the chained hash of its tokens. The same prefix computed on any instance of the same model and layout is one object;
+MLA's KV, alike on every rank, is stored by the first rank only and read by all.
+
+Saves run in a thread of their own: the blocks of an ended request, held by vLLM until they are copied out, are
+checked against the pool (what is there is skipped), gathered into host memory registered with the store (a device
+cache's through its pinned arena), reported copied (vLLM frees them), then put. Loads and lookups run in the loader
+and lookup threads the pipe's use. Every call has a deadline; a pool that is down or slow costs a request its
+timeout, never a hang, and what it could not load is computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+from kv_connector.cache.heads import HeadSplit
+from kv_connector.cache.layout import KVCacheLayout
+from kv_connector.cache.pinned import ArenaFull, PinnedArena
+from kv_connector.cache.staging import CacheSuspended, KVStaging
+from kv_connector.metadata import LoadRequest, PoolSave
+from kv_connector.stats import StatsRecorder
+from kv_connector.worker.transfer import KVMiss, LoadResult
+from kv_lookup_buffer import MooncakeStore, StoreError, StoreTimeout, block_keys
+
+logger = logging.getLogger(f"vllm.{__name__}")
+SAVE_TIMEOUT = 10.0  # seconds each store call of a save may take (it runs off the forward path)
+SAVE_ROOM_WAIT = 2.0  # seconds a save waits for room in the host memory before it is dropped
+CHUNK_BYTES = 64 << 20  # a save or a load moves at most this much per store call (and per piece of host memory)
+FAILED_KEPT = 4096  # requests whose loads failed, remembered so that their blocks are never stored
+
+
+def pool_namespace(layout: KVCacheLayout, extra: str = "") -> str:
+    """The part of a block's key that is not its tokens (``layout.descriptor``, ``pool_namespace``)."""
+    text = json.dumps(layout.descriptor, sort_keys=True) + "\0" + extra
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class KVPool:
+    """``store``: the pool's client (this rank's); ``memory_bytes``: host memory to stage puts and gets through
+    (mooncake.json's ``local_buffer_size``; a device cache's pinned arena instead)."""
+
+    def __init__(self, store: MooncakeStore, layout: KVCacheLayout, staging: KVStaging, split: HeadSplit,
+                 block_size: int, stats: StatsRecorder, memory_bytes: int, namespace: str = "") -> None:
+        self.store, self.layout, self.staging, self.split = store, layout, staging, split
+        self.block_size, self.stats = block_size, stats
+        self.namespace = pool_namespace(layout, namespace)
+        self.memory = staging.arena if staging.arena is not None else PinnedArena(memory_bytes, pinned=False)
+        store.register(self.memory.memory)
+        self.chunk_blocks = max(1, min(CHUNK_BYTES, self.memory.capacity // 2) // layout.row_bytes)
+        self._saves = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-save",
+                                         initializer=staging.bind_thread)
+        self._copying: dict[str, threading.Event] = {}  # request -> set once its blocks are copied out
+        self._failed: OrderedDict[str, None] = OrderedDict()  # requests whose loads failed: never stored
+        self._lock = threading.Lock()
+
+    def keys(self, tokens: list[int], first: int = 0, count: int | None = None) -> list[str]:
+        return block_keys(self.namespace, tokens, self.block_size, first, count)
+
+    # ---------------------------------------------------------------- lookups (a lookup thread)
+    def lookup(self, tokens: list[int], deadline: float) -> int:
+        """Tokens of ``tokens`` (whole blocks from the start) the pool holds for this rank."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        return self.store.contains(keys, timeout=max(deadline - time.monotonic(), 0.001)) * self.block_size
+
+    # ---------------------------------------------------------------- loads (a loader thread)
+    def load(self, req: LoadRequest, deadline: float) -> LoadResult:
+        """Write the pool's blocks of ``req`` into its blocks, a chunk at a time; the first block that is missing
+        or fails its check ends the load there (``LoadResult.written``; the rest is computed). ``KVMiss``: none."""
+        start = time.perf_counter()
+        n = len(req.block_ids)
+        keys = self.keys(req.token_ids, req.first_block, n)
+        written = 0
+        row = self.layout.row_bytes
+        shape = [len(self.layout.layers), *self.layout.descriptor["block"]]
+        dtype = self.layout.layers[0].dtype
+        while written < len(keys):
+            part = keys[written:written + self.chunk_blocks]
+            piece = self.memory.take(len(part) * row, max(deadline - time.monotonic(), 0.0))
+            rows = piece.view([len(part), *shape], dtype)
+            try:
+                got = self.store.get_into(part, rows, timeout=max(deadline - time.monotonic(), 0.001))
+            except StoreTimeout as e:
+                self._keep_until(piece, e)
+                raise TimeoutError(f"the pool did not answer by the load's deadline: {e}") from None
+            if got:
+                self.staging.scatter(req.block_ids[written:written + got], rows[:got])
+            written += got
+            if got < len(part):
+                break
+        if not written:
+            self.stats.count("pool_load_misses")
+            raise KVMiss()
+        nbytes = self.layout.kv_bytes(written)
+        self.stats.count("pool_loaded_bytes", nbytes)
+        seconds = time.perf_counter() - start
+        return LoadResult(written, nbytes, 0, "pool", f"from the pool: {written} of {n} blocks in "
+                          f"{seconds * 1e3:.1f} ms")
+
+    @staticmethod
+    def _keep_until(piece: object, stuck: StoreTimeout) -> None:
+        """A get that outlived its caller may still write into ``piece``: it goes back only once the call ended."""
+        stuck.done.add_done_callback(lambda _: piece)
+
+    def load_failed(self, req_ids: set[str]) -> None:
+        """Loads of these requests failed (or wrote only some blocks): their blocks are never stored."""
+        with self._lock:
+            for req_id in req_ids:
+                self._failed[req_id] = None
+            while len(self._failed) > FAILED_KEPT:
+                self._failed.popitem(last=False)
+
+    # ---------------------------------------------------------------- saves (the forward thread queues them)
+    def save(self, save: PoolSave) -> None:
+        copied = threading.Event()
+        with self._lock:
+            failed = save.req_id in self._failed
+            self._failed.pop(save.req_id, None)
+            self._copying[save.req_id] = copied
+        if failed or not self.split.saves:  # nothing to store: a failed load's blocks, or another rank's (MLA)
+            copied.set()
+            return
+        self._saves.submit(self._save, save, copied)
+
+    def copied(self, req_id: str) -> bool:
+        """Whether the blocks of ``req_id`` are free to go (copied out, or never to be): forgotten once they are."""
+        with self._lock:
+            event = self._copying.get(req_id)
+            if event is None or event.is_set():
+                self._copying.pop(req_id, None)
+                return True
+            return False
+
+    def _save(self, save: PoolSave, copied: threading.Event) -> None:
+        start = time.perf_counter()
+        stored = 0
+        try:
+            keys = self.keys(save.token_ids, save.first_block)
+            ids = save.block_ids[save.first_block:save.first_block + len(keys)]
+            there = self.store.present(keys, timeout=SAVE_TIMEOUT)
+            missing = [i for i, held in enumerate(there) if not held]
+            pending = []
+            for lo in range(0, len(missing), self.chunk_blocks):
+                part = missing[lo:lo + self.chunk_blocks]
+                # a host cache is gathered into our registered memory; a device cache's gather lands in its
+                # staging's pinned arena, which is ours (registered) too
+                piece = None if self.staging.on_device else \
+                    self.memory.take(len(part) * self.layout.row_bytes, SAVE_ROOM_WAIT)
+                staged = self.staging.gather([ids[i] for i in part],
+                                             scratch=None if piece is None else piece.tensor)
+                staged.wait()
+                pending.append(([keys[i] for i in part], staged.tensor, piece))
+            copied.set()  # vLLM may reuse the blocks now
+            for part_keys, rows, piece in pending:
+                try:
+                    stored += self.store.put(part_keys, rows, timeout=SAVE_TIMEOUT)
+                except StoreTimeout as e:  # the put may still read its rows: they are kept until it ended
+                    self._keep_until((rows, piece), e)
+                    raise
+        except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: could not store the KV of request %s in the pool: %s", save.req_id, e)
+        except Exception:
+            self.stats.count("pool_save_errors")
+            logger.exception("MooncakeConnector: storing the KV of request %s in the pool failed unexpectedly",
+                             save.req_id)
+        finally:
+            copied.set()
+        seconds = time.perf_counter() - start
+        nbytes = self.layout.kv_bytes(stored)
+        if stored:
+            self.stats.count("pool_saved_blocks", stored)
+            self.stats.count("pool_saved_bytes", nbytes)
+            self.stats.sample("pool_saves", stored * self.block_size, nbytes, seconds)
+        logger.debug("MooncakeConnector: pool save of request %s: %d blocks stored, %d there already, in %.1f ms",
+                     save.req_id, stored, len(save.block_ids) - save.first_block - stored, seconds * 1e3)
+
+    def close(self) -> None:
+        self._saves.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
