@@ -19,6 +19,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -39,6 +40,7 @@ TAG_CONTEXT = "mooncake-kv-transfer pool object tag v1"
 MAX_TAGS = 8192  # objects in flight at once (their tags live in one registered array)
 THREADS = 8
 SETUP_TIMEOUT = 30.0
+PUT_ATTEMPTS = 3
 # the store's error codes a caller may meet (Mooncake's ErrorCode)
 CODES = {-200: "segment not mounted (the master restarted?)", -600: "buffer too small", -704: "object not found",
          -900: "master unreachable", -901: "request to the master timed out", -1010: "no space in the pool"}
@@ -184,12 +186,16 @@ class MooncakeStore(KVStoreBufferBase):
         h.update(row.reshape(-1).view(torch.uint8).numpy())
         return h.digest(TAG)
 
-    @staticmethod
-    def _rows(values: torch.Tensor, n: int) -> tuple[int, int]:
-        """(first row's address, bytes per row) of ``values[:n]``, which must be contiguous."""
+    def _rows(self, values: torch.Tensor, n: int) -> tuple[int, int]:
+        """(first row's address, bytes per row) of ``values[:n]``, which must be contiguous and lie in registered
+        memory (the store's engine writes wherever it is told: a get into memory freed meanwhile corrupts the
+        process)."""
         if values.device.type != "cpu" or not values.is_contiguous() or values.shape[0] < n:
             raise ValueError("rows must be a contiguous host tensor with a row per key")
-        return values.data_ptr(), values[0].numel() * values.element_size()
+        base, size = values.data_ptr(), values[0].numel() * values.element_size()
+        if not any(m.data_ptr() <= base and base + n * size <= m.data_ptr() + m.nbytes for m in self._registered):
+            raise ValueError("rows must lie in memory registered with the store (MooncakeStore.register)")
+        return base, size
 
     # ---------------------------------------------------------------- the contract
     def contains(self, keys: list[str], timeout: float) -> int:
@@ -212,31 +218,33 @@ class MooncakeStore(KVStoreBufferBase):
         return [code == 1 for code in found]
 
     def put(self, keys: list[str], values: torch.Tensor, timeout: float) -> int:
+        """``values``: a row per key, its object's bytes followed by ``TAG`` bytes this writes the tag into (one
+        contiguous object each: a put from several buffers was refused by a full pool instead of evicting)."""
         if not keys:
             return 0
         base, size = self._rows(values, len(keys))
-        slots = self._take_tags(len(keys))
-        try:
-            for key, row, slot in zip(keys, values, slots, strict=False):
-                self._tags[slot * TAG:(slot + 1) * TAG] = torch.frombuffer(bytearray(self._tag(key, row)),
-                                                                           dtype=torch.uint8)
-        except BaseException:
-            self._give_tags(slots)
-            raise
-        tags = self._tags.data_ptr()
+        if size <= TAG:
+            raise ValueError(f"a row must hold its object and a {TAG}-byte tag")
+        for key, row in zip(keys, values, strict=False):
+            flat = row.reshape(-1).view(torch.uint8)
+            flat[size - TAG:] = torch.frombuffer(bytearray(self._tag(key, flat[:size - TAG])), dtype=torch.uint8)
         where = () if self._placement is None else (self._placement,)
-        codes = self._call(self._client.batch_put_from_multi_buffers, keys,
-                           [[base + i * size, tags + slot * TAG] for i, slot in enumerate(slots)],
-                           [[size, TAG]] * len(keys), *where, timeout=timeout, after=lambda: self._give_tags(slots))
-        stored = 0
-        for code in codes:
-            if code != 0:
-                self.stats.add("errors")
-                logger.debug("a pool put failed: %s", _describe(code))
+        deadline = time.monotonic() + timeout
+        todo = list(range(len(keys)))
+        for _attempt in range(PUT_ATTEMPTS):  # a put that met a full pool may find room once the master evicted
+            codes = self._call(self._client.batch_put_from, [keys[i] for i in todo], [base + i * size for i in todo],
+                               [size] * len(todo), *where, timeout=max(deadline - time.monotonic(), 0.001))
+            failed = [i for i, code in zip(todo, codes, strict=False) if code != 0]
+            if failed:
+                logger.debug("pool puts failed: %s", ", ".join(sorted({_describe(c) for c in codes if c != 0})))
+            todo = failed
+            if not todo or time.monotonic() >= deadline:
                 break
-            stored += 1
-        self.stats.add("put_objects", stored)
-        self.stats.add("put_bytes", stored * size)
+        stored = min(todo) if todo else len(keys)  # the leading run stored
+        if todo:
+            self.stats.add("errors")
+        self.stats.add("put_objects", len(keys) - len(todo))
+        self.stats.add("put_bytes", (len(keys) - len(todo)) * (size - TAG))
         return stored
 
     def get_into(self, keys: list[str], out: torch.Tensor, timeout: float) -> int:
@@ -259,21 +267,27 @@ class MooncakeStore(KVStoreBufferBase):
             self._give_tags(slots)
 
     def _check(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int) -> int:
-        """How many objects, from the first, arrived whole with a tag that matches their key and bytes."""
-        good = 0
+        """How many objects, from the first, arrived whole with a tag that matches their key and bytes. Every object
+        that arrived is checked, and each that fails is removed from the pool (so that the fleet's next put of its key
+        stores the real one)."""
+        good, ended = 0, False
         for key, row, slot, code in zip(keys, out, slots, codes, strict=False):
             if code != size + TAG:
-                self.stats.add("missing" if code == -704 or code >= 0 else "errors")
-                logger.debug("pool object %s: %s", key, "its size differs" if code >= 0 else _describe(code))
-                break
+                if not ended:
+                    self.stats.add("missing" if code == -704 or code >= 0 else "errors")
+                    logger.debug("pool object %s: %s", key, "its size differs" if code >= 0 else _describe(code))
+                ended = True
+                continue
             tag = bytes(self._tags[slot * TAG:(slot + 1) * TAG].numpy())
             if not hmac.compare_digest(tag, self._tag(key, row)):
                 self.stats.add("rejected")
                 logger.warning("a pool object failed its check (%s: forged, altered, or put under another key, or by "
                                "an instance without this fleet's secret): removed, its blocks are computed", key)
                 self._remove_quietly(key)
-                break
-            good += 1
+                ended = True
+                continue
+            if not ended:
+                good += 1
         self.stats.add("got_objects", good)
         self.stats.add("got_bytes", good * size)
         return good
@@ -291,6 +305,10 @@ class MooncakeStore(KVStoreBufferBase):
             if self._closed:
                 return
             self._closed = True
-        client = self._client
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        threading.Thread(target=client.close, name="mooncake-pool-close", daemon=True).start()
+        client, calls = self._client, self._calls
+        calls.shutdown(wait=False, cancel_futures=True)
+
+        def leave() -> None:
+            calls.shutdown(wait=True)  # a call still running in the client must end before the client goes
+            client.close()
+        threading.Thread(target=leave, name="mooncake-pool-close", daemon=True).start()

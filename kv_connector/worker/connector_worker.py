@@ -106,8 +106,15 @@ class ConnectorWorker:
         store = MooncakeStore(store_config, store_host(self.config), mooncake.metadata.conn, mooncake.protocol,
                               mooncake.device_for(split.rank), self.config.secret,
                               on_count=self.stats.counter(STORE_COUNTS))
-        return KVPool(store, layout, self.staging, split, block_size, self.stats, store_config.local_buffer_size,
+        pool = KVPool(store, layout, self.staging, split, block_size, self.stats, store_config.local_buffer_size,
                       self.options.pool_namespace)
+        logger.info("MooncakeConnector: KV pool at master %s (TP rank %d): objects of %d bytes, one per block, under "
+                    "namespace %s", store_config.master_server_address, split.rank, layout.row_bytes, pool.namespace)
+        if not self.config.secret:
+            logger.warning("MooncakeConnector: no secret is set: any client of the KV pool's master can plant KV that "
+                           "this instance loads. Set the same MOONCAKE_KV_SECRET (or auth_secret) on every instance; "
+                           "see docs/deployment.md (Security)")
+        return pool
 
     def pinned_bytes(self) -> int:
         """Pinned host memory a rank with a GPU cache allocates at start-up (``staging``'s arena): its buffer's

@@ -22,6 +22,8 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from kv_connector.cache.heads import HeadSplit
 from kv_connector.cache.layout import KVCacheLayout
 from kv_connector.cache.pinned import ArenaFull, PinnedArena
@@ -29,7 +31,7 @@ from kv_connector.cache.staging import CacheSuspended, KVStaging
 from kv_connector.metadata import LoadRequest, PoolSave
 from kv_connector.stats import StatsRecorder
 from kv_connector.worker.transfer import KVMiss, LoadResult
-from kv_lookup_buffer import MooncakeStore, StoreError, StoreTimeout, block_keys
+from kv_lookup_buffer import TAG, MooncakeStore, StoreError, StoreTimeout, block_keys
 
 logger = logging.getLogger(f"vllm.{__name__}")
 SAVE_TIMEOUT = 10.0  # seconds each store call of a save may take (it runs off the forward path)
@@ -150,22 +152,25 @@ class KVPool:
             there = self.store.present(keys, timeout=SAVE_TIMEOUT)
             missing = [i for i, held in enumerate(there) if not held]
             pending = []
+            row, slot = self.layout.row_bytes, self.layout.row_bytes + TAG
             for lo in range(0, len(missing), self.chunk_blocks):
                 part = missing[lo:lo + self.chunk_blocks]
-                # a host cache is gathered into our registered memory; a device cache's gather lands in its
-                # staging's pinned arena, which is ours (registered) too
-                piece = None if self.staging.on_device else \
-                    self.memory.take(len(part) * self.layout.row_bytes, SAVE_ROOM_WAIT)
-                staged = self.staging.gather([ids[i] for i in part],
-                                             scratch=None if piece is None else piece.tensor)
-                staged.wait()
-                pending.append(([keys[i] for i in part], staged.tensor, piece))
+                piece = self.memory.take(len(part) * slot, SAVE_ROOM_WAIT)
+                slots = piece.tensor[:len(part) * slot].view(len(part), slot)  # an object each: a block, its tag
+                if self.staging.on_device:  # gathered into pinned memory, then into the objects
+                    staged = self.staging.gather([ids[i] for i in part])
+                    staged.wait()
+                    slots[:, :row].copy_(staged.tensor.reshape(len(part), -1).view(torch.uint8))
+                else:
+                    for i, block in enumerate(part):
+                        self.staging.gather([ids[block]], scratch=slots[i, :row])
+                pending.append(([keys[i] for i in part], slots, piece))
             copied.set()  # vLLM may reuse the blocks now
-            for part_keys, rows, piece in pending:
+            for part_keys, slots, piece in pending:
                 try:
-                    stored += self.store.put(part_keys, rows, timeout=SAVE_TIMEOUT)
-                except StoreTimeout as e:  # the put may still read its rows: they are kept until it ended
-                    self._keep_until((rows, piece), e)
+                    stored += self.store.put(part_keys, slots, timeout=SAVE_TIMEOUT)
+                except StoreTimeout as e:  # the put may still read its objects: they are kept until it ended
+                    self._keep_until(piece, e)
                     raise
         except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
             self.stats.count("pool_save_errors")

@@ -41,10 +41,57 @@ def test_an_instance_knows_its_pipes_and_its_configured_peers():
     assert producer.is_producer and not consumer.is_producer
 
 
-@pytest.mark.parametrize("role", ["kv_both", "producer", "", None])
+@pytest.mark.parametrize("role", ["kv_bothh", "producer", "", None])
 def test_one_role_per_instance(role):
     with pytest.raises(ConfigError, match="kv_producer"):
         ConnectorConfig.from_vllm(vllm_config(role))
+
+
+def test_the_pool_is_on_with_a_master_and_kv_both_needs_it(tmp_path, monkeypatch):
+    path = tmp_path / "mooncake.json"
+    path.write_text('{"metadata_server": "P2PHANDSHAKE"}')
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert ConnectorConfig.from_vllm(vllm_config("kv_consumer")).store is None
+    with pytest.raises(ConfigError, match="kv_both.*master_server_address"):
+        ConnectorConfig.from_vllm(vllm_config("kv_both"))
+    # the keys and size forms vLLM's MooncakeStoreConnector reads, in the same file
+    path.write_text('{"metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051", '
+                    '"global_segment_size": "1GB", "local_buffer_size": 268435456, "protocol": "tcp"}')
+    cfg = ConnectorConfig.from_vllm(vllm_config("kv_both"))
+    assert cfg.is_both and cfg.loads and not cfg.has_producer and cfg.pipes == []
+    assert cfg.store is not None and cfg.store.master_server_address == "127.0.0.1:50051"
+    assert (cfg.store.global_segment_size, cfg.store.local_buffer_size) == (1 << 30, 256 << 20)
+    assert ConnectorConfig.from_vllm(vllm_config("kv_producer")).loads  # a producer loads from the pool too
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"master_server_address": "nohost"}, "master_server_address: 'nohost' has no port"),
+    ({"master_server_address": "h:1", "global_segment_size": "1MB"}, "global_segment_size: expected bytes from"),
+    ({"master_server_address": "h:1", "global_segment_size": "lots"}, "global_segment_size: expected a number"),
+    ({"master_server_address": "h:1", "local_buffer_size": 0}, "local_buffer_size: expected bytes > 0"),
+    ({"master_server_address": "h:1", "mode": "standalone-store"}, "must be 0 with mode"),
+    ({"master_server_address": "h:1", "mode": "cluster"}, "mode: expected"),
+    ({"master_server_address": "h:1", "tenant_id": ""}, "tenant_id: expected a non-empty string"),
+    ({"global_segment_size": "4GB"}, "global_segment_size set without master_server_address"),
+])
+def test_pool_keys_are_checked_up_front(tmp_path, monkeypatch, keys, message):
+    import json
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(keys))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_vllm(vllm_config("kv_consumer"))
+
+
+def test_the_connectors_own_config_path_wins_over_the_environment(tmp_path, monkeypatch):
+    """Connectors composed in vLLM's MultiConnector share one environment: a path set for this one wins."""
+    ours, shared = tmp_path / "ours.json", tmp_path / "shared.json"
+    ours.write_text('{"prefill_url": "127.0.0.1:15000", "decode_url": "127.0.0.1:15100"}')
+    shared.write_text('{"prefill_url": "127.0.0.1:16000", "decode_url": "127.0.0.1:16100"}')
+    monkeypatch.setenv(CONFIG_ENV, str(shared))
+    cfg = ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"mooncake_config_path": str(ours)}))
+    assert cfg.pipes == ["127.0.0.1:15100"]
 
 
 def test_parsed_from_vllms_config_and_mooncake_json(tmp_path, monkeypatch):

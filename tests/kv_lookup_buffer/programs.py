@@ -411,10 +411,19 @@ def open_pool(master: str, segment: int, secret: bytes = b""):
     return MooncakeStore(config, "127.0.0.1", "P2PHANDSHAKE", secret=secret)
 
 
+def with_tags(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` with room for their tags after each (what ``MooncakeStore.put`` takes)."""
+    from kv_lookup_buffer.mooncake_store import TAG
+
+    out = torch.zeros(rows.shape[0], rows.shape[1] + TAG, dtype=torch.uint8)
+    out[:, :rows.shape[1]] = rows
+    return out
+
+
 def pool_put(master: str, seed: int, n: int, size: int, segment: int, secret: bytes, ready: Any, done: Any) -> int:
     """Join the pool, put ``n`` rows under ``pool_keys(seed, n)``, say ``ready``, hold the segment until ``done``."""
     pool = open_pool(master, segment, secret)
-    rows = pool_rows(seed, n, size)
+    rows = with_tags(pool_rows(seed, n, size))
     pool.register(rows)
     stored = pool.put(pool_keys(seed, n), rows, timeout=30.0)
     ready.set()
@@ -423,8 +432,8 @@ def pool_put(master: str, seed: int, n: int, size: int, segment: int, secret: by
     return stored
 
 
-def pool_forge(master: str, key: str, payload: bytes, tag: bytes, ready: Any, done: Any) -> int:
-    """A stranger with a bare store client (no tag of its own making): puts ``payload`` + ``tag`` under ``key``."""
+def open_raw_client(master: str) -> Any:
+    """A stranger's bare Mooncake Store client (it knows no tags) in this process, with a 64 MiB segment."""
     import os
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -432,6 +441,12 @@ def pool_forge(master: str, key: str, payload: bytes, tag: bytes, ready: Any, do
 
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master) == 0
+    return client
+
+
+def pool_forge(master: str, key: str, payload: bytes, tag: bytes, ready: Any, done: Any) -> int:
+    """A stranger with a bare store client (no tag of its own making): puts ``payload`` + ``tag`` under ``key``."""
+    client = open_raw_client(master)
     data = torch.frombuffer(bytearray(payload + tag), dtype=torch.uint8)
     assert client.register_buffer(data.data_ptr(), data.numel()) == 0
     rc = client.put_from(key, data.data_ptr(), data.numel())
