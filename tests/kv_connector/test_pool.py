@@ -18,8 +18,9 @@ from harness.ports import free_port
 from harness.store import MooncakeMaster
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_lookup_buffer import block_keys
-from tests.kv_connector.instance_stats import diff, flush, kv_stats
+from tests.kv_connector.instance_stats import kv_stats
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, SERVE_ARGS
+from tests.kv_connector.pool_traffic import settled, stored_blocks, turn
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
 
 pytestmark = pytest.mark.vllm
@@ -50,31 +51,6 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     finally:
         a.stop()
         b.stop()
-
-
-def turn(server: VllmServer, tokens: list[int], max_tokens: int = 24) -> tuple[str, list[int]]:
-    """One completion: its text and its token ids."""
-    body = {"model": server.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True}
-    choice = server.post("/v1/completions", body)["choices"][0]
-    return choice["text"], choice["token_ids"]
-
-
-def settled(server: VllmServer, before: dict[str, float], name: str, at_least: float, timeout: float = 10.0
-            ) -> dict[str, float]:
-    """The change in the instance's stats once ``name`` grew by ``at_least`` (a pool save ends after its request)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        flush(server)
-        change = diff(kv_stats(server), before)
-        if change.get(name, 0) >= at_least or time.monotonic() > deadline:
-            return change
-        time.sleep(0.1)
-
-
-def stored_blocks(tokens: int) -> int:
-    """Whole blocks of computed KV a request of ``tokens`` (prompt and answer) leaves: all but its last token."""
-    return (tokens - 1) // BLOCK
 
 
 def conversation(a: VllmServer, seed: int, first: int, then: int) -> tuple[list[int], list[int]]:
