@@ -20,6 +20,7 @@ import pytest
 from kv_connector import param_keys
 from kv_connector.config import ConnectorOptions
 from kv_connector.stats import COUNTERS, GAUGES
+from kv_lookup_buffer import StoreConfig
 from kv_pipe import MooncakeTransferEngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,11 @@ def test_every_mooncake_json_key_is_documented_with_its_default() -> None:
                                   "docs/configuration.md, mooncake.json")
 
 
+def test_every_pool_key_is_documented_with_its_default() -> None:
+    check_table_against_dataclass(StoreConfig, table(section(CONFIGURATION, "mooncake.json: the KV pool")),
+                                  "docs/configuration.md, mooncake.json: the KV pool")
+
+
 def test_every_connector_option_is_documented_with_its_default() -> None:
     check_table_against_dataclass(ConnectorOptions, table(section(CONFIGURATION, "kv_connector_extra_config")),
                                   "docs/configuration.md, kv_connector_extra_config")
@@ -157,8 +163,10 @@ def test_every_connector_metric_is_documented_and_every_documented_one_exists() 
     text = OPERATIONS.read_text(encoding="utf-8")
     missing = [name for name in COUNTERS if f"vllm:mooncake_kv_{name}_total" not in text]
     assert not missing, f"docs/operations.md does not name {missing}"
-    known = {f"{name}_total" for name in COUNTERS} | set(GAUGES) | {"endpoint_info", "lookup_seconds"} | {
-        f"{kind}_{unit}" for kind in ("load", "push_load", "save") for unit in ("seconds", "bytes")}
+    known = {f"{name}_total" for name in COUNTERS} | set(GAUGES) | {"endpoint_info", "lookup_seconds",
+                                                                      "pool_lookup_seconds"} | {
+        f"{kind}_{unit}" for kind in ("load", "push_load", "save", "pool_load", "pool_save")
+        for unit in ("seconds", "bytes")}
     for path in DOC_FILES:
         for name in re.findall(r"vllm:mooncake_kv_([a-z][a-z_]*[a-z])", path.read_text(encoding="utf-8")):
             base = re.sub(r"_(bucket|sum|count)$", "", name)
