@@ -19,14 +19,19 @@ PUSHED = "mooncake_pushed"  # push mode: the producer sends this prompt's KV (or
 # what the proxy puts on a decode it sends together with its prefill (push mode): no producer has answered yet
 AWAIT_PUSH = "mooncake_await_push"  # with do_remote_prefill true: wait for whichever producer pushes this prompt
 
+# what the proxy puts on a decode whose prefill it skipped because the KV pool holds the prompt (with
+# do_remote_prefill true): no producer holds it, load what the pool holds and compute the rest
+POOL_ONLY = "mooncake_pool_only"
+
 # what the proxy adds to a prefill, push mode: where the KV goes
 PUSH_TO = "mooncake_push_to"  # the consumer's pipe address per TP rank ([]: do not push)
 PUSH_PROOF = "mooncake_push_proof"  # the consumer's proof of its push address (with a secret)
 
 # a gauge (always 1) on each instance's /metrics whose labels say what a proxy needs to know about it
 ENDPOINT_INFO = "vllm:mooncake_kv_endpoint_info"
-KV_ROLE_LABEL = "kv_role"  # vLLM's kv_role: "kv_producer" or "kv_consumer"
+KV_ROLE_LABEL = "kv_role"  # vLLM's kv_role: "kv_producer", "kv_consumer" or "kv_both"
 TRANSFER_MODE_LABEL = "transfer_mode"  # "pull" or "push"
 PIPES_LABEL = "pipes"  # pipe address per TP rank, comma separated
 ENGINE_ID_LABEL = "kv_engine_id"
 PUSH_PROOF_LABEL = "push_proof"  # a consumer's proof of its pipe addresses ("" without a secret)
+POOL_LABEL = "kv_pool"  # the KV pool's master address ("" without a pool): instances naming one share their KV

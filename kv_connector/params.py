@@ -16,6 +16,7 @@ from kv_connector.param_keys import (
     DO_REMOTE_PREFILL,
     ENGINE,
     PIPE,
+    POOL_ONLY,
     PROOF,
     PUSH_PROOF,
     PUSH_TO,
@@ -91,6 +92,7 @@ class DecodeParams:
     pipes: list[str] | None = None  # the producer whose KV waits there, per its TP rank; None: mooncake.json's
     await_push: bool = False  # wait for whichever producer pushes this prompt (``pipes`` is None)
     pushed: bool = False  # the named producer pushes this prompt here (or says to pull it): wait for its news
+    pool_only: bool = False  # no producer holds it: load what the KV pool holds (``mooncake_pool_only``)
 
 
 def _flag(params: dict[str, Any], field: str) -> bool | None:
@@ -111,6 +113,11 @@ def decode_params(params: dict[str, Any] | None, secret: bytes = b"") -> DecodeP
         raise ParamsError(f"{AWAIT_PUSH}: true needs {DO_REMOTE_PREFILL}: true (got {remote!r})")
     if remote is False:
         return DecodeParams(load=False)
+    if _flag(params, POOL_ONLY):
+        if not remote or await_push or PIPE in params:
+            raise ParamsError(f"{POOL_ONLY}: true goes with {DO_REMOTE_PREFILL}: true only (no producer named, no push "
+                              "awaited)")
+        return DecodeParams(pool_only=True)
     if await_push:
         if PIPE in params:  # a producer's answer and a wait for a push: which one is meant cannot be told
             raise ParamsError(f"{AWAIT_PUSH} and {PIPE} together: a decode either names the producer whose KV waits "

@@ -55,6 +55,8 @@ def load_source(params: dict[str, Any] | None, config: ConnectorConfig) -> LoadS
     asked = kv_params.decode_params(params, config.secret)
     if not asked.load:
         return None
+    if asked.pool_only:  # the proxy skipped the prefill for what the pool holds
+        return POOL_ONLY if config.store is not None else None
     if asked.await_push:
         if config.push_mode:
             return AWAITED_PUSH

@@ -16,6 +16,7 @@ from kv_connector.param_keys import (
     ENGINE_ID_LABEL,
     KV_ROLE_LABEL,
     PIPES_LABEL,
+    POOL_LABEL,
     PUSH_PROOF_LABEL,
     TRANSFER_MODE_LABEL,
 )
@@ -38,7 +39,8 @@ def endpoint_info(config: ConnectorConfig) -> dict[str, str]:
     pipes = config.pipes
     return {KV_ROLE_LABEL: config.kv_role, TRANSFER_MODE_LABEL: config.options.transfer_mode,
             PIPES_LABEL: ",".join(pipes), ENGINE_ID_LABEL: config.engine_id,
-            PUSH_PROOF_LABEL: "" if config.is_producer else kv_params.push_proof(config.secret, pipes)}
+            PUSH_PROOF_LABEL: "" if config.is_producer or not pipes else kv_params.push_proof(config.secret, pipes),
+            POOL_LABEL: "" if config.store is None else config.store.master_server_address}
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):

@@ -113,7 +113,8 @@ def test_endpoint_info_publishes_the_pipes_and_a_consumers_push_proof():
     info = endpoint_info(config("kv_consumer", tp=2, secret=SECRET, mode="push"))
     assert info == {"kv_role": "kv_consumer", "transfer_mode": "push", "pipes": "10.0.0.2:13103,10.0.0.2:13104",
                     "kv_engine_id": "engine-1",
-                    "push_proof": kv_params.push_proof(SECRET.encode(), ["10.0.0.2:13103", "10.0.0.2:13104"])}
+                    "push_proof": kv_params.push_proof(SECRET.encode(), ["10.0.0.2:13103", "10.0.0.2:13104"]),
+                    "kv_pool": ""}
     assert endpoint_info(config("kv_producer"))["push_proof"] == ""
     assert endpoint_info(config("kv_consumer"))["push_proof"] == ""  # no secret: nothing to prove
 

@@ -177,3 +177,15 @@ def test_a_pushed_flag_comes_only_as_true_or_false():
     assert kv_params.decode_params(sent) == kv_params.DecodeParams(pipes=["127.0.0.1:9000"], pushed=True)
     with pytest.raises(kv_params.ParamsError, match="mooncake_pushed: expected true or false"):
         kv_params.decode_params({**sent, "mooncake_pushed": "yes"})
+
+
+def test_pool_only_names_no_producer_and_goes_with_do_remote_prefill_only():
+    assert kv_params.decode_params({"do_remote_prefill": True, "mooncake_pool_only": True}).pool_only
+    assert not kv_params.decode_params({"do_remote_prefill": True, "mooncake_pool_only": False}).pool_only
+    assert not kv_params.decode_params({"do_remote_prefill": False, "mooncake_pool_only": True}).load  # nothing
+    for params in ({"mooncake_pool_only": True},
+                   {"do_remote_prefill": True, "mooncake_pool_only": True, "remote_pipe": ["10.0.0.1:1"]},
+                   {"do_remote_prefill": True, "mooncake_pool_only": True, "mooncake_await_push": True},
+                   {"do_remote_prefill": True, "mooncake_pool_only": "yes"}):
+        with pytest.raises(kv_params.ParamsError):
+            kv_params.decode_params(params)

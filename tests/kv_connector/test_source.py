@@ -75,3 +75,16 @@ def test_a_producers_word_that_it_pushed_counts_in_push_mode_at_its_tp_size_only
     assert not load_source(pushed, config(mode="pull")).pushed  # nobody pushes to a pull-mode consumer
     assert not load_source(kv_params.producer_params(["10.9.9.9:1", "10.9.9.9:2"], "p", "r", pushed=True),
                            config(mode="push")).pushed  # pushes go rank to rank
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_both"])
+def test_an_instance_without_a_producer_loads_from_the_pool_only(role):
+    source = load_source({"do_remote_prefill": True, "remote_pipe": ["10.0.0.5:13003"]}, config(role, pool=True))
+    assert source is not None and source.pool_only and source.peer(0) is None
+
+
+def test_pool_only_params_load_from_the_pool_where_there_is_one():
+    params = {"do_remote_prefill": True, "mooncake_pool_only": True}
+    source = load_source(params, config(pool=True))
+    assert source is not None and source.pool_only
+    assert load_source(params, config()) is None  # no pool: the prompt is computed here

@@ -12,18 +12,21 @@ from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, 
 from vllm.v1.request import Request
 
 from kv_connector.config import ConnectorConfig, ConnectorOptions
+from kv_lookup_buffer import StoreConfig
 from kv_pipe import MooncakeTransferEngineConfig
 
 PREFILL, DECODE = "10.0.0.1:13003", "10.0.0.2:13103"
+MASTER = "10.0.0.9:50051"
 SECRET = "s" * 40
 
 
 def config(role: str = "kv_consumer", tp: int = 1, secret: str = "", mode: str = "pull",
-           engine_id: str = "engine-1") -> ConnectorConfig:
+           engine_id: str = "engine-1", pool: bool = False) -> ConnectorConfig:
+    """``pool``: with a KV pool (a master at ``MASTER``)."""
     return ConnectorConfig(role, ConnectorOptions(transfer_mode=mode),
                            MooncakeTransferEngineConfig(prefill_url=PREFILL, decode_url=DECODE, auth_secret=secret,
                                                         allow_unauthenticated=not secret),
-                           tp, engine_id)
+                           tp, engine_id, store=StoreConfig(MASTER) if pool else None)
 
 
 def request(req_id: str, prompt_len: int, params: Any = None) -> Request:
