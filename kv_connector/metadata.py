@@ -71,14 +71,16 @@ class LookupAnswer:
 
 @dataclass
 class PoolSave:
-    """Any role with a KV pool: a request ended; store its blocks ``block_ids`` (those of its tokens ``token_ids``
-    whose KV was computed, whole blocks) in the pool, from block ``first_block`` (the ones before it are known to be
-    there). vLLM holds the blocks until the workers report the request in ``finished_sending``."""
+    """Any role with a KV pool: store blocks ``block_ids`` (whole blocks of computed KV of the tokens ``token_ids``)
+    in the pool, from block ``first_block`` (the ones before it are known to be there). ``in_step``: the step
+    completes the request's prompt: copied out after its forward pass, while the request goes on. Else the request
+    ended: vLLM holds the blocks until the workers report it in ``finished_sending`` (``scheduler.pool``)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     first_block: int = 0
+    in_step: bool = False
 
 
 @dataclass

@@ -133,6 +133,8 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._consumer.after_alloc(request, blocks, num_external_tokens)
         if self._producer is not None:
             self._producer.after_alloc(request, blocks, num_external_tokens)
+        if self._pool is not None:
+            self._pool.after_alloc(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MooncakeConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
@@ -142,7 +144,7 @@ class MooncakeConnector(KVConnectorBase_V1):
             loading = self._consumer.build_meta(scheduler_output)
             meta.loads, meta.lookups, meta.releases = loading.loads, loading.lookups, loading.releases
         if self._pool is not None:
-            meta.pool_saves = self._pool.take()
+            meta.pool_saves = self._pool.build_meta(scheduler_output)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

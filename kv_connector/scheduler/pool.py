@@ -1,8 +1,13 @@
-"""The KV pool's scheduler side, for any role with a pool: which ended requests' blocks go into the pool. A request
-that ends with whole blocks of computed KV (its prompt, and with ``pool_save_output`` its answer: a conversation's
-next turn then finds its whole history) has them stored by the workers, off the forward path; vLLM holds the blocks
-(``request_finished`` answers True) until every worker has copied them out and reported the request in
-``finished_sending``. Blocks a lookup found in the pool already are not stored again.
+"""The KV pool's scheduler side, for any role with a pool: which blocks go into the pool, and when.
+
+- **A prompt, as soon as it is computed**: in the step that completes a request's prompt, its whole blocks (but
+  those its lookup found in the pool already) are copied out by the workers after that step's forward pass, while
+  the request goes on decoding, and put in the background: another instance asking for the prompt a moment later
+  (a shared document, the next question) finds it.
+- **The rest, when the request ends** (``pool_save_output``): the whole blocks after the prompt's, which hold its
+  answer, so that a conversation's next turn finds its whole history. vLLM holds those blocks (``request_finished``
+  answers True) until every worker has copied them out and reported the request in ``finished_sending``. A request
+  that ended before its prompt was computed stores the whole blocks it computed the same way.
 """
 
 from __future__ import annotations
@@ -12,9 +17,15 @@ from typing import TYPE_CHECKING
 from kv_connector.metadata import PoolSave
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 NULL_BLOCK = 0  # vLLM's null block (padding where a sliding window dropped blocks): never stored
+
+
+def _before_null(ids: list[int]) -> list[int]:
+    """Blocks a sliding window let go are vLLM's null block: only those before it hold this prompt's KV."""
+    return ids[:ids.index(NULL_BLOCK)] if NULL_BLOCK in ids else ids
 
 
 class PoolSaves:
@@ -22,26 +33,52 @@ class PoolSaves:
         self.block_size = block_size
         self.save_output = save_output
         self.in_pool: dict[str, int] = {}  # request -> prompt tokens its lookup found in the pool
+        self.prompts: dict[str, list[int]] = {}  # requests whose prompt is still being computed
+        self.stored: dict[str, int] = {}  # request -> whole blocks of its prompt stored when it was computed
         self.to_save: list[PoolSave] = []
 
     def found(self, req_id: str, tokens: int) -> None:
         """The pool holds ``tokens`` of the request's prompt (whole blocks from its start)."""
         self.in_pool[req_id] = tokens
 
+    def after_alloc(self, request: Request) -> None:
+        if request.request_id not in self.stored:
+            self.prompts.setdefault(request.request_id, list(request.prompt_token_ids or ()))
+
+    def build_meta(self, out: SchedulerOutput) -> list[PoolSave]:
+        """The saves of this step: the prompts it completes, and the requests that ended since the last step."""
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        state = out.kv_connector_block_state
+        for req_id, start in starts.items():
+            prompt = self.prompts.get(req_id)
+            if prompt is None or start + out.num_scheduled_tokens.get(req_id, 0) < len(prompt):
+                continue
+            del self.prompts[req_id]
+            blocks = len(prompt) // self.block_size
+            found = state.get_block_ids(req_id) if state is not None else None
+            ids = _before_null(list(found[0][:blocks])) if found else []
+            first = self.in_pool.get(req_id, 0) // self.block_size
+            self.stored[req_id] = len(ids)
+            if len(ids) > first:
+                self.to_save.append(PoolSave(req_id, prompt[:len(ids) * self.block_size], ids, first, in_step=True))
+        saves, self.to_save = self.to_save, []
+        return saves
+
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """The request ended: whether its blocks are held for a pool save (queued for the next step's metadata)."""
-        known = self.in_pool.pop(request.request_id, 0)
+        req_id = request.request_id
+        known = self.in_pool.pop(req_id, 0) // self.block_size
+        self.prompts.pop(req_id, None)
+        stored = self.stored.pop(req_id, None)
+        if stored is not None and not self.save_output:
+            return False
         tokens = list(request.all_token_ids if self.save_output else request.prompt_token_ids or ())
         blocks = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.block_size) // self.block_size
-        ids = list(block_ids[:blocks])
-        if NULL_BLOCK in ids:  # blocks a sliding window let go: only those before them hold this prompt's KV
-            ids = ids[:ids.index(NULL_BLOCK)]
-        first = known // self.block_size
+        ids = _before_null(list(block_ids[:blocks]))
+        first = max(known, stored or 0)
         if len(ids) <= first:
             return False
-        self.to_save.append(PoolSave(request.request_id, tokens[:len(ids) * self.block_size], ids, first))
+        self.to_save.append(PoolSave(req_id, tokens[:len(ids) * self.block_size], ids, first))
         return True
-
-    def take(self) -> list[PoolSave]:
-        out, self.to_save = self.to_save, []
-        return out

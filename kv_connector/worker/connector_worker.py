@@ -224,10 +224,6 @@ class ConnectorWorker:
         synchronous load - never with this connector)."""
         assert self.staging is not None
         self.held.update(meta.held)
-        if self.pool is not None:
-            for save in meta.pool_saves:
-                self.held.add(save.req_id)
-                self.pool.save(save)
         if meta.loads:
             self.staging.mark()
         if self.loads is not None:
@@ -257,10 +253,16 @@ class ConnectorWorker:
             self.transfer.save_layer(index, meta)
 
     def wait_for_save(self, meta: MooncakeConnectorMetadata) -> None:
-        if self.transfer is None:
-            return
-        for save in meta.saves:
-            self.transfer.finish_prompt(save)
+        """After the step's forward pass: a producer saves the prompts it completed; a pool stores them too (copied
+        out now, put in the background) and the blocks of requests that ended (held until copied out)."""
+        if self.transfer is not None:
+            for save in meta.saves:
+                self.transfer.finish_prompt(save)
+        if self.pool is not None:
+            for pool_save in meta.pool_saves:
+                if not pool_save.in_step:
+                    self.held.add(pool_save.req_id)
+                self.pool.save(pool_save)
 
     def transfer_results(self, idle: bool) -> Finished:
         """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed. ``idle``: the

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -124,15 +125,28 @@ class KVPool:
 
     # ---------------------------------------------------------------- saves (the forward thread queues them)
     def save(self, save: PoolSave) -> None:
+        """After a step's forward pass. A prompt just computed (``in_step``) is copied out now (its blocks are the
+        running request's: the next step may write after them, never into them) and put in the background; an ended
+        request's held blocks are copied out and put in the background, then reported copied."""
         copied = threading.Event()
         with self._lock:
             failed = save.req_id in self._failed
-            self._failed.pop(save.req_id, None)
-            self._copying[save.req_id] = copied
+            if not save.in_step:
+                self._failed.pop(save.req_id, None)
+                self._copying[save.req_id] = copied
         if failed or not self.split.saves:  # nothing to store: a failed load's blocks, or another rank's (MLA)
             copied.set()
             return
-        self._saves.submit(self._save, save, copied)
+        if not save.in_step:
+            self._saves.submit(self._save, save, copied)
+            return
+        try:
+            keys, staged = self._copy_out(save, wait=False)
+        except (ArenaFull, CacheSuspended, ValueError) as e:
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: could not copy the KV of request %s out for the pool: %s", save.req_id, e)
+            return
+        self._saves.submit(self._put, save, keys, staged, time.perf_counter())
 
     def copied(self, req_id: str) -> bool:
         """Whether the blocks of ``req_id`` are free to go (copied out, or never to be): forgotten once they are."""
@@ -143,34 +157,73 @@ class KVPool:
                 return True
             return False
 
+    def _copy_out(self, save: PoolSave, wait: bool = True, skip: list[bool] | None = None
+                  ) -> tuple[list[str], list[tuple[list[int], torch.Tensor, Any]]]:
+        """The blocks of ``save`` from ``first_block`` (but those ``skip`` says the pool holds) copied into host
+        memory registered with the store, an object each (a block, then room for its tag), a chunk at a time: their
+        keys, and (positions, objects, what holds their memory) per chunk. A device cache's copies are queued
+        (``wait``: waited for here)."""
+        keys = self.keys(save.token_ids, save.first_block)
+        ids = save.block_ids[save.first_block:save.first_block + len(keys)]
+        todo = [i for i in range(len(keys)) if skip is None or not skip[i]]
+        row, slot = self.layout.row_bytes, self.layout.row_bytes + TAG
+        out = []
+        for lo in range(0, len(todo), self.chunk_blocks):
+            part = todo[lo:lo + self.chunk_blocks]
+            piece = self.memory.take(len(part) * slot, SAVE_ROOM_WAIT if wait else 0.0)
+            slots = piece.tensor[:len(part) * slot].view(len(part), slot)
+            if self.staging.on_device:  # gathered into pinned memory, then into the objects (in the save thread)
+                out.append((part, slots, (piece, self.staging.gather([ids[i] for i in part], owner=save.req_id))))
+            else:
+                for i, block in enumerate(part):
+                    self.staging.gather([ids[block]], scratch=slots[i, :row])
+                out.append((part, slots, (piece, None)))
+        return keys, out
+
     def _save(self, save: PoolSave, copied: threading.Event) -> None:
+        """An ended request's held blocks: those the pool lacks copied out, reported copied, then put."""
         start = time.perf_counter()
-        stored = 0
         try:
             keys = self.keys(save.token_ids, save.first_block)
-            ids = save.block_ids[save.first_block:save.first_block + len(keys)]
             there = self.store.present(keys, timeout=SAVE_TIMEOUT)
-            missing = [i for i, held in enumerate(there) if not held]
-            pending = []
-            row, slot = self.layout.row_bytes, self.layout.row_bytes + TAG
-            for lo in range(0, len(missing), self.chunk_blocks):
-                part = missing[lo:lo + self.chunk_blocks]
-                piece = self.memory.take(len(part) * slot, SAVE_ROOM_WAIT)
-                slots = piece.tensor[:len(part) * slot].view(len(part), slot)  # an object each: a block, its tag
-                if self.staging.on_device:  # gathered into pinned memory, then into the objects
-                    staged = self.staging.gather([ids[i] for i in part])
-                    staged.wait()
-                    slots[:, :row].copy_(staged.tensor.reshape(len(part), -1).view(torch.uint8))
-                else:
-                    for i, block in enumerate(part):
-                        self.staging.gather([ids[block]], scratch=slots[i, :row])
-                pending.append(([keys[i] for i in part], slots, piece))
+            keys, staged = self._copy_out(save, skip=there)
+            self._finish_copies(staged)
+        except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: could not store the KV of request %s in the pool: %s", save.req_id, e)
+            return
+        except Exception:
+            self.stats.count("pool_save_errors")
+            logger.exception("MooncakeConnector: storing the KV of request %s in the pool failed unexpectedly",
+                             save.req_id)
+            return
+        finally:
             copied.set()  # vLLM may reuse the blocks now
-            for part_keys, slots, piece in pending:
+        self._put(save, keys, staged, start, copied_out=True)
+
+    def _finish_copies(self, staged: list[tuple[list[int], torch.Tensor, Any]]) -> None:
+        """A device cache's gathers: wait for each, then lay it out as objects."""
+        row = self.layout.row_bytes
+        for part, slots, (_piece, gathered) in staged:
+            if gathered is not None:
+                gathered.wait()
+                slots[:, :row].copy_(gathered.tensor.reshape(len(part), -1).view(torch.uint8))
+
+    def _put(self, save: PoolSave, keys: list[str], staged: list[tuple[list[int], torch.Tensor, Any]], start: float,
+             copied_out: bool = False) -> None:
+        """Put the objects copied out (skipping those the pool holds by now, for a prompt copied out in its step)."""
+        stored = 0
+        try:
+            if not copied_out:
+                self._finish_copies(staged)
+                there = self.store.present(keys, timeout=SAVE_TIMEOUT)
+                staged = [(part, slots, holder) for part, slots, holder in staged
+                          if not all(there[i] for i in part)]
+            for part, slots, holder in staged:
                 try:
-                    stored += self.store.put(part_keys, slots, timeout=SAVE_TIMEOUT)
+                    stored += self.store.put([keys[i] for i in part], slots, timeout=SAVE_TIMEOUT)
                 except StoreTimeout as e:  # the put may still read its objects: they are kept until it ended
-                    self._keep_until(piece, e)
+                    self._keep_until(holder, e)
                     raise
         except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
             self.stats.count("pool_save_errors")
@@ -179,16 +232,14 @@ class KVPool:
             self.stats.count("pool_save_errors")
             logger.exception("MooncakeConnector: storing the KV of request %s in the pool failed unexpectedly",
                              save.req_id)
-        finally:
-            copied.set()
         seconds = time.perf_counter() - start
         nbytes = self.layout.kv_bytes(stored)
         if stored:
             self.stats.count("pool_saved_blocks", stored)
             self.stats.count("pool_saved_bytes", nbytes)
             self.stats.sample("pool_saves", stored * self.block_size, nbytes, seconds)
-        logger.debug("MooncakeConnector: pool save of request %s: %d blocks stored, %d there already, in %.1f ms",
-                     save.req_id, stored, len(save.block_ids) - save.first_block - stored, seconds * 1e3)
+        logger.debug("MooncakeConnector: pool save of request %s (%s): %d blocks stored in %.1f ms", save.req_id,
+                     "its prompt" if save.in_step else "ended", stored, seconds * 1e3)
 
     def close(self) -> None:
         self._saves.shutdown(wait=False, cancel_futures=True)
