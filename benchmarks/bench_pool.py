@@ -20,8 +20,9 @@ connector hits, vLLM's counters; a disaggregated request's prompt counts once, o
 share of what the workload makes reusable (the whole blocks of each prompt that an earlier request of the run had
 computed, its answer included: counted by this script), TTFT by turn (the client's: a disaggregated request's
 prefill included), requests per second (one at a time), KV moved (bytes the connectors loaded and stored), and our
-pool's load rate against the bare engine: Mooncake Store's own ``batch_get_into`` of the same objects (4 MiB
-blocks, 16 a batch) between two clients in this process.
+pool's load rate against the bare engine: Mooncake Store's own ``batch_get_into`` of the same loads (as many
+objects of one block each per call as each of the pool's loads had), between two processes pinned as the instances
+are.
 
 Run (from the repository root; ~8 minutes)::
 
@@ -37,6 +38,7 @@ import argparse
 import hashlib
 import os
 import random
+import re
 import socket
 import sys
 import tempfile
@@ -171,42 +173,77 @@ def run_workloads(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             "pool_load_bytes": pool_bytes}
 
 
-def bare_store_rate(objects: int = 16, size: int = BLOCK * KV_PER_TOKEN, rounds: int = 8) -> float:
-    """Mooncake Store's own batch_get_into of ``objects`` objects of ``size`` bytes held by another client: GB/s
-    (the median of ``rounds``)."""
+def _bare_holder(master: str, sizes: list[int], size: int, ready: Any, done: Any) -> None:
+    """The bare engine's holder (core 0, as the instance that stored the blocks): puts one object per block."""
+    os.sched_setaffinity(0, {0})
+    import torch
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", (sum(sizes) + 16) * size, 16 << 20, "tcp", "", master) == 0
+    src = torch.randint(0, 255, (max(sizes) * size,), dtype=torch.uint8)
+    client.register_buffer(src.data_ptr(), src.numel())
+    here = ReplicateConfig()
+    here.preferred_segment = client.get_hostname()  # held by the putter, as our pool's objects are
+    for r, n in enumerate(sizes):
+        keys = [f"bare-{r}-{i}" for i in range(n)]
+        assert client.batch_put_from(keys, [src.data_ptr() + i * size for i in range(n)], [size] * n, here) == [0] * n
+    ready.set()
+    done.wait(600)
+    client.close()
+
+
+def _bare_getter(master: str, sizes: list[int], size: int, ready: Any, out: Any) -> None:
+    """The bare engine's getter (core 1, as the loading instance): one batch_get_into per load, its blocks' objects."""
+    os.sched_setaffinity(0, {1})
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    with tempfile.TemporaryDirectory(prefix="bench-pool-bare-") as tmp, MooncakeMaster(Path(tmp)) as master:
-        clients = []
-        for _ in range(2):
-            client = MooncakeDistributedStore()
-            assert client.setup("127.0.0.1", "P2PHANDSHAKE", 2 * objects * size, 16 << 20, "tcp", "",
-                                master.address) == 0
-            clients.append(client)
-        putter, getter = clients
-        src = torch.randint(0, 255, (objects * size,), dtype=torch.uint8)
-        dst = torch.zeros_like(src)
-        putter.register_buffer(src.data_ptr(), src.numel())
-        getter.register_buffer(dst.data_ptr(), dst.numel())
-        from mooncake.store import ReplicateConfig
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master) == 0
+    dst = torch.zeros(max(sizes) * size, dtype=torch.uint8)
+    client.register_buffer(dst.data_ptr(), dst.numel())
+    assert ready.wait(300)
+    seconds = 0.0
+    for r, n in enumerate(sizes):
+        keys = [f"bare-{r}-{i}" for i in range(n)]
+        t = time.perf_counter()
+        assert client.batch_get_into(keys, [dst.data_ptr() + i * size for i in range(n)], [size] * n) == [size] * n
+        seconds += time.perf_counter() - t
+    client.close()
+    out.put(seconds)
 
-        here = ReplicateConfig()
-        here.preferred_segment = putter.get_hostname()  # held by the putter, as our pool's objects are
-        rates = []
-        for r in range(rounds):
-            keys = [f"bare-{r}-{i}" for i in range(objects)]
-            assert putter.batch_put_from(keys, [src.data_ptr() + i * size for i in range(objects)], [size] * objects,
-                                         here) == [0] * objects
-            t = time.perf_counter()
-            got = getter.batch_get_into(keys, [dst.data_ptr() + i * size for i in range(objects)], [size] * objects)
-            rates.append(objects * size / (time.perf_counter() - t) / 1e9)
-            assert got == [size] * objects
-            putter.batch_remove(keys, True)
-        for client in clients:
-            client.close()
-    return common.percentile(rates, 50)
+
+def bare_store_rate(sizes: list[int], size: int) -> float:
+    """Mooncake Store's own batch_get_into of the same loads (``sizes``: blocks per load, objects of ``size``
+    bytes), between two processes pinned as the instances are: GB/s over all of them."""
+    import multiprocessing
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench-pool-bare-") as tmp, MooncakeMaster(Path(tmp)) as master:
+        ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
+        holder = ctx.Process(target=_bare_holder, args=(master.address, sizes, size, ready, done))
+        getter = ctx.Process(target=_bare_getter, args=(master.address, sizes, size, ready, out))
+        holder.start()
+        getter.start()
+        try:
+            seconds = out.get(timeout=600)
+        finally:
+            done.set()
+            for proc in (getter, holder):
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+    return sum(sizes) * size / seconds / 1e9
+
+
+POOL_LOADED = re.compile(r"loaded request \S+ \(pool\): .* from the pool: (\d+) of \d+ blocks")
+
+
+def pool_loads(work: Path) -> list[int]:
+    """Blocks per pool load, read off the instances' logs under ``work``."""
+    return [int(m.group(1)) for log in sorted(work.glob("*.log")) for m in POOL_LOADED.finditer(log.read_text())]
 
 
 def ms(values: list[float] | None, q: float) -> str:
@@ -246,8 +283,11 @@ def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace
     for name, r in results.items():
         lines.append(f"| {name} | " + " | ".join(ms(r["ttft_s"].get(t), 50) for t in turns) + " |")
     if bare:
-        lines.append(f"\nBare engine: Mooncake Store's batch_get_into of 16 x {BLOCK * KV_PER_TOKEN >> 20} MiB objects "
-                     f"held by another client, median of 8: {bare:.2f} GB/s.")
+        sizes = [n for r in results.values() for n in r["pool_load_blocks"]]
+        lines.append(f"\nBare engine: Mooncake Store's own batch_get_into of the same loads ({len(sizes)} loads, "
+                     f"{sum(sizes)} objects of one block each), from a process on core 1 of objects a process on core "
+                     f"0 put in its own segment, as the instances are: {bare:.2f} GB/s. Pool load GB/s: the "
+                     "connector's pool load histogram (get, check, copy into the KV cache), all loads together.")
     if any(r["counts"]["load_failures"] for r in results.values()):
         lines.append("\nLoad failures: " + ", ".join(f"{n} {r['counts']['load_failures']:.0f}"
                                                    for n, r in results.items() if r["counts"]["load_failures"]))
@@ -268,6 +308,8 @@ def main() -> None:
     parser.add_argument("--model", default="kv32k")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU computes it natively")
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the instances' logs there (default: a "
+                        "temporary directory)")
     args = parser.parse_args()
     dtype = args.dtype or common.native_dtype()
     model = build_model(args.model, quiet=True)
@@ -276,14 +318,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-pool-") as tmp:
         for name in args.fleets:
             print(f"{name}: starting ...", flush=True)
-            fleet = start(name, model, Path(tmp) / name, serve_args)
+            fleet = start(name, model, (args.work_dir or Path(tmp)) / name, serve_args)
             try:
                 results[name] = run_workloads(fleet, args)
             finally:
                 fleet.stop()
+            results[name]["pool_load_blocks"] = pool_loads((args.work_dir or Path(tmp)) / name)
             print(f"{name}: {results[name]['computed']:.0f} tokens computed of {results[name]['prompt_tokens']:.0f}",
                   flush=True)
-    bare = bare_store_rate() if any(r["pool_load_gbps"] for r in results.values()) else None
+    sizes = [n for r in results.values() for n in r["pool_load_blocks"]]
+    row = BLOCK * KV_PER_TOKEN * (2 if dtype == "float32" else 1)
+    bare = bare_store_rate(sizes, row) if sizes else None
     table = report(results, bare, args, dtype)
     print(table)
     common.write("bench_pool", {"dtype": dtype, "args": {k: v for k, v in vars(args).items() if k != "out_dir"},

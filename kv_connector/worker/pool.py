@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -37,7 +38,11 @@ from kv_lookup_buffer import TAG, MooncakeStore, StoreError, StoreTimeout, block
 logger = logging.getLogger(f"vllm.{__name__}")
 SAVE_TIMEOUT = 10.0  # seconds each store call of a save may take (it runs off the forward path)
 SAVE_ROOM_WAIT = 2.0  # seconds a save waits for room in the host memory before it is dropped
-CHUNK_BYTES = 64 << 20  # a save or a load moves at most this much per store call (and per piece of host memory)
+CHUNK_BYTES = 64 << 20  # a save moves at most this much per store call (and per piece of host memory)
+# a load fetches pieces of this size, the next one while the last is copied into the cache (measured on kv32k's 4 MiB
+# blocks: pieces of 4 blocks kept the engine busy; a get costs ~1 ms besides its bytes)
+LOAD_PIECE_BYTES = 16 << 20
+FETCHERS = 8  # pieces fetched at once, all loads together (each load has one in flight ahead of its copy)
 FAILED_KEPT = 4096  # requests whose loads failed, remembered so that their blocks are never stored
 
 
@@ -59,6 +64,8 @@ class KVPool:
         self.memory = staging.arena if staging.arena is not None else PinnedArena(memory_bytes, pinned=False)
         store.register(self.memory.memory)
         self.chunk_blocks = max(1, min(CHUNK_BYTES, self.memory.capacity // 2) // layout.row_bytes)
+        self.load_blocks = max(1, min(LOAD_PIECE_BYTES, self.memory.capacity // 4) // layout.row_bytes)
+        self._fetches = ThreadPoolExecutor(max_workers=FETCHERS, thread_name_prefix="mooncake-pool-fetch")
         self._saves = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-save",
                                          initializer=staging.bind_thread)
         self._copying: dict[str, threading.Event] = {}  # request -> set once its blocks are copied out
@@ -78,26 +85,29 @@ class KVPool:
 
     # ---------------------------------------------------------------- loads (a loader thread)
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
-        """Write the pool's blocks of ``req`` into its blocks, a chunk at a time; the first block that is missing
-        or fails its check ends the load there (``LoadResult.written``; the rest is computed). ``KVMiss``: none."""
+        """Write the pool's blocks of ``req`` into its blocks, a piece at a time: the next piece is fetched and
+        checked while this one is copied into the cache. The first block that is missing or fails its check ends the
+        load there (``LoadResult.written``; the rest is computed). ``KVMiss``: none."""
         start = time.perf_counter()
         n = len(req.block_ids)
         keys = self.keys(req.token_ids, req.first_block, n)
-        written = 0
-        row = self.layout.row_bytes
-        shape = [len(self.layout.layers), *self.layout.descriptor["block"]]
-        dtype = self.layout.layers[0].dtype
-        while written < len(keys):
-            part = keys[written:written + self.chunk_blocks]
-            piece = self.memory.take(len(part) * row, max(deadline - time.monotonic(), 0.0))
-            rows = piece.view([len(part), *shape], dtype)
+        parts = [keys[lo:lo + self.load_blocks] for lo in range(0, len(keys), self.load_blocks)]
+        written, waited, copying = 0, 0.0, 0.0
+        pending = self._fetches.submit(self._fetch, parts[0], deadline) if parts else None
+        for i, part in enumerate(parts):
+            assert pending is not None
+            asked = time.perf_counter()
             try:
-                got = self.store.get_into(part, rows, timeout=max(deadline - time.monotonic(), 0.001))
-            except StoreTimeout as e:
-                self._keep_until(piece, e)
-                raise TimeoutError(f"the pool did not answer by the load's deadline: {e}") from None
+                got, rows, piece = pending.result(timeout=max(deadline - time.monotonic(), 0.001))
+            except FutureTimeout:
+                raise TimeoutError("the pool did not answer by the load's deadline (load_timeout)") from None
+            arrived = time.perf_counter()
+            pending = self._fetches.submit(self._fetch, parts[i + 1], deadline) \
+                if got == len(part) and i + 1 < len(parts) else None
             if got:
                 self.staging.scatter(req.block_ids[written:written + got], rows[:got])
+            del rows, piece  # back to the arena
+            waited, copying = waited + arrived - asked, copying + time.perf_counter() - arrived
             written += got
             if got < len(part):
                 break
@@ -107,8 +117,22 @@ class KVPool:
         nbytes = self.layout.kv_bytes(written)
         self.stats.count("pool_loaded_bytes", nbytes)
         seconds = time.perf_counter() - start
-        return LoadResult(written, nbytes, 0, "pool", f"from the pool: {written} of {n} blocks in "
-                          f"{seconds * 1e3:.1f} ms")
+        return LoadResult(written, nbytes, 0, "pool", f"from the pool: {written} of {n} blocks in {len(parts)} "
+                          f"piece(s), {seconds * 1e3:.1f} ms: waiting for gets and checks {waited * 1e3:.1f} ms, "
+                          f"copies into the KV cache {copying * 1e3:.1f} ms")
+
+    def _fetch(self, keys: list[str], deadline: float) -> tuple[int, torch.Tensor, Any]:
+        """Get and check the objects of ``keys`` into host memory: how many arrived whole and checked, the rows,
+        and the piece of memory holding them."""
+        piece = self.memory.take(len(keys) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0))
+        rows = piece.view([len(keys), len(self.layout.layers), *self.layout.descriptor["block"]],
+                          self.layout.layers[0].dtype)
+        try:
+            got = self.store.get_into(keys, rows, timeout=max(deadline - time.monotonic(), 0.001))
+        except StoreTimeout as e:
+            self._keep_until(piece, e)
+            raise TimeoutError(f"the pool did not answer by the load's deadline: {e}") from None
+        return got, rows, piece
 
     @staticmethod
     def _keep_until(piece: object, stuck: StoreTimeout) -> None:
@@ -243,4 +267,5 @@ class KVPool:
 
     def close(self) -> None:
         self._saves.shutdown(wait=False, cancel_futures=True)
+        self._fetches.shutdown(wait=False, cancel_futures=True)
         self.store.close()
