@@ -331,7 +331,8 @@ def main() -> None:
     bare = bare_store_rate(sizes, row) if sizes else None
     table = report(results, bare, args, dtype)
     print(table)
-    common.write("bench_pool", {"dtype": dtype, "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
+    common.write("bench_pool", {"dtype": dtype, "args": {k: v for k, v in vars(args).items()
+                                                          if k not in ("out_dir", "work_dir")},
                                 "bare_store_gbps": bare, "results": results}, table, args.out_dir)
 
 

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ import torch
 
 from kv_lookup_buffer.base import Counts, KVStoreBufferBase
 from kv_lookup_buffer.store_config import StoreConfig
-from kv_pipe import ConfigError
+from kv_pipe import ConfigError, parse_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ TAG_CONTEXT = "mooncake-kv-transfer pool object tag v1"
 MAX_TAGS = 8192  # objects in flight at once (their tags live in one registered array)
 THREADS = 8
 SETUP_TIMEOUT = 30.0
+JOIN_WAIT = 10.0  # seconds the constructor waits for the client to join the pool (then it joins in the background)
+JOIN_RETRY = 5.0  # seconds between attempts to join a pool whose master did not take the client
+PROBE_TIMEOUT = 2.0  # seconds to connect to the master before an attempt to join
 PUT_ATTEMPTS = 3
 # the store's error codes a caller may meet (Mooncake's ErrorCode)
 CODES = {-200: "segment not mounted (the master restarted?)", -600: "buffer too small", -704: "object not found",
@@ -89,7 +93,7 @@ class MooncakeStore(KVStoreBufferBase):
 
     def __init__(self, config: StoreConfig, local_hostname: str, metadata_server: str, protocol: str = "tcp",
                  device_name: str = "", secret: bytes = b"", on_count: Callable[[str, int], None] | None = None,
-                 client: Any = None) -> None:
+                 client: Any = None, join_wait: float = JOIN_WAIT) -> None:
         self.config = config
         self.stats = Counts(COUNTS, on_count)
         self._key = blake3.blake3(secret, derive_key_context=TAG_CONTEXT).digest() if secret else None
@@ -99,26 +103,81 @@ class MooncakeStore(KVStoreBufferBase):
         self._registered: list[torch.Tensor] = []
         self._tags = torch.zeros(MAX_TAGS * TAG, dtype=torch.uint8)
         self._free_tags = list(range(MAX_TAGS))
-        if client is None:
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname.rsplit(":", 1)[0].strip("[]"))
-            try:
-                from mooncake.store import MooncakeDistributedStore
-            except ImportError as e:
-                raise ConfigError(f"cannot import Mooncake Store ({e}): install the Mooncake Transfer Engine wheel, "
-                                  "which ships it") from e
-            client = MooncakeDistributedStore()
-            kwargs = {} if config.tenant_id == "default" else {"tenant_id": config.tenant_id}
-            rc = self._call(client.setup, local_hostname, metadata_server, config.global_segment_size,
-                            config.local_buffer_size, protocol, device_name, config.master_server_address,
-                            timeout=SETUP_TIMEOUT, **kwargs)
-            if rc != 0:
-                self._calls.shutdown(wait=False)
-                raise StoreError(f"could not join the pool at master {config.master_server_address} (setup returned "
-                                 f"{_describe(rc)}): is mooncake_master running there, and metadata_server "
-                                 f"{metadata_server!r} the one it uses?")
-        self._client = client
-        self._placement = self._local_first(client, config)
+        self._client: Any = None
+        self._placement: Any = None
+        self._joined = threading.Event()
         self.register(self._tags)
+        if client is not None:
+            self._became(client)
+            return
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname.rsplit(":", 1)[0].strip("[]"))
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ConfigError(f"cannot import Mooncake Store ({e}): install the Mooncake Transfer Engine wheel, which "
+                              "ships it") from e
+        kwargs = {} if config.tenant_id == "default" else {"tenant_id": config.tenant_id}
+        setup = (local_hostname, metadata_server, config.global_segment_size, config.local_buffer_size, protocol,
+                 device_name, config.master_server_address)
+        threading.Thread(target=self._join, args=(MooncakeDistributedStore, setup, kwargs), name="mooncake-pool-join",
+                         daemon=True).start()
+        if not self._joined.wait(join_wait):
+            logger.warning("not in the KV pool yet (master %s did not take this client within %.0f s): requests are "
+                           "computed without it until it does", config.master_server_address, join_wait)
+
+    @property
+    def joined(self) -> bool:
+        return self._joined.is_set()
+
+    def _join(self, client_cls: type, setup: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Join the pool, trying again every ``JOIN_RETRY`` seconds until it works (a master that is down when the
+        instance starts, or not up yet). One attempt at a time: the engine's setup waits up to ~90 s for a master
+        that does not answer."""
+        failures = 0
+        while not self._closed:
+            rc = self._master_answers()
+            if rc == 0:
+                client = client_cls()
+                rc = client.setup(*setup, **kwargs)
+            if rc == 0:
+                self._became(client)
+                if failures:
+                    logger.info("joined the KV pool at master %s", self.config.master_server_address)
+                return
+            failures += 1
+            (logger.warning if failures == 1 else logger.debug)(
+                "could not join the KV pool at master %s (setup returned %s): is mooncake_master running there, and "
+                "metadata_server %r the one the pool's clients use? Trying again every %.0f s", setup[6],
+                _describe(rc), setup[1], JOIN_RETRY)
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed, timeout=JOIN_RETRY)
+
+    def _master_answers(self) -> int:
+        """0 if the master's port takes a connection now, else -900 (unreachable). Asked before each attempt to join:
+        the engine's setup holds the GIL (the whole process stops) for ~90 s while it waits for a master that is
+        down."""
+        host, port = parse_host_port(self.config.master_server_address, "master_server_address")
+        try:
+            socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+        except OSError:
+            return -900
+        return 0
+
+    def _became(self, client: Any) -> None:
+        """``client`` joined the pool: it takes over every registration made so far."""
+        with self._lock:
+            if self._closed:  # closed while it was joining
+                threading.Thread(target=client.close, daemon=True).start()
+                return
+            for memory in self._registered:
+                rc = client.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
+                if rc != 0:
+                    logger.error("registering %d bytes with the KV pool's client failed (%s): the pool is off",
+                                 memory.nbytes, _describe(rc))
+                    return
+            self._client = client
+            self._placement = self._local_first(client, self.config)
+            self._joined.set()
 
     @staticmethod
     def _local_first(client: Any, config: StoreConfig) -> Any:
@@ -137,14 +196,15 @@ class MooncakeStore(KVStoreBufferBase):
     # ---------------------------------------------------------------- memory
     def register(self, memory: torch.Tensor) -> None:
         """Let puts read from and gets write into ``memory`` (a contiguous host tensor the caller keeps alive until
-        ``close``)."""
+        ``close``); registered with the client now, or once it joined the pool."""
         if memory.device.type != "cpu" or not memory.is_contiguous():
             raise ValueError("only contiguous host memory can be registered with the store")
-        rc = self._call(self._client.register_buffer, memory.data_ptr(), memory.numel() * memory.element_size(),
-                        timeout=SETUP_TIMEOUT)
-        if rc != 0:
-            raise StoreError(f"registering {memory.nbytes} bytes with the store failed ({_describe(rc)})")
-        self._registered.append(memory)
+        with self._lock:
+            if self._client is not None:
+                rc = self._client.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
+                if rc != 0:
+                    raise StoreError(f"registering {memory.nbytes} bytes with the store failed ({_describe(rc)})")
+            self._registered.append(memory)
 
     def _take_tags(self, n: int) -> list[int]:
         with self._lock:
@@ -161,13 +221,16 @@ class MooncakeStore(KVStoreBufferBase):
             self._lock.notify_all()
 
     # ---------------------------------------------------------------- calls
-    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float, after: Callable[[], None] | None = None,
+    def _call(self, method: str, *args: Any, timeout: float, after: Callable[[], None] | None = None,
               **kwargs: Any) -> Any:
-        """``fn(*args)`` in a thread of ours, waited for at most ``timeout`` seconds; ``after`` runs once it really
-        ended (at once if it did in time)."""
+        """The client's ``method(*args)`` in a thread of ours, waited for at most ``timeout`` seconds; ``after`` runs
+        once it really ended (at once if it did in time)."""
         if self._closed:
             raise StoreError("the pool client is closed")
-        future = self._calls.submit(fn, *args, **kwargs)
+        if not self._joined.is_set():
+            raise StoreError(f"not in the KV pool yet (master {self.config.master_server_address} has not taken this "
+                             "client)")
+        future = self._calls.submit(getattr(self._client, method), *args, **kwargs)
         if after is not None:
             future.add_done_callback(lambda _: after())
         try:
@@ -210,7 +273,7 @@ class MooncakeStore(KVStoreBufferBase):
         """Whether the pool holds each of ``keys`` now."""
         if not keys:
             return []
-        found = self._call(self._client.batch_is_exist, keys, timeout=timeout)
+        found = self._call("batch_is_exist", keys, timeout=timeout)
         if any(code < 0 for code in found):
             self.stats.add("errors")
             raise StoreError("the pool could not tell whether it holds a block "
@@ -232,7 +295,7 @@ class MooncakeStore(KVStoreBufferBase):
         deadline = time.monotonic() + timeout
         todo = list(range(len(keys)))
         for _attempt in range(PUT_ATTEMPTS):  # a put that met a full pool may find room once the master evicted
-            codes = self._call(self._client.batch_put_from, [keys[i] for i in todo], [base + i * size for i in todo],
+            codes = self._call("batch_put_from", [keys[i] for i in todo], [base + i * size for i in todo],
                                [size] * len(todo), *where, timeout=max(deadline - time.monotonic(), 0.001))
             failed = [i for i, code in zip(todo, codes, strict=False) if code != 0]
             if failed:
@@ -255,7 +318,7 @@ class MooncakeStore(KVStoreBufferBase):
         tags = self._tags.data_ptr()
         done = threading.Event()
         try:
-            codes = self._call(self._client.batch_get_into_multi_buffers, keys,
+            codes = self._call("batch_get_into_multi_buffers", keys,
                                [[base + i * size, tags + slot * TAG] for i, slot in enumerate(slots)],
                                [[size, TAG]] * len(keys), timeout=timeout, after=done.set)
         except BaseException:
@@ -305,10 +368,12 @@ class MooncakeStore(KVStoreBufferBase):
             if self._closed:
                 return
             self._closed = True
+            self._lock.notify_all()
         client, calls = self._client, self._calls
         calls.shutdown(wait=False, cancel_futures=True)
 
         def leave() -> None:
             calls.shutdown(wait=True)  # a call still running in the client must end before the client goes
-            client.close()
+            if client is not None:
+                client.close()
         threading.Thread(target=leave, name="mooncake-pool-close", daemon=True).start()

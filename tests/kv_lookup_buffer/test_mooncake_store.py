@@ -215,3 +215,33 @@ def test_a_dead_holders_objects_are_missing_not_hung_on(master):
         assert got in (0, -1) and time.monotonic() - start < 11
     finally:
         pool.close()
+
+
+def test_a_client_started_before_its_master_refuses_at_once_and_joins_once_it_is_up(tmp_path):
+    """An instance may start before the pool's master (a fleet restarted in any order): it starts at once, its calls
+    are refused without waiting, and it joins the pool in the background once the master answers."""
+    from harness.ports import free_port
+    from kv_lookup_buffer.mooncake_store import MooncakeStore
+    from kv_lookup_buffer.store_config import StoreConfig
+
+    master = MooncakeMaster(tmp_path)
+    master.rpc_port, master.metrics_port = free_port(), free_port()
+    start = time.monotonic()
+    pool = MooncakeStore(StoreConfig(master.address, global_segment_size=16 * MiB, local_buffer_size=16 * MiB),
+                         "127.0.0.1", "P2PHANDSHAKE", secret=SECRET, join_wait=0.5)
+    try:
+        assert time.monotonic() - start < 5 and not pool.joined
+        with pytest.raises(StoreError, match="not in the KV pool yet"):
+            pool.contains(programs.pool_keys(12, 1), timeout=5)
+        master.start()
+        deadline = time.monotonic() + 30
+        while not pool.joined:
+            assert time.monotonic() < deadline, "the client never joined the master that came up"
+            time.sleep(0.2)
+        rows = programs.with_tags(programs.pool_rows(12, 1, 64 << 10))
+        pool.register(rows)  # registered after joining, as before
+        assert pool.put(programs.pool_keys(12, 1), rows, timeout=5) == 1
+        assert pool.contains(programs.pool_keys(12, 1), timeout=5) == 1
+    finally:
+        pool.close()
+        master.stop()
