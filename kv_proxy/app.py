@@ -114,7 +114,7 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         log.info("proxy ready (protocol %s): prefill %s, decode %s; routing %s, prefix index of %d chunks, balance "
-                 "slack %d, skip the prefill below %d tokens (%d on a KV pool member)%s", self.config.protocol,
+                 "slack %d, skip the prefill below %d tokens, --pool-tail %d%s", self.config.protocol,
                  list(self.config.prefill), list(self.config.decode), self.config.routing,
                  self.config.prefix_index_entries, self.config.balance_slack, self.config.skip_prefill_below,
                  self.config.pool_tail, "; admin endpoints on" if self.config.admin_token else "")
