@@ -30,6 +30,8 @@ def describe(upstream: Upstream) -> dict[str, Any]:
                              "cache_tokens": upstream.cache.tokens}
     if upstream.bootstrap:
         entry["bootstrap"] = upstream.bootstrap
+    if upstream.pool:
+        entry["kv_pool"] = upstream.pool
     return entry
 
 
@@ -131,6 +133,7 @@ def register_admin(app: Quart, config: ProxyConfig, router: Router) -> None:
                 raise ProxyError(409, "conflict", f"{url} is the last {role} instance: add another one first")
         except ProxyError as error:
             return error.response()
+        router.pool_lost(upstream, "removed")  # it stops soon, and its share of its KV pool with it
         balancer.remove(upstream)
         router.resize()
         if upstream.outstanding:

@@ -23,11 +23,13 @@ from kv_proxy.prefix_index import Fingerprint
 from kv_proxy.prepare import BodyBudget, Prepared, Preparer, with_params
 from kv_proxy.protocols import (
     NO_LOAD,
+    POOL_ONLY_LOAD,
     BootstrapProtocol,
     ParamsProtocol,
     answer_params,
     json_answer,
     loads_kv,
+    pool_only,
 )
 from kv_proxy.relay import SSE_CONTENT_TYPE, BodyRelay, StreamRelay, error_event, first_event
 from kv_proxy.routed import Routed
@@ -112,10 +114,10 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         log.info("proxy ready (protocol %s): prefill %s, decode %s; routing %s, prefix index of %d chunks, balance "
-                 "slack %d, skip the prefill below %d tokens%s", self.config.protocol, list(self.config.prefill),
-                 list(self.config.decode), self.config.routing, self.config.prefix_index_entries,
-                 self.config.balance_slack, self.config.skip_prefill_below,
-                 "; admin endpoints on" if self.config.admin_token else "")
+                 "slack %d, skip the prefill below %d tokens, --pool-tail %d%s", self.config.protocol,
+                 list(self.config.prefill), list(self.config.decode), self.config.routing,
+                 self.config.prefix_index_entries, self.config.balance_slack, self.config.skip_prefill_below,
+                 self.config.pool_tail, "; admin endpoints on" if self.config.admin_token else "")
 
     def busy(self) -> None:
         self._busy.inc()
@@ -245,12 +247,12 @@ class Proxy:
                              headers: dict[str, str], routed: Routed, local: bool) -> Response:
         """Send the original request (plus kv_transfer_params) to the request's reserved decode instance (another one
         if it cannot be reached; on_prefill: a prefill instance) and relay its answer. ``local``: it computes the
-        prompt itself (no KV to load).
+        prompt itself (no KV to load but, sent with ``POOL_ONLY_LOAD``, what its KV pool holds).
 
-        A decode that loads KV and fails before its first token with a server error (a 5xx answer, or a stream whose
-        first event is an error: under vLLM's default ``kv_load_failure_policy`` a KV load that broke ends its
-        request so) is sent again, once, whole (``NO_LOAD``) to a decode instance: the client gets the right text.
-        One that already streamed a token is not retried."""
+        A decode that loads KV (a pool-only one too) and fails before its first token with a server error (a 5xx
+        answer, or a stream whose first event is an error: under vLLM's default ``kv_load_failure_policy`` a KV load
+        that broke ends its request so) is sent again, once, whole (``NO_LOAD``) to a decode instance: the client gets
+        the right text. One that already streamed a token is not retried."""
         may_load = kv_params is None or loads_kv(kv_params)  # without params a consumer loads what it finds
         try:
             return await self._decode_once(path, request, kv_params, headers, routed, local, may_load)
@@ -268,12 +270,13 @@ class Proxy:
         body = with_params(request.body, kv_params)
         timeout = self.stream_timeout if request.stream else self.whole_timeout
         balancer, reserved = routed.decode_balancer, routed.decode
-        routed.decode_sent(reserved, local)
+        pooled = pool_only(kv_params)
+        routed.decode_sent(reserved, local, pooled)
         relaying = False
         try:
             upstream, response = await self.send(balancer, "POST", path, body, headers, timeout, reserved, routed.hint)
             if upstream is not reserved:
-                routed.decode_sent(upstream, local)
+                routed.decode_sent(upstream, local, pooled)
             content_type = response.headers.get("Content-Type", "application/json")
             log.debug("[%s] decode on %s: %d", headers[REQUEST_ID_HEADER], upstream.url, response.status)
             if response.status < 400 and content_type.startswith(SSE_CONTENT_TYPE):
@@ -362,7 +365,9 @@ class Proxy:
             return await self.forward_decode(path, request, dict(NO_LOAD), headers, routed, True)
         try:
             if routed.where == LOCAL:
-                decode_params: dict[str, Any] | None = dict(NO_LOAD)
+                # a KV pool member still loads what its pool holds of the prompt; NO_LOAD would forbid that too
+                pooled = bool(self.router.pool(routed.decode))
+                decode_params: dict[str, Any] | None = dict(POOL_ONLY_LOAD if pooled else NO_LOAD)
             else:
                 decode_params = await self.remote_prefill(path, request, headers, routed)
         except (ProxyError, RelayedError) as error:
@@ -371,7 +376,8 @@ class Proxy:
                 raise
             self.fell_back(reason, error, routed.request_id)
             decode_params = dict(NO_LOAD)
-        return await self.forward_decode(path, request, decode_params, headers, routed, not loads_kv(decode_params))
+        local = not loads_kv(decode_params) or pool_only(decode_params)
+        return await self.forward_decode(path, request, decode_params, headers, routed, local)
 
     @staticmethod
     def prefill_unavailable(error: ProxyError | RelayedError) -> str | None:

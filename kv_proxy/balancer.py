@@ -35,6 +35,7 @@ class Upstream:
     learned_at: dict[str, float] = field(default_factory=dict)
     cache: CacheInfo = field(default_factory=CacheInfo)  # its KV cache size and start time, from its /metrics
     cache_asked: float = float("-inf")  # time.monotonic() of the last attempt to read them
+    pool: str = ""  # the KV pool it shares (its master's address, from its /metrics); "": none, or not said yet
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # the prompt prefixes routed to it
     costs: Costs = field(default_factory=Costs)  # what work cost there, learned from its answers (--routing estimate)
     work: Work = field(default_factory=Work)  # what it was sent and has not answered yet

@@ -22,6 +22,9 @@ DEFAULT_BALANCE_SLACK = 4
 DEFAULT_SKIP_PREFILL_BELOW = 0  # never skip: a fixed threshold lost on slower boxes (benchmarks/results/NOTES.md)
 ROUTING_RULES = ("prefix", "estimate")
 DEFAULT_PREFIX_INDEX_ENTRIES = 200_000  # chunks, all instances together (~150 bytes each)
+# A tail this short (8 blocks of 16 tokens) is a small part of one forward pass on a pool member, while a remote
+# prefill would compute the same tail and move the KV the pool holds once more (not measured: a round number).
+DEFAULT_POOL_TAIL = 128  # tokens
 
 
 class ConfigError(ValueError):
@@ -82,6 +85,8 @@ class ProxyConfig:
     routing: str = "prefix"  # the rule choosing instances and skips (kv_proxy.routing)
     decode_on_prefill: bool = False  # --routing estimate: a request may also be served whole on a prefill instance
     prefix_index_entries: int = DEFAULT_PREFIX_INDEX_ENTRIES  # prefix chunks indexed, all instances (0: no index)
+    pool_tail: int = DEFAULT_POOL_TAIL  # --routing prefix: a KV pool member computes an uncached part below this
+    # many tokens itself, loading the rest from the pool (0: off)
     admin_token: str = field(default="", repr=False)  # "": no admin endpoints
     dispatch: str = "concurrent"  # push mode: the decode goes out with the prefill ("sequential": after it)
     fallback: bool = True  # no prefill instance could take a request: its decode instance computes it whole
@@ -118,7 +123,8 @@ class ProxyConfig:
             raise ConfigError(f"give one --bootstrap URL per --prefill URL, in the same order (got {len(self.bootstrap)} "
                               f"for {len(self.prefill)})")
         object.__setattr__(self, "bootstrap", tuple(normalize_upstream_url(url) for url in self.bootstrap))
-        for name, top in (("balance_slack", 1 << 20), ("skip_prefill_below", 1 << 24), ("prefix_index_entries", 1 << 26)):
+        for name, top in (("balance_slack", 1 << 20), ("skip_prefill_below", 1 << 24), ("prefix_index_entries", 1 << 26),
+                          ("pool_tail", 1 << 24)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
                 raise ConfigError(f"{name} must be an integer from 0 to {top}, got {value!r}")
@@ -183,6 +189,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                              "prompt that instance does not hold is estimated below TOKENS (default "
                              f"{DEFAULT_SKIP_PREFILL_BELOW}: always prefill remotely). --routing estimate: a bound, "
                              "from TOKENS uncached tokens up a request is always prefilled remotely (0: no bound)")
+    parser.add_argument("--pool-tail", type=int, default=DEFAULT_POOL_TAIL, metavar="TOKENS",
+                        help="--routing prefix: a decode instance that shares a KV pool (its /metrics say so) computes "
+                             "a request itself, loading what the pool holds, when the part of its prompt neither it "
+                             f"nor the pool holds is estimated below TOKENS (default {DEFAULT_POOL_TAIL}; 0: off)")
     parser.add_argument("--decode-on-prefill", action="store_true",
                         help="--routing estimate: a request may also be served whole (prefill and decode) on a prefill "
                              "instance, when the estimate says it ends sooner there: the decode instances' learned "
@@ -214,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                            bootstrap=tuple(args.bootstrap), balance_slack=args.balance_slack,
                            skip_prefill_below=args.skip_prefill_below, routing=args.routing,
                            decode_on_prefill=args.decode_on_prefill,
-                           prefix_index_entries=args.prefix_index_entries,
+                           prefix_index_entries=args.prefix_index_entries, pool_tail=args.pool_tail,
                            admin_token=args.admin_token if args.admin_token is not None
                            else os.environ.get(ADMIN_TOKEN_ENV, ""), dispatch=args.dispatch,
                            fallback=not args.no_fallback)

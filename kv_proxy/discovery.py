@@ -13,7 +13,14 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.param_keys import ENDPOINT_INFO, KV_ROLE_LABEL, PIPES_LABEL, PUSH_PROOF_LABEL, TRANSFER_MODE_LABEL
+from kv_connector.param_keys import (
+    ENDPOINT_INFO,
+    KV_ROLE_LABEL,
+    PIPES_LABEL,
+    POOL_LABEL,
+    PUSH_PROOF_LABEL,
+    TRANSFER_MODE_LABEL,
+)
 from kv_proxy.balancer import Upstream
 from kv_proxy.prefix_index import CacheInfo, cache_info
 
@@ -21,32 +28,50 @@ log = logging.getLogger(__name__)
 
 DISCOVERY_TTL = 30.0  # seconds what an instance said about itself (push address, engine id) is reused
 METRICS_TOPIC = "metrics"  # Discovery.learn's topic for what an instance's /metrics say (InstanceInfo)
+MAX_POOL = 256  # characters of a pool's name (its master's host:port) taken from an instance's /metrics
+
+
+def endpoint_labels(metrics: str) -> list[dict[str, str]]:
+    """The labels of each sample of our connector's endpoint info on a /metrics text (one per engine)."""
+    lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
+    return [sample.labels for family in text_string_to_metric_families("\n".join(lines) + "\n")
+            for sample in family.samples]
 
 
 def push_target(metrics: str) -> tuple[list[str], str] | None:
     """A decode instance's pipe addresses and their proof ("" without a secret) if its /metrics text says it runs
     our connector as a push-mode consumer."""
-    lines = [line for line in metrics.splitlines() if line.startswith(ENDPOINT_INFO + "{")]
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            labels = sample.labels
-            if (labels.get(KV_ROLE_LABEL) == "kv_consumer" and labels.get(TRANSFER_MODE_LABEL) == "push"
-                    and labels.get(PIPES_LABEL)):
-                return labels[PIPES_LABEL].split(","), labels.get(PUSH_PROOF_LABEL, "")
+    for labels in endpoint_labels(metrics):
+        if (labels.get(KV_ROLE_LABEL) == "kv_consumer" and labels.get(TRANSFER_MODE_LABEL) == "push"
+                and labels.get(PIPES_LABEL)):
+            return labels[PIPES_LABEL].split(","), labels.get(PUSH_PROOF_LABEL, "")
     return None
+
+
+def kv_pool(metrics: str) -> str:
+    """The KV pool an instance shares (its master's ``host:port``, the endpoint info's ``kv_pool`` label), "" if
+    none: instances naming the same pool find each other's KV there."""
+    for labels in endpoint_labels(metrics):
+        pool = labels.get(POOL_LABEL, "").strip()
+        if pool and len(pool) <= MAX_POOL:
+            return pool
+    return ""
 
 
 @dataclass(frozen=True)
 class InstanceInfo:
-    """What an instance's /metrics say: where it takes pushed KV (ParamsProtocol) and its cache (the router)."""
+    """What an instance's /metrics say: where it takes pushed KV (ParamsProtocol), its cache and its KV pool (the
+    router)."""
 
     push_target: tuple[tuple[str, ...], str] | None
     cache: CacheInfo
+    pool: str = ""  # "": no pool
 
 
 def instance_info(metrics: str) -> InstanceInfo:
     target = push_target(metrics)
-    return InstanceInfo(None if target is None else (tuple(target[0]), target[1]), cache_info(metrics))
+    return InstanceInfo(None if target is None else (tuple(target[0]), target[1]), cache_info(metrics),
+                        kv_pool(metrics))
 
 
 class Discovery:
@@ -94,8 +119,11 @@ class Discovery:
         info = instance_info(await self.get_text(upstream.url + "/metrics"))
         for watcher in self._watchers:
             watcher(upstream, info)
-        if info.push_target and upstream.said(METRICS_TOPIC) != info:
+        before = upstream.said(METRICS_TOPIC)
+        if info.push_target and before != info:
             log.info("%s %s takes pushed KV at %s", upstream.role, upstream.url, list(info.push_target[0]))
+        if info.pool and (before is None or before.pool != info.pool):
+            log.info("%s %s shares the KV pool at %s", upstream.role, upstream.url, info.pool)
         return info
 
     async def get_text(self, url: str) -> str:

@@ -158,15 +158,16 @@ def decode_steps(prefill: Costs, decode: Costs, output_tokens: float | None) -> 
 
 def decide(prefill: Costs, prefill_work: Work, uncached_p: float, decode: Costs, decode_work: Work,
            uncached_d: float, bound: float = 0.0, on_prefill: bool = False,
-           output_tokens: float | None = None) -> Decision:
+           output_tokens: float | None = None, loaded_d: float | None = None) -> Decision:
     """Remote prefill on P then decode on D, or the whole request on D, or (``on_prefill``) the whole request on P
     (docs/proxy.md#routing-estimate). ``bound``: from this many uncached tokens on D up, the request is never computed
-    there (0: no bound)."""
+    there (0: no bound). ``loaded_d``: the tokens D loads after a remote prefill, if not ``uncached_d`` (a KV pool
+    member computes only what its pool lacks, but loads all it lacks itself, from the producer or the pool)."""
     if bound and uncached_d >= bound and not on_prefill:
         return Decision(REMOTE, "above_bound")
     if not (prefill.prefill.known and decode.load.known):
         return Decision(REMOTE, "not_learned")
-    via = remote_option(prefill, prefill_work, uncached_p, decode, uncached_d)
+    via = remote_option(prefill, prefill_work, uncached_p, decode, uncached_d if loaded_d is None else loaded_d)
     local = None
     if not bound or uncached_d < bound:
         local = local_option(decode, decode_work, uncached_d, None if decode.prefill.known else prefill.prefill)

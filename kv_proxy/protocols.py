@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PUSH_PROOF, PUSH_TO
+from kv_connector.param_keys import AWAIT_PUSH, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, POOL_ONLY, PUSH_PROOF, PUSH_TO
 from kv_proxy.balancer import Upstream
 from kv_proxy.config import PREFILL
 from kv_proxy.discovery import Discovery
@@ -53,11 +53,19 @@ def answer_params(answer: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 NO_LOAD = {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}  # a decode whose prefill was skipped: it loads nothing
+POOL_ONLY_LOAD = {DO_REMOTE_PREFILL: True, POOL_ONLY: True}  # a decode whose prefill was skipped, sent to a KV pool
+# member: no producer holds the prompt, it loads what the pool holds and computes the rest
 
 
 def loads_kv(params: dict[str, Any] | None) -> bool:
-    """Whether a decode sent with ``params`` loads its prompt's KV (else it computes the prompt itself)."""
+    """Whether a decode sent with ``params`` loads its prompt's KV (else it computes the prompt itself); a pool-only
+    decode does (its load from the pool can fail as any other)."""
     return bool(params and params.get(DO_REMOTE_PREFILL))
+
+
+def pool_only(params: dict[str, Any] | None) -> bool:
+    """Whether a decode sent with ``params`` loads from the KV pool only (and computes what the pool lacks)."""
+    return bool(params and params.get(DO_REMOTE_PREFILL) and params.get(POOL_ONLY))
 
 
 AWAITED_PUSH = {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, AWAIT_PUSH: True}  # a decode sent with its prefill

@@ -119,13 +119,16 @@ class Routed:
         self._reserve(DECODE)
 
     # ---------------------------------------------------------------- queues and costs
-    def _to_compute(self, trip: _Trip, upstream: Upstream) -> float:
+    def _to_compute(self, trip: _Trip, upstream: Upstream, pooled: bool = False) -> float:
         """The prompt's tokens ``upstream`` did not hold when it was chosen (all of them on an instance failed over
-        to)."""
+        to); ``pooled``: nor its KV pool holds (it loads those from the pool: as ``Router.uncached`` counts them)."""
         if self.hint is None:
             return 0.0
         chosen, chunks = trip.held.get(upstream.role, (None, 0))
-        held = self.router.tokens(self.hint, chunks * self.hint.chunk_units, cautious=True) if chosen is upstream else 0.0
+        chunks = chunks if chosen is upstream else 0
+        if pooled:
+            chunks = max(chunks, self.router.pool_held(upstream, self.hint))
+        held = self.router.tokens(self.hint, chunks * self.hint.chunk_units, cautious=True)
         return max(trip.total - held, 0.0)
 
     def prefill_sent(self, upstream: Upstream) -> None:
@@ -135,7 +138,7 @@ class Routed:
         if trip.prefill is not None:  # it failed over to another instance
             trip.prefill.work.remove(trip.prefill_tokens)
         trip.prefill = upstream
-        trip.prefill_tokens = self._to_compute(trip, upstream)
+        trip.prefill_tokens = self._to_compute(trip, upstream, pooled=True)  # a producer looks in its pool always
         trip.prefill_ahead = upstream.work.tokens
         trip.prefill_sent = time.monotonic()
         upstream.work.add(trip.prefill_tokens)
@@ -153,19 +156,22 @@ class Routed:
             if answer is not None and self.hint is not None:
                 upstream.costs.prefill.observe(trip.prefill_ahead + trip.prefill_tokens, now - trip.prefill_sent)
                 self.router.publish(upstream)
+                self.router.pool_answered(upstream, self.hint)  # a member stores the prompt it computed there
         if answer is not None:
             self.router.calibrate(self.hint, answer)
 
-    def decode_sent(self, upstream: Upstream, local: bool) -> None:
-        """The decode request went to ``upstream`` (``local``: it computes the prompt itself); its reservation is
-        the exchange's now."""
+    def decode_sent(self, upstream: Upstream, local: bool, pooled: bool = False) -> None:
+        """The decode request went to ``upstream`` (``local``: it computes the prompt itself; ``pooled``: all but
+        what its KV pool holds); its reservation is the exchange's now."""
         self._unsent.pop(DECODE, None)
         self.decode = upstream
         trip = self._trip
         if trip.decode is not None:  # it failed over to another instance
             self._off_queue(trip)
+        # on_prefill: a producer looks its prompts up in its pool whatever the params say
+        pooled = local and (pooled or upstream.role == PREFILL)
         trip.decode, trip.local = upstream, local
-        trip.decode_tokens = self._to_compute(trip, upstream)
+        trip.decode_tokens = self._to_compute(trip, upstream, pooled)
         trip.decode_ahead = upstream.work.tokens
         trip.decode_sent = time.monotonic()
         upstream.work.add(trip.decode_tokens if local else 0.0)  # a load is no prefill work there
@@ -196,17 +202,19 @@ class Routed:
         upstream.work.running += 1
         if self.hint is None:
             return
-        if trip.local:
+        if trip.local:  # (pooled: the tokens it computed, the time with its load from the pool, as a producer's)
             upstream.costs.prefill.observe(trip.decode_ahead + trip.decode_tokens, now - trip.decode_sent)
         elif trip.prefill_ok and trip.prefill_done is not None:
             upstream.costs.load.observe(trip.decode_tokens, now - max(trip.decode_sent, trip.prefill_done))
         self.router.publish(upstream)
 
     def answered(self) -> None:
-        """The decode's instance answered the prompt: it holds the prompt's KV now."""
+        """The decode's instance answered the prompt: it holds the prompt's KV now (and its KV pool, if any, once the
+        request ends)."""
         upstream = self._trip.decode
         if upstream is not None and self.hint is not None:
             upstream.prefix.confirm(self.hint.chunks)
+            self.router.pool_answered(upstream, self.hint)
 
     def decode_ended(self, answer: dict[str, Any] | None = None) -> None:
         """The decode's answer ended (``answer``: a whole answer's JSON, if it was not streamed). A whole answer gives

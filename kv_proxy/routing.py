@@ -1,7 +1,8 @@
 """``Router``: the instances each request goes to and whether it is prefilled remotely (``--routing prefix`` or
 ``estimate``), each choice counted on /metrics, the prefix indexes kept bounded and fresh, and token estimates
-calibrated. One request's bookkeeping through the fleet is its ``Routed`` (``kv_proxy.routed``); docs/proxy.md
-tells the rules."""
+calibrated. A KV pool that instances share has an index of its own: what one member answered, every member can load.
+One request's bookkeeping through the fleet is its ``Routed`` (``kv_proxy.routed``); docs/proxy.md tells the
+rules."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from kv_proxy.balancer import Balancer, Choice, Upstream
 from kv_proxy.config import DECODE, PREFILL, ProxyConfig
 from kv_proxy.discovery import METRICS_TOPIC, Discovery, InstanceInfo
 from kv_proxy.estimate import LOCAL, ON_PREFILL, REMOTE, Decision, decide, local_option, remote_option
-from kv_proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint
+from kv_proxy.prefix_index import CHUNK_TOKENS, DEFAULT_CACHE_TOKENS, CacheInfo, CharsPerToken, Fingerprint, PrefixIndex
 
 log = logging.getLogger(__name__)
 
 RETRY = 5.0  # seconds before an instance whose /metrics could not be read is asked again (by the router)
+POOL = "pool"  # the prefix index entries of the KV pools, as /metrics names them
 
 
 class Router:
@@ -35,6 +37,7 @@ class Router:
         discovery.watch(self.observe)  # whoever reads an instance's /metrics, the router hears what they say
         self.calibration = {True: CharsPerToken(), False: CharsPerToken()}  # chat, text
         self.refreshing: dict[int, asyncio.Task[None]] = {}  # background reads of /metrics, by instance
+        self.pools: dict[str, PrefixIndex] = {}  # by KV pool (its master's address): the prompts its members answered
         self.routed = Counter("mooncake_proxy_routed", "Requests sent to an instance, by role and by the rule that "
                               "chose it (prefix: it held the longest cached prefix; balance: least outstanding).",
                               ["role", "rule"], registry=registry)
@@ -44,22 +47,25 @@ class Router:
         self.cached_tokens = Counter("mooncake_proxy_cached_prefix_tokens", "Estimated prompt tokens the chosen "
                                      "instance already held (prefix index).", ["role"], registry=registry)
         self.skipped = Counter("mooncake_proxy_prefill_skipped", "Requests without a remote prefill: sent whole to "
-                               "a decode instance (uncached prompt below --skip-prefill-below tokens, or faster there "
-                               "by the estimate) or, --decode-on-prefill, to a prefill instance.", registry=registry)
+                               "a decode instance (uncached prompt below --skip-prefill-below tokens, or below "
+                               "--pool-tail on a KV pool member, or faster there by the estimate) or, "
+                               "--decode-on-prefill, to a prefill instance.", registry=registry)
         self.decisions = Counter("mooncake_proxy_route_decisions", "Why each request was prefilled remotely or "
                                  "computed whole on its decode instance (local) or on a prefill instance (on_prefill): "
-                                 "below_threshold / not_below_threshold (--skip-prefill-below), never (no skipping), "
+                                 "below_threshold / not_below_threshold (--skip-prefill-below, and --pool-tail on a KV "
+                                 "pool member), pooled (a KV pool member, below --pool-tail), never (no skipping), "
                                  "unsized (prompt_embeds), not_learned (--routing estimate before the costs are known), "
                                  "faster_locally / faster_remotely / faster_on_prefill (the estimate), above_bound.",
                                  ["choice", "reason"], registry=registry)
         self.estimated = Gauge("mooncake_proxy_estimated_cost_seconds", "What work costs on each instance, as the "
                                "proxy learned it: prefill_per_token, prefill_base, load_per_token, load_base, step.",
                                ["role", "instance", "cost"], registry=registry)
-        entries = Gauge("mooncake_proxy_prefix_index_entries", "Prefix chunks indexed, all instances of the role.",
-                        ["role"], registry=registry)
+        entries = Gauge("mooncake_proxy_prefix_index_entries", "Prefix chunks indexed, all instances of the role "
+                        "(pool: all KV pools' indexes).", ["role"], registry=registry)
         for role in (PREFILL, DECODE):
             entries.labels(role=role).set_function(lambda role=role: sum(len(u.prefix) for u in self.balancer(role)
                                                                         .upstreams))
+        entries.labels(role=POOL).set_function(lambda: sum(len(index) for index in self.pools.values()))
         self.resize()
 
     def balancer(self, role: str) -> Balancer:
@@ -105,12 +111,49 @@ class Router:
         self.refresh(choice.upstream)
         return choice
 
-    def uncached(self, upstream: Upstream, hint: Fingerprint, confirmed: bool = False) -> float:
+    def uncached(self, upstream: Upstream, hint: Fingerprint, confirmed: bool = False, pool: bool = True) -> float:
         """Estimated tokens of the prompt ``upstream`` does not hold (``confirmed``: counting only prefixes it
-        answered; sized cautiously, see ``skip_prefill``)."""
-        held = upstream.prefix.match(hint.chunks, confirmed=confirmed) * hint.chunk_units
+        answered; sized cautiously, see ``route``): the longer of what it holds itself and (``pool``) what its KV
+        pool holds, which it loads from there rather than compute. ``pool`` false: what it lacks in its own cache,
+        e.g. what a decode loads after a remote prefill (from the producer or the pool)."""
+        held = upstream.prefix.match(hint.chunks, confirmed=confirmed)
+        if pool:
+            held = max(held, self.pool_held(upstream, hint))
         total = self.tokens(hint, cautious=True)
-        return total - min(self.tokens(hint, held, cautious=True), total)
+        return total - min(self.tokens(hint, held * hint.chunk_units, cautious=True), total)
+
+    # ---------------------------------------------------------------- KV pools
+    def pool(self, upstream: Upstream) -> str:
+        """The KV pool ``upstream`` shares, as the routing counts it: "" if none, and always with --protocol
+        bootstrap (vLLM's own connector knows no pool-only decode)."""
+        return upstream.pool if self.config.protocol == "params" else ""
+
+    def _pool_index(self, upstream: Upstream) -> PrefixIndex | None:
+        name = self.pool(upstream)
+        return self.pools.get(name) if name else None
+
+    def pool_held(self, upstream: Upstream, hint: Fingerprint) -> int:
+        """How many of the prompt's chunks, from the first, ``upstream``'s KV pool holds (a member answered them)."""
+        index = self._pool_index(upstream)
+        return 0 if index is None else index.match(hint.chunks, confirmed=True)
+
+    def pool_answered(self, upstream: Upstream, hint: Fingerprint) -> None:
+        """``upstream`` answered a request of this prompt: a pool member stores the prompt's KV in its pool as the
+        request ends (whole blocks, off the forward path: the pool may lag the answer by a moment), so the prompt's
+        chunks are added to the pool's index as answered."""
+        index = self._pool_index(upstream)
+        if index is not None:
+            index.add(hint.chunks)
+            index.confirm(hint.chunks)
+
+    def pool_lost(self, upstream: Upstream, why: str) -> None:
+        """A member restarted or left: the pool's objects its memory held (mode embedded: its segment) went with it,
+        and which ones the proxy cannot tell, so the pool's index is emptied."""
+        index = self._pool_index(upstream)
+        if index is not None and len(index):
+            log.info("KV pool %s: forgetting its %d indexed prefix chunks (%s %s)", upstream.pool, len(index),
+                     upstream.name, why)
+            index.clear()
 
     def _best_prefill(self, hint: Fingerprint) -> tuple[Upstream, float] | None:
         """The prefill instance where the prompt's prefill would end first, and its uncached tokens there; None
@@ -140,7 +183,8 @@ class Router:
             scores = []
             for upstream in pool:
                 uncached_d = self.uncached(upstream, hint)
-                via = remote_option(prefill.costs, prefill.work, uncached_p, upstream.costs, uncached_d).cost
+                loaded_d = self.uncached(upstream, hint, pool=False)  # a decode after a remote prefill loads it all
+                via = remote_option(prefill.costs, prefill.work, uncached_p, upstream.costs, loaded_d).cost
                 if not bound or uncached_d < bound:
                     fit = upstream.costs.prefill if upstream.costs.prefill.known else prefill.costs.prefill
                     via = min(via, local_option(upstream.costs, upstream.work, uncached_d, fit).cost)
@@ -154,10 +198,11 @@ class Router:
         computes the prompt itself) or, with ``--decode-on-prefill``, ``on_prefill`` (the whole request on the
         prefill instance returned). ``--routing prefix``: local when its uncached part (estimated) is below
         ``--skip-prefill-below`` tokens. ``--routing estimate``: ``kv_proxy.estimate.decide`` (``output_tokens``: the
-        request's, if it says). Always remote for a prompt the index cannot size (``prompt_embeds``). Cautious: only
-        chunks the instance has answered count as cached (a prompt routed there a moment ago may still be loading),
-        and a text prompt is sized with the lowest characters per token seen lately (a character per token before
-        any calibration)."""
+        request's, if it says). ``--routing prefix`` on a KV pool member: also local when its uncached part (what
+        neither it nor its pool holds) is below ``--pool-tail``. Always remote for a prompt the index cannot size
+        (``prompt_embeds``). Cautious: only chunks the instance or a member of its pool has answered count as cached
+        (a prompt routed there a moment ago may still be loading), and a text prompt is sized with the lowest
+        characters per token seen lately (a character per token before any calibration)."""
         threshold = self.config.skip_prefill_below
         upstream = decode.upstream
         if hint is None:
@@ -170,18 +215,26 @@ class Router:
                 return self._decided(REMOTE, "not_learned"), None
             prefill, uncached_p = best
             decision = decide(prefill.costs, prefill.work, uncached_p, upstream.costs, upstream.work, uncached,
-                              threshold, self.config.decode_on_prefill, output_tokens)
+                              threshold, self.config.decode_on_prefill, output_tokens,
+                              loaded_d=self.uncached(upstream, hint, confirmed=True, pool=False))
             log.info("[%s] %s: ~%d of ~%d prompt tokens uncached on %s%s", request_id, self._explain(decision),
                      uncached, total, upstream.name, "" if decision.via is None else f" (~{uncached_p:.0f} on "
                      f"{prefill.name})")
             return self._decided(decision.where, decision.reason), prefill if decision.where == ON_PREFILL else None
-        if not threshold:
+        tail = self.config.pool_tail if self.pool(upstream) else 0
+        if not threshold and not tail:
             return self._decided(REMOTE, "never"), None
-        skip = uncached < threshold
-        log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s --skip-prefill-below %d",
-                 request_id, "skipped the" if skip else "remote", uncached, total, upstream.name, decode.rule,
-                 "below" if skip else "not below", threshold)
-        return self._decided(LOCAL if skip else REMOTE, "below_threshold" if skip else "not_below_threshold"), None
+        if uncached < threshold:
+            where, reason, why = LOCAL, "below_threshold", f"below --skip-prefill-below {threshold}"
+        elif uncached < tail:  # the pool (and its cache) hold all but a tail it computes cheaply
+            where, reason, why = LOCAL, "pooled", f"a KV pool member, below --pool-tail {tail}"
+        else:
+            limits = [f"--skip-prefill-below {threshold}"] if threshold else []
+            limits += [f"--pool-tail {tail} (a KV pool member)"] if tail else []
+            where, reason, why = REMOTE, "not_below_threshold", "not below " + " nor ".join(limits)
+        log.info("[%s] %s prefill: ~%d of ~%d prompt tokens uncached on %s (rule %s), %s", request_id,
+                 "skipped the" if where == LOCAL else "remote", uncached, total, upstream.name, decode.rule, why)
+        return self._decided(where, reason), None
 
     @staticmethod
     def _explain(decision: Decision) -> str:
@@ -226,19 +279,47 @@ class Router:
 
     # ---------------------------------------------------------------- bounds and freshness
     def resize(self) -> None:
-        """Every index's capacity: its cache's size in chunks, within an equal share of --prefix-index-entries."""
+        """Every index's capacity: an instance's, its cache's size in chunks; a KV pool's, as its largest member's;
+        each within an equal share of --prefix-index-entries (the pools counted with the instances). A pool without
+        members loses its index."""
         upstreams = self.balancers[PREFILL].upstreams + self.balancers[DECODE].upstreams
-        share = self.config.prefix_index_entries // max(len(upstreams), 1)
+        members: dict[str, list[Upstream]] = {}
         for upstream in upstreams:
-            upstream.prefix.resize(min(max((upstream.cache.tokens or DEFAULT_CACHE_TOKENS) // CHUNK_TOKENS, 1), share))
+            if name := self.pool(upstream):
+                members.setdefault(name, []).append(upstream)
+        for name in set(self.pools) - set(members):
+            del self.pools[name]
+        share = self.config.prefix_index_entries // max(len(upstreams) + len(members), 1)
+
+        def bound(upstream: Upstream) -> int:
+            return min(max((upstream.cache.tokens or DEFAULT_CACHE_TOKENS) // CHUNK_TOKENS, 1), share)
+
+        for upstream in upstreams:
+            upstream.prefix.resize(bound(upstream))
+        # A pool's size is on no /metrics the proxy reads (its members give it bytes; the KV's bytes per token are not
+        # known here), so its index is bounded as its largest member's. Too small, and a prompt the pool still holds
+        # is prefilled remotely; too large, and a pool-only decode computes what the pool evicted: both only cost time.
+        for name, group in members.items():
+            self.pools.setdefault(name, PrefixIndex(0)).resize(max(bound(u) for u in group))
 
     def observe(self, upstream: Upstream, info: InstanceInfo) -> None:
-        """What an instance's /metrics said: a restart (another start time or cache size) empties its index."""
+        """What an instance's /metrics said: a restart (another start time or cache size) empties its index and its
+        KV pool's (see ``pool_lost``); one that names another pool counts as that pool's member from now on (and
+        forgets what it held: the pool is set when the instance starts, so it restarted)."""
         before, after = upstream.cache, info.cache
+        changed = False
         if (before.started, before.tokens) != (after.started, after.tokens):
             if before != CacheInfo():
                 upstream.forget("restarted: its /metrics changed")
+                self.pool_lost(upstream, "restarted")
             upstream.cache = after
+            changed = True
+        if info.pool != upstream.pool:
+            if upstream.pool:
+                upstream.forget("its KV pool changed")
+            upstream.pool = info.pool
+            changed = True
+        if changed:
             self.resize()
 
     def refresh(self, upstream: Upstream) -> None:

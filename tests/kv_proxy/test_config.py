@@ -53,7 +53,8 @@ def test_routing_and_admin_options(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     monkeypatch.delenv("MOONCAKE_PROXY_ADMIN_TOKEN", raising=False)
     config = parse_args(base)
     assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.admin_token,
-            config.routing) == (4, 0, 200_000, "", "prefix")
+            config.routing, config.pool_tail) == (4, 0, 200_000, "", "prefix", 128)
+    assert parse_args([*base, "--pool-tail", "0"]).pool_tail == 0 and parse_args([*base, "--pool-tail", "512"]).pool_tail == 512
     config = parse_args([*base, "--balance-slack", "0", "--skip-prefill-below", "128", "--prefix-index-entries", "0",
                          "--admin-token", "a" * 16, "--routing", "estimate"])
     assert (config.balance_slack, config.skip_prefill_below, config.prefix_index_entries, config.routing) == \
@@ -66,8 +67,18 @@ def test_routing_and_admin_options(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     for bad, message in ((["--admin-token", "short"], "at least 16"), (["--admin-token", "a b" * 8], "no spaces"),
                          (["--balance-slack", "-1"], "balance_slack must be"),
                          (["--skip-prefill-below", "-5"], "skip_prefill_below must be"),
+                         (["--pool-tail", "-1"], "pool_tail must be an integer from 0 to 16777216"),
+                         (["--pool-tail", str((1 << 24) + 1)], "pool_tail must be"),
+                         (["--pool-tail", "1.5"], "invalid int value"),
                          (["--routing", "fastest"], "invalid choice"),
                          (["--decode-on-prefill"], "--decode-on-prefill needs --routing estimate")):
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
         assert message in capsys.readouterr().err
+
+
+def test_pool_tail_is_an_integer_of_tokens() -> None:
+    for bad in (True, 1.5, -1, "128", 1 << 25):
+        with pytest.raises(ConfigError, match="pool_tail must be an integer"):
+            ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), pool_tail=bad)  # type: ignore[arg-type]
+    assert ProxyConfig(prefill=("http://h:1",), decode=("http://h:2",), pool_tail=0).pool_tail == 0

@@ -25,7 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_connector.param_keys import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, ENDPOINT_INFO, PUSH_TO
+from kv_connector.param_keys import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, ENDPOINT_INFO, POOL_LABEL, PUSH_TO
 from kv_proxy.app import Proxy, create_app
 from kv_proxy.config import ProxyConfig
 from kv_proxy.gate import ClientGate
@@ -415,11 +415,13 @@ def text_of(seed: int, chars: int) -> str:
     return (words * (chars // len(words) + 1))[:chars]
 
 
-def endpoint_info(mode: str, pipes: str, role: str = "kv_consumer") -> str:
-    """A vLLM /metrics text with our connector's endpoint info (as kv_connector/stats.py exports it)."""
+def endpoint_info(mode: str, pipes: str, role: str = "kv_consumer", pool: str | None = None) -> str:
+    """A vLLM /metrics text with our connector's endpoint info (as kv_connector/vllm_stats.py exports it); ``pool``:
+    its ``kv_pool`` label (the KV pool's master address, "" for none; None: no such label, as before pools)."""
+    pool_label = "" if pool is None else f',{POOL_LABEL}="{pool}"'
     return ("# HELP vllm:num_requests_running Number of requests.\n# TYPE vllm:num_requests_running gauge\n"
             'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
             f"# HELP {ENDPOINT_INFO} This instance's MooncakeConnector endpoint.\n"
             f"# TYPE {ENDPOINT_INFO} gauge\n"
-            f'{ENDPOINT_INFO}{{engine="0",kv_engine_id="e",kv_role="{role}",model_name="m",'
+            f'{ENDPOINT_INFO}{{engine="0",kv_engine_id="e"{pool_label},kv_role="{role}",model_name="m",'
             f'pipes="{pipes}",transfer_mode="{mode}"}} 1.0\n')
