@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +24,11 @@ def find_master() -> str:
     return str(path)
 
 
-def _listening(port: int, host: str) -> bool:
+def _listening(port: int, host: str, prefix: list[str]) -> bool:
+    """Whether ``host:port`` takes a connection (from inside the host ``prefix`` runs commands on, if given)."""
+    if prefix:
+        probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1.0).close()"
+        return subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, timeout=20).returncode == 0
     try:
         with socket.create_connection((host, port), timeout=1.0):
             return True
@@ -51,11 +56,13 @@ class MooncakeMaster:
         fresh = not self.rpc_port
         for _ in range(ATTEMPTS if fresh else 1):
             if fresh:
-                self.rpc_port, self.metrics_port = free_port(self.host), free_port(self.host)
+                here = HOST if self.prefix else self.host  # a fresh namespace has every port free
+                self.rpc_port, self.metrics_port = free_port(here), free_port(here)
             cmd = [*self.prefix, find_master(), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
                    f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}", *self.args]
             try:
-                self.proc = start(cmd, self.log, lambda: _listening(self.rpc_port, self.host), "mooncake_master")
+                self.proc = start(cmd, self.log, lambda: _listening(self.rpc_port, self.host, self.prefix),
+                                  "mooncake_master")
                 return self
             except ServerUnavailable as e:  # e.g. a port taken meanwhile
                 error = e

@@ -1,11 +1,14 @@
-"""The whole stack on one machine: a producer vLLM, a consumer vLLM and the proxy, on 127.0.0.1.
+"""The whole stack on one machine: a producer vLLM, a consumer vLLM and the proxy, on 127.0.0.1, sharing a KV pool
+(a mooncake_master on 127.0.0.1:50051).
 
     .venv/bin/python scripts/demo_stack.py                 # start, send a completion and a chat request, stop
     .venv/bin/python scripts/demo_stack.py --keep-running  # start, then leave it running until Ctrl-C
 
-Uses the embedded default mooncake.json (P2PHANDSHAKE, TCP, 127.0.0.1:13003 / :13103), the tiny local model built by
-scripts/setup.sh, the producer pinned to core 0 and the consumer to core 1, ports 8100 (producer), 8200 (consumer)
-and 8000 (proxy). Logs go to a temporary directory, printed at the start. Everything is stopped on exit and Ctrl-C.
+Uses mooncake.json.example (P2PHANDSHAKE, TCP, 127.0.0.1:13003 / :13103) with the KV pool's keys added (the master,
+256 MB of pool and 64 MB of staging per instance), the tiny local model built by scripts/setup.sh, the producer
+pinned to core 0 and the consumer to core 1, ports 8100 (producer), 8200 (consumer), 8000 (proxy), 50051 (the
+pool's master). Sends a completion, a chat request and the chat's next turn (whose history the pool holds). Logs go
+to a temporary directory, printed at the start. Everything is stopped on exit and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ HOST = "127.0.0.1"
 START_TIMEOUT = 600.0
 CONNECTOR = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connector.mooncake_connector",
              "kv_load_failure_policy": "recompute"}  # a failed KV load is recomputed (vLLM's default: an error)
+MASTER_PORT, MASTER_METRICS_PORT = 50051, 9003  # the KV pool's master (Mooncake's default ports)
 SERVE = ["--host", HOST, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(128 << 20)]
 
@@ -98,7 +102,7 @@ def post(url: str, body: dict) -> dict:
 
 def transfer_stats(logs: Path) -> list[str]:
     lines = []
-    for name, pattern in (("producer", "saved request"), ("consumer", "loaded request|layout")):
+    for name, pattern in (("producer", "saved request|loaded request"), ("consumer", "loaded request|layout")):
         for line in (logs / f"{name}.log").read_text(errors="replace").splitlines():
             if "MooncakeConnector" in line and re.search(pattern, line):
                 lines.append(f"  {name}: {line.split('MooncakeConnector: ', 1)[-1]}")
@@ -112,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model} has no model: run scripts/setup.sh (it builds the tiny models)")
-    busy = [p for p in (8000, 8100, 8200, 13003, 13103) if not port_free(p)]
+    busy = [p for p in (8000, 8100, 8200, 13003, 13103, MASTER_PORT, MASTER_METRICS_PORT) if not port_free(p)]
     if busy:
         raise SystemExit(f"ports {busy} on {HOST} are in use: stop what holds them (an earlier demo?) and try again")
 
     logs = Path(tempfile.mkdtemp(prefix="mooncake-demo-"))
     config = logs / "mooncake.json"
-    config.write_text((REPO / "mooncake.json.example").read_text())
+    config.write_text(json.dumps({**json.loads((REPO / "mooncake.json.example").read_text()),
+                                  "master_server_address": f"{HOST}:{MASTER_PORT}", "global_segment_size": "256MB",
+                                  "local_buffer_size": "64MB"}))
     vllm = str(Path(sys.executable).parent / "vllm")
     # a fresh shared secret for this demo's pipes, as a deployment sets one (docs/deployment.md, Security)
     secret = os.environ.get("MOONCAKE_KV_SECRET") or secrets.token_hex(32)
@@ -128,14 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     print("starting the producer (core 0, port 8100) and the consumer (core 1, port 8200); vLLM takes ~30-60 s ...")
     procs: list[subprocess.Popen] = []
     try:
+        procs.append(start("mooncake_master", [str(Path(sys.executable).parent / "mooncake_master"),
+                                               f"--rpc_port={MASTER_PORT}", f"--rpc_address={HOST}",
+                                               f"--metrics_host={HOST}", f"--metrics_port={MASTER_METRICS_PORT}"],
+                           logs, env))
         for name, port, core, role in (("producer", 8100, 0, "kv_producer"), ("consumer", 8200, 1, "kv_consumer")):
             cmd = [vllm, "serve", str(args.model), "--port", str(port), *SERVE,
                    "--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": role})]
             procs.append(start(name, cmd, logs, dict(env, VLLM_CPU_OMP_THREADS_BIND=str(core))))
         procs.append(start("proxy", [sys.executable, str(REPO / "proxy_server.py"), "--prefill", f"http://{HOST}:8100",
                                      "--decode", f"http://{HOST}:8200", "--host", HOST, "--port", "8000"], logs, env))
-        wait_all({"producer": (procs[0], f"http://{HOST}:8100"), "consumer": (procs[1], f"http://{HOST}:8200"),
-                  "proxy": (procs[2], f"http://{HOST}:8000")}, logs)
+        wait_all({"producer": (procs[1], f"http://{HOST}:8100"), "consumer": (procs[2], f"http://{HOST}:8200"),
+                  "proxy": (procs[3], f"http://{HOST}:8000")}, logs)
         model = str(args.model)
         if args.keep_running:
             print("\nThe stack is running. Try:\n"
@@ -150,26 +160,36 @@ def main(argv: list[str] | None = None) -> int:
         answer = post(f"http://{HOST}:8000/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 24})
         print(f"\ncompletion through the proxy ({answer['usage']['prompt_tokens']} prompt tokens):\n"
               f"  {answer['choices'][0]['text']!r}")
-        chat = post(f"http://{HOST}:8000/v1/chat/completions", {"model": model, "max_tokens": 24, "messages": [
-            {"role": "user", "content": "Write a Python function that reads a file. " * 10}]})
-        print(f"chat through the proxy ({chat['usage']['prompt_tokens']} prompt tokens):\n"
-              f"  {chat['choices'][0]['message']['content']!r}")
+        messages = [{"role": "user", "content": "Write a Python function that reads a file. " * 30}]
+        chat = post(f"http://{HOST}:8000/v1/chat/completions", {"model": model, "max_tokens": 24,
+                                                                "messages": messages})
+        reply = chat["choices"][0]["message"]["content"]
+        print(f"chat through the proxy ({chat['usage']['prompt_tokens']} prompt tokens):\n  {reply!r}")
+        time.sleep(1.0)  # the decode's pool save: its answer's blocks
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Now add error handling."}]
+        turn = post(f"http://{HOST}:8000/v1/chat/completions", {"model": model, "max_tokens": 24,
+                                                                "messages": messages})
+        print(f"the chat's next turn ({turn['usage']['prompt_tokens']} prompt tokens, its history in the pool):\n"
+              f"  {turn['choices'][0]['message']['content']!r}")
         time.sleep(1.0)
         print("\nKV transfer stats (from the instances' logs):")
         print("\n".join(transfer_stats(logs)) or "  none found: see the logs")
         # what shows KV moved: loads that wrote it into the consumer's cache (vLLM's external_prefix_cache_hits
         # counts claims, failed loads included)
-        with urllib.request.urlopen(f"http://{HOST}:8200/metrics", timeout=10) as resp:
-            moved = [line for line in resp.read().decode().splitlines()
-                     if line.startswith(("vllm:mooncake_kv_loaded_total", "vllm:mooncake_kv_loaded_bytes_total"))]
-        print("\n".join(f"  consumer {line}" for line in moved) or "  consumer: no KV loads on /metrics")
+        for name, port in (("producer", 8100), ("consumer", 8200)):
+            with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as resp:
+                moved = [line for line in resp.read().decode().splitlines() if line.startswith(
+                    ("vllm:mooncake_kv_loaded_total", "vllm:mooncake_kv_loaded_bytes_total",
+                     "vllm:mooncake_kv_pool_loaded_bytes_total", "vllm:mooncake_kv_pool_saved_bytes_total"))]
+            print("\n".join(f"  {name} {line}" for line in moved) or f"  {name}: no KV moved on /metrics")
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted")
         return 130
     finally:
-        print("stopping the proxy and both vLLM instances ...", flush=True)
-        stop(procs)
+        print("stopping the proxy, both vLLM instances and the pool's master ...", flush=True)
+        stop(procs[1:])  # the instances first: they leave the pool while its master still answers
+        stop(procs[:1])
         print("stopped.")
 
 
