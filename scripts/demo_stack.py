@@ -7,8 +7,9 @@
 Uses mooncake.json.example (P2PHANDSHAKE, TCP, 127.0.0.1:13003 / :13103) with the KV pool's keys added (the master,
 256 MB of pool and 64 MB of staging per instance), the tiny local model built by scripts/setup.sh, the producer
 pinned to core 0 and the consumer to core 1, ports 8100 (producer), 8200 (consumer), 8000 (proxy), 50051 (the
-pool's master). Sends a completion, a chat request and the chat's next turn (whose history the pool holds). Logs go
-to a temporary directory, printed at the start. Everything is stopped on exit and Ctrl-C.
+pool's master). Sends a completion, a chat request and the chat's next turn through the proxy, then a question about
+a document the producer read straight to the consumer (the document's KV comes from the pool). Logs go to a
+temporary directory, printed at the start. Everything is stopped on exit and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -169,8 +170,19 @@ def main(argv: list[str] | None = None) -> int:
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Now add error handling."}]
         turn = post(f"http://{HOST}:8000/v1/chat/completions", {"model": model, "max_tokens": 24,
                                                                 "messages": messages})
-        print(f"the chat's next turn ({turn['usage']['prompt_tokens']} prompt tokens, its history in the pool):\n"
-              f"  {turn['choices'][0]['message']['content']!r}")
+        print(f"the chat's next turn ({turn['usage']['prompt_tokens']} prompt tokens: its history is held, the proxy "
+              f"sends it straight to the consumer):\n  {turn['choices'][0]['message']['content']!r}")
+        # the pool: a document the producer read (served whole there), then a question about it sent straight to the
+        # consumer, which never saw it: its KV comes from the pool
+        document = "class Config:\n    def load(self, path):\n        return open(path).read()\n" * 25
+        post(f"http://{HOST}:8100/v1/completions", {"model": model, "prompt": document + "# summary:", "max_tokens": 8,
+                                                    "kv_transfer_params": {"do_remote_decode": False}})
+        time.sleep(1.0)  # the producer's pool save
+        question = post(f"http://{HOST}:8200/v1/completions", {"model": model, "prompt": document + "# tests:",
+                                                                "max_tokens": 8})
+        print(f"a question about a document only the producer read, sent straight to the consumer "
+              f"({question['usage']['prompt_tokens']} prompt tokens, the document's KV from the pool):\n"
+              f"  {question['choices'][0]['text']!r}")
         time.sleep(1.0)
         print("\nKV transfer stats (from the instances' logs):")
         print("\n".join(transfer_stats(logs)) or "  none found: see the logs")
