@@ -4,7 +4,8 @@ Fleets (``benchmarks/support/pool_fleet.py``), started one at a time on this box
 its own, the kv32k model: two colocated instances without a pool (``colocated``), two ``kv_both`` instances sharing
 this project's pool (``pool``), two sharing a pool through vLLM's own ``MooncakeStoreConnector`` (``vllm-store``),
 and a disaggregated producer/consumer pair without and with the pool (``1p1d``, ``1p1d-pool``; each request
-prefilled on the producer, then decoded on the consumer with the producer's params: the seed's flow).
+prefilled on the producer, then decoded on the consumer with the producer's params: the seed's flow). Our fleets run
+with a secret, as deployed (every pooled block's tag is a MAC, checked on every load); vLLM's has no such check.
 
 Workloads, the same requests for every fleet, one request at a time, streamed:
 

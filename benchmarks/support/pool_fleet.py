@@ -22,6 +22,7 @@ from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 FLEETS = ("colocated", "pool", "vllm-store", "1p1d", "1p1d-pool")
 SEGMENT = 1 << 30  # each instance's share of a pool
 BUFFER = 256 << 20
+SECRET = "bench-pool-secret-" + "3" * 32  # our fleets run with one, as deployed: the pool's tags are MACs under it
 
 
 @dataclass
@@ -55,7 +56,8 @@ def start(kind: str, model: Path, work: Path, serve_args: list[str]) -> Fleet:
         roles = [({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}, config)] * 2
     else:
         roles = [(connector_config("kv_producer"), config), (connector_config("kv_consumer"), config)]
-    instances = [VllmServer(f"{kind}-{i}", model, free_port(), i, work, transfer, path, serve_args)
+    env = {"MOONCAKE_KV_SECRET": SECRET} if kind in ("pool", "1p1d", "1p1d-pool") else None  # as deployed
+    instances = [VllmServer(f"{kind}-{i}", model, free_port(), i, work, transfer, path, serve_args, env)
                  for i, (transfer, path) in enumerate(roles)]
     try:
         start_vllm(*instances)
