@@ -16,7 +16,9 @@ from kv_pipe import (
     CONFIG_ENV,
     ConfigError,
     MooncakeTransferEngineConfig,
+    is_loopback,
     join_host_port,
+    parse_host_port,
     read_config_file,
     unknown_keys_error,
 )
@@ -203,8 +205,24 @@ class ConnectorConfig:
             raise ConfigError("kv_role \"kv_both\" shares KV through the KV pool only: set master_server_address (the "
                               "mooncake_master's \"host:port\") in mooncake.json, or run the instance as kv_producer or "
                               "kv_consumer")
-        return cls(transfer.kv_role, options, mooncake, vllm_config.parallel_config.tensor_parallel_size,
-                   transfer.engine_id or "", transfer.kv_load_failure_policy == "fail", store)
+        config = cls(transfer.kv_role, options, mooncake, vllm_config.parallel_config.tensor_parallel_size,
+                     transfer.engine_id or "", transfer.kv_load_failure_policy == "fail", store)
+        config.check_pool_exposure()
+        return config
+
+    def check_pool_exposure(self) -> None:
+        """A pool beyond loopback without a secret: anyone who reaches its master or members could plant KV that
+        every member loads. Refused, as the pipe is, unless ``allow_unauthenticated``."""
+        if self.store is None or self.secret or self.mooncake.allow_unauthenticated:
+            return
+        master = parse_host_port(self.store.master_server_address, "master_server_address")[0]
+        exposed = [h for h in (master, store_host(self)) if not is_loopback(h)]
+        if exposed:
+            raise ConfigError(
+                f"the KV pool reaches beyond this host ({exposed[0]}) and no secret is set: anyone who reaches its "
+                "master or its members could plant KV this instance loads. Set the same \"auth_secret\" (32+ "
+                "characters) in every instance's mooncake.json or MOONCAKE_KV_SECRET in their environment; or, on a "
+                "network where every host is trusted, set \"allow_unauthenticated\": true")
 
     @property
     def is_producer(self) -> bool:

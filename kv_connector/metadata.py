@@ -45,6 +45,7 @@ class LookupRequest:
     token_ids: list[int]
     source: LoadSource
     lease_seconds: float
+    pool: bool = True  # ask the KV pool too (if there is one): its KV is its token ids' alone (``scheduler.pool``)
 
 
 @dataclass

@@ -92,7 +92,8 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._kv_cache_config = kv_cache_config
             return
         if config.store is not None:
-            self._pool = PoolSaves(block_size, config.options.pool_save_output)
+            self._pool = PoolSaves(block_size, config.options.pool_save_output,
+                                   hold_copies=vllm_config.device_config.device_type != "cpu")
         if config.is_producer:
             self._producer = ProducerScheduler(config, block_size, hold=holds_blocks(vllm_config, config))
         if config.loads:
@@ -145,12 +146,17 @@ class MooncakeConnector(KVConnectorBase_V1):
             meta.loads, meta.lookups, meta.releases = loading.loads, loading.lookups, loading.releases
         if self._pool is not None:
             meta.pool_saves = self._pool.build_meta(scheduler_output)
+            meta.held += self._pool.take_held()
+        # every role: copies out of a device cache a preempted request's blocks may still feed (``handle_preemptions``)
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, MooncakeWorkerMetadata) and self._consumer is not None:
-            self._consumer.answered(meta)
+        if self._consumer is not None:
+            if isinstance(meta, MooncakeWorkerMetadata):
+                self._consumer.answered(meta)
+            self._consumer.received(set(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # a producer holds the blocks a copy out of a GPU cache may still read (``scheduler.producer``'s ``hold``),
@@ -161,7 +167,8 @@ class MooncakeConnector(KVConnectorBase_V1):
         if self._consumer is not None:
             params = self._consumer.finished(request) or params
         if self._pool is not None:
-            held = self._pool.finished(request, block_ids) or held
+            loading = self._consumer is not None and request.request_id in self._consumer.loading
+            held = self._pool.finished(request, block_ids, loading) or held
         return held, params
 
     # ------------------------------------------------------------------ worker side (Worker process)

@@ -19,6 +19,8 @@ import hmac
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,10 +46,13 @@ SETUP_TIMEOUT = 30.0
 JOIN_WAIT = 10.0  # seconds the constructor waits for the client to join the pool (then it joins in the background)
 JOIN_RETRY = 5.0  # seconds between attempts to join a pool whose master did not take the client
 PROBE_TIMEOUT = 2.0  # seconds to connect to the master before an attempt to join
+PROBE_SETUP_TIMEOUT = 20.0  # seconds a trial client in a process of its own may take to join (a frozen master: never)
 PUT_ATTEMPTS = 3
 # the store's error codes a caller may meet (Mooncake's ErrorCode)
 CODES = {-200: "segment not mounted (the master restarted?)", -600: "buffer too small", -704: "object not found",
-         -900: "master unreachable", -901: "request to the master timed out", -1010: "no space in the pool"}
+         -800: "invalid parameters (a shorter object)", -900: "master unreachable",
+         -901: "request to the master timed out", -1010: "no space in the pool"}
+WRONG_SIZE = (-600, -800)  # what a get into a block and its tag answers for a longer / a shorter object
 COUNTS = ("put_objects", "put_bytes", "got_objects", "got_bytes", "rejected", "missing", "errors", "timeouts")
 
 
@@ -135,7 +140,7 @@ class MooncakeStore(KVStoreBufferBase):
         that does not answer."""
         failures = 0
         while not self._closed:
-            rc = self._master_answers()
+            rc = self._master_answers(setup)
             if rc == 0:
                 client = client_cls()
                 rc = client.setup(*setup, **kwargs)
@@ -152,16 +157,25 @@ class MooncakeStore(KVStoreBufferBase):
             with self._lock:
                 self._lock.wait_for(lambda: self._closed, timeout=JOIN_RETRY)
 
-    def _master_answers(self) -> int:
-        """0 if the master's port takes a connection now, else -900 (unreachable). Asked before each attempt to join:
-        the engine's setup holds the GIL (the whole process stops) for ~90 s while it waits for a master that is
-        down."""
+    def _master_answers(self, setup: tuple[Any, ...]) -> int:
+        """0 if a client of the master in a process of its own could join it just now, else -900 (unreachable) or
+        -901 (no answer in time). Asked before each attempt to join: the engine's setup holds the GIL (this whole
+        process stops) while it waits for a master, ~90 s for one that is down, for ever for one frozen."""
         host, port = parse_host_port(self.config.master_server_address, "master_server_address")
         try:
             socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
         except OSError:
             return -900
-        return 0
+        local, metadata, _segment, _buffer, protocol, device, master = setup
+        probe = ("import sys\nfrom mooncake.store import MooncakeDistributedStore\nclient = MooncakeDistributedStore()\n"
+                 f"ok = client.setup({local!r}, {metadata!r}, {16 << 20}, {16 << 20}, {protocol!r}, {device!r}, "
+                 f"{master!r}) == 0\nclient.close()\nsys.exit(0 if ok else 1)\n")
+        try:
+            done = subprocess.run([sys.executable, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=PROBE_SETUP_TIMEOUT, env=os.environ.copy())
+        except subprocess.TimeoutExpired:
+            return -901
+        return 0 if done.returncode == 0 else -900
 
     def _became(self, client: Any) -> None:
         """``client`` joined the pool: it takes over every registration made so far."""
@@ -206,11 +220,11 @@ class MooncakeStore(KVStoreBufferBase):
                     raise StoreError(f"registering {memory.nbytes} bytes with the store failed ({_describe(rc)})")
             self._registered.append(memory)
 
-    def _take_tags(self, n: int) -> list[int]:
+    def _take_tags(self, n: int, timeout: float) -> list[int]:
         with self._lock:
             if n > MAX_TAGS:
                 raise ValueError(f"at most {MAX_TAGS} objects per call, got {n}")
-            if not self._lock.wait_for(lambda: len(self._free_tags) >= n, timeout=SETUP_TIMEOUT):
+            if not self._lock.wait_for(lambda: len(self._free_tags) >= n, timeout=max(timeout, 0.001)):
                 raise StoreError("no tag slots free: too many pool calls are stuck")
             taken, self._free_tags = self._free_tags[:n], self._free_tags[n:]
             return taken
@@ -310,42 +324,57 @@ class MooncakeStore(KVStoreBufferBase):
         self.stats.add("put_bytes", (len(keys) - len(todo)) * (size - TAG))
         return stored
 
-    def get_into(self, keys: list[str], out: torch.Tensor, timeout: float) -> int:
+    def get_into(self, keys: list[str], out: torch.Tensor, timeout: float, copy_to: torch.Tensor | None = None) -> int:
+        """``copy_to``: rows like ``out``'s in memory the store does not know: each object is copied there before it
+        is checked, and the copy is what the caller uses (the store's engine lets whoever reaches it write into
+        registered memory, ``out`` among it, even after the check)."""
         if not keys:
             return 0
         base, size = self._rows(out, len(keys))
-        slots = self._take_tags(len(keys))
+        if copy_to is not None and (copy_to.shape[0] < len(keys) or copy_to[0].nbytes != size):
+            raise ValueError("copy_to must have a row of the same size per key")
+        slots = self._take_tags(len(keys), timeout)
         tags = self._tags.data_ptr()
         done = threading.Event()
         try:
             codes = self._call("batch_get_into_multi_buffers", keys,
                                [[base + i * size, tags + slot * TAG] for i, slot in enumerate(slots)],
                                [[size, TAG]] * len(keys), timeout=timeout, after=done.set)
-        except BaseException:
+        except StoreTimeout:  # the call may still write the tags: their slots go back once it ended
             threading.Thread(target=lambda: (done.wait(), self._give_tags(slots)), daemon=True).start()
             raise
+        except BaseException:  # it never started
+            self._give_tags(slots)
+            raise
         try:
-            return self._check(keys, out, slots, codes, size)
+            return self._check(keys, out, slots, codes, size, copy_to)
         finally:
             self._give_tags(slots)
 
-    def _check(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int) -> int:
-        """How many objects, from the first, arrived whole with a tag that matches their key and bytes. Every object
-        that arrived is checked, and each that fails is removed from the pool (so that the fleet's next put of its key
-        stores the real one)."""
+    def _check(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int,
+               copy_to: torch.Tensor | None) -> int:
+        """How many objects, from the first, arrived whole with a tag that matches their key and bytes (checked in
+        ``copy_to``, if given, after copying them there). Every object that arrived is checked, and each that fails,
+        or that is not of a block's size, is removed from the pool (so that the fleet's next put of its key stores
+        the real one)."""
         good, ended = 0, False
-        for key, row, slot, code in zip(keys, out, slots, codes, strict=False):
-            if code != size + TAG:
+        for i, (key, slot, code) in enumerate(zip(keys, slots, codes, strict=False)):
+            if code == -704 or (code < 0 and code not in WRONG_SIZE):  # not there (evicted, holder gone), unreachable
                 if not ended:
-                    self.stats.add("missing" if code == -704 or code >= 0 else "errors")
-                    logger.debug("pool object %s: %s", key, "its size differs" if code >= 0 else _describe(code))
+                    self.stats.add("missing" if code == -704 else "errors")
+                    logger.debug("pool object %s: %s", key, _describe(code))
                 ended = True
                 continue
             tag = bytes(self._tags[slot * TAG:(slot + 1) * TAG].numpy())
-            if not hmac.compare_digest(tag, self._tag(key, row)):
+            row = out[i]
+            if copy_to is not None and code == size + TAG:
+                copy_to[i].copy_(row)
+                row = copy_to[i]
+            if code != size + TAG or not hmac.compare_digest(tag, self._tag(key, row)):
                 self.stats.add("rejected")
-                logger.warning("a pool object failed its check (%s: forged, altered, or put under another key, or by "
-                               "an instance without this fleet's secret): removed, its blocks are computed", key)
+                logger.warning("a pool object failed its check (%s: %s): removed, its blocks are computed", key,
+                               "not a block's size" if code != size + TAG else "forged, altered, put under another "
+                               "key, or by an instance without this fleet's secret")
                 self._remove_quietly(key)
                 ended = True
                 continue

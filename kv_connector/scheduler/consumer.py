@@ -25,6 +25,7 @@ from kv_connector.metadata import (
     MooncakeConnectorMetadata,
     MooncakeWorkerMetadata,
 )
+from kv_connector.scheduler.pool import poolable
 from kv_connector.source import LoadSource, load_source
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class ConsumerScheduler:
         self.claims: dict[str, tuple[LoadSource, int, bool]] = {}  # claimed, not allocated: (source, local hit,
         # from the pool)
         self.claimed: set[str] = set()  # one load attempt per request
+        self.loading: set[str] = set()  # loads started and not reported finished (``finished_recving``)
         self.loads: list[LoadRequest] = []  # loads to start in the next step
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -94,7 +96,7 @@ class ConsumerScheduler:
                          req_id, e)
             self.claimed.add(req_id)
             return 0, False
-        if source is None:  # its params ask for no load
+        if source is None or (source.pool_only and not poolable(request)):  # nothing to load from anywhere
             self.claimed.add(req_id)
             return 0, False
         if source.await_push or source.pushed:  # its producer pushes it here: claimed now, the load waits for it
@@ -147,7 +149,7 @@ class ConsumerScheduler:
             lookup = self.lookups[req_id] = _Lookup(secrets.randbits(62) + 1, source, now)
         lookup.asked = now
         self.to_look.append(LookupRequest(req_id, lookup.lease, list(request.prompt_token_ids or ()), source,
-                                          self.lease_seconds))
+                                          self.lease_seconds, pool=poolable(request)))
         return None
 
     def _release(self, req_id: str) -> None:
@@ -155,6 +157,10 @@ class ConsumerScheduler:
         lookup = self.lookups.pop(req_id, None)
         if lookup is not None and not lookup.source.pool_only:
             self.to_release.append(LeaseRelease(lookup.lease, lookup.source))
+
+    def received(self, req_ids: set[str]) -> None:
+        """vLLM's ``finished_recving``: these loads ended (written or failed)."""
+        self.loading -= req_ids
 
     def answered(self, meta: MooncakeWorkerMetadata) -> None:
         """The workers' answers to lookups (vLLM's ``update_connector_output``)."""
@@ -177,6 +183,7 @@ class ConsumerScheduler:
         self.claimed.add(request.request_id)
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
+        self.loading.add(request.request_id)
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source,
                                       lease=0 if lookup is None else lookup.lease, from_pool=from_pool))

@@ -23,15 +23,28 @@ if TYPE_CHECKING:
 NULL_BLOCK = 0  # vLLM's null block (padding where a sliding window dropped blocks): never stored
 
 
+def poolable(request: Request) -> bool:
+    """Whether a request's KV is the KV of its token ids alone, which is what a pool key names: not with a LoRA
+    adapter, multimodal inputs, prompt embeddings or a ``cache_salt`` (vLLM keys its own prefix cache with those
+    too; such requests neither look in the pool nor store there)."""
+    return (getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None and not getattr(request, "cache_salt", None))
+
+
 def _before_null(ids: list[int]) -> list[int]:
     """Blocks a sliding window let go are vLLM's null block: only those before it hold this prompt's KV."""
     return ids[:ids.index(NULL_BLOCK)] if NULL_BLOCK in ids else ids
 
 
 class PoolSaves:
-    def __init__(self, block_size: int, save_output: bool = True) -> None:
+    """``hold_copies``: a device cache, whose copies out of it run after the step that queued them: a request whose
+    prompt was copied out in its step is held when it ends until that copy ended (as a producer's saves are)."""
+
+    def __init__(self, block_size: int, save_output: bool = True, hold_copies: bool = False) -> None:
         self.block_size = block_size
         self.save_output = save_output
+        self.hold_copies = hold_copies
+        self.held: list[str] = []  # requests held since the last step for copies of theirs, not for a save
         self.in_pool: dict[str, int] = {}  # request -> prompt tokens its lookup found in the pool
         self.prompts: dict[str, list[int]] = {}  # requests whose prompt is still being computed
         self.stored: dict[str, int] = {}  # request -> whole blocks of its prompt stored when it was computed
@@ -42,7 +55,7 @@ class PoolSaves:
         self.in_pool[req_id] = tokens
 
     def after_alloc(self, request: Request) -> None:
-        if request.request_id not in self.stored:
+        if request.request_id not in self.stored and poolable(request):
             self.prompts.setdefault(request.request_id, list(request.prompt_token_ids or ()))
 
     def build_meta(self, out: SchedulerOutput) -> list[PoolSave]:
@@ -66,19 +79,32 @@ class PoolSaves:
         saves, self.to_save = self.to_save, []
         return saves
 
-    def finished(self, request: Request, block_ids: list[int]) -> bool:
-        """The request ended: whether its blocks are held for a pool save (queued for the next step's metadata)."""
+    def take_held(self) -> list[str]:
+        out, self.held = self.held, []
+        return out
+
+    def finished(self, request: Request, block_ids: list[int], loading: bool = False) -> bool:
+        """The request ended: whether its blocks are held, for a pool save (queued for the next step's metadata) or
+        for its prompt's copy out of a device cache. ``loading``: a load into its blocks has not ended (it was
+        aborted while its KV came): its blocks hold nothing to store, and vLLM itself holds them for the load."""
         req_id = request.request_id
         known = self.in_pool.pop(req_id, 0) // self.block_size
         self.prompts.pop(req_id, None)
         stored = self.stored.pop(req_id, None)
-        if stored is not None and not self.save_output:
+        if loading or not poolable(request):
             return False
+        copying = stored is not None and self.hold_copies
+        if stored is not None and not self.save_output:
+            if copying:
+                self.held.append(req_id)
+            return copying
         tokens = list(request.all_token_ids if self.save_output else request.prompt_token_ids or ())
         blocks = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.block_size) // self.block_size
         ids = _before_null(list(block_ids[:blocks]))
         first = max(known, stored or 0)
         if len(ids) <= first:
-            return False
+            if copying:
+                self.held.append(req_id)
+            return copying
         self.to_save.append(PoolSave(req_id, tokens[:len(ids) * self.block_size], ids, first))
         return True

@@ -224,6 +224,11 @@ class ConnectorWorker:
         synchronous load - never with this connector)."""
         assert self.staging is not None
         self.held.update(meta.held)
+        if self.pool is not None:  # here, not in wait_for_save: vLLM may ask what was sent before that (spec decode)
+            for pool_save in meta.pool_saves:
+                if not pool_save.in_step:
+                    self.held.add(pool_save.req_id)
+                    self.pool.hold(pool_save)
         if meta.loads:
             self.staging.mark()
         if self.loads is not None:
@@ -254,15 +259,14 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: MooncakeConnectorMetadata) -> None:
         """After the step's forward pass: a producer saves the prompts it completed; a pool stores them too (copied
-        out now, put in the background) and the blocks of requests that ended (held until copied out)."""
+        out now, put in the background). (The blocks of requests that ended go to the pool from ``start_step``.)"""
         if self.transfer is not None:
             for save in meta.saves:
                 self.transfer.finish_prompt(save)
         if self.pool is not None:
             for pool_save in meta.pool_saves:
-                if not pool_save.in_step:
-                    self.held.add(pool_save.req_id)
-                self.pool.save(pool_save)
+                if pool_save.in_step:
+                    self.pool.save_step(pool_save)
 
     def transfer_results(self, idle: bool) -> Finished:
         """Finished loads (failed ones too), and the blocks of partial ones that must be recomputed. ``idle``: the
@@ -278,7 +282,8 @@ class ConnectorWorker:
         if self.loads is None:
             return Finished(sending=sending)
         if idle:
-            pending = self.loads.pending() + (self.lookups.pending() if self.lookups is not None else [])
+            pending = self.loads.pending() + (self.lookups.pending() if self.lookups is not None else []) + \
+                (self.pool.pending() if self.pool is not None else [])
             if pending:
                 futures_wait(pending, timeout=IDLE_WAIT, return_when=FIRST_COMPLETED)
         finished = self.loads.collect()

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from kv_connector.metadata import LeaseRelease, LookupAnswer, LookupRequest
 from kv_connector.stats import StatsRecorder
@@ -45,6 +46,7 @@ class Lookups:
         self.rank, self.timeout, self.stats, self.backoff = rank, timeout, stats, backoff
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-kv-lookup",
                                         initializer=thread_init)
+        self._pool_asks = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-pool-lookup")
         self._running: dict[tuple[str, int], Future[LookupAnswer]] = {}
         self._down: dict[str, float] = {}  # producer -> until when it is not asked
         self._lock = threading.Lock()
@@ -65,11 +67,18 @@ class Lookups:
 
     def _run(self, req: LookupRequest) -> LookupAnswer:
         deadline = time.monotonic() + self.timeout  # from when a thread takes it: its wait in the queue is ours
-        pooled = 0 if self._in_pool is None else self._ask_pool(req, deadline)
+        asks_pool = self._in_pool is not None and req.pool
         if req.source.pool_only:
+            pooled = self._ask_pool(req, deadline) if asks_pool else 0
             return LookupAnswer(req.req_id, req.lease, self.rank, 0, "", pooled)
+        # both at once, each with the whole deadline: a slow pool must not eat the producer's time, nor the reverse
+        pool = self._pool_asks.submit(self._ask_pool, req, deadline) if asks_pool else None
         answer = self._ask_producer(req, deadline)
-        answer.pool_tokens = pooled
+        if pool is not None:
+            try:
+                answer.pool_tokens = pool.result(timeout=max(deadline - time.monotonic(), 0.0) + 0.05)
+            except FutureTimeout:  # it counts its own timeout
+                answer.pool_tokens = 0
         return answer
 
     def _ask_pool(self, req: LookupRequest, deadline: float) -> int:
@@ -165,3 +174,4 @@ class Lookups:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool_asks.shutdown(wait=False, cancel_futures=True)

@@ -1,15 +1,18 @@
 """The KV pool on a worker (``KVPool``): this rank's blocks into and out of Mooncake Store through
 ``kv_lookup_buffer.MooncakeStore``. An object is one block of this rank's KV (every layer, the heads it holds),
 block-major as everywhere else (``cache.layout``), under a key of its namespace (what the bytes depend on besides the
-tokens: the layout descriptor, so the model, dtype, block shape, KV heads and scales; and ``pool_namespace``) and
-the chained hash of its tokens. The same prefix computed on any instance of the same model and layout is one object;
-MLA's KV, alike on every rank, is stored by the first rank only and read by all.
+tokens: the layout descriptor, the model's quantization and revision, ``pool_namespace``) and the chained hash of
+its tokens. The same prefix computed on any instance of the same model and layout is one object; MLA's KV, alike on
+every rank, is stored by the first rank only and read by all.
 
-Saves run in a thread of their own: the blocks of an ended request, held by vLLM until they are copied out, are
-checked against the pool (what is there is skipped), gathered into host memory registered with the store (a device
-cache's through its pinned arena), reported copied (vLLM frees them), then put. Loads and lookups run in the loader
-and lookup threads the pipe's use. Every call has a deadline; a pool that is down or slow costs a request its
-timeout, never a hang, and what it could not load is computed.
+Memory: host memory of the pool's own (``local_buffer_size``, pinned for a device cache), registered with the store:
+gets land there and puts go from there. A get is copied out of it before its check (the engine serves registered
+memory to whoever reaches it: what is checked must be what is written into the cache).
+
+Saves: copies out of the cache never wait for the pool (an ended request's held blocks are copied out first and
+reported copied, then put); puts run one at a time in the background, at most ``MAX_PUTS`` waiting (more are
+dropped), and none for ``SAVE_BACKOFF`` seconds after one met a pool that did not answer. Every call has a deadline;
+a pool that is down or slow costs a request its timeout, never a hang, and what it could not load is computed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -29,7 +32,7 @@ import torch
 from kv_connector.cache.heads import HeadSplit
 from kv_connector.cache.layout import KVCacheLayout
 from kv_connector.cache.pinned import ArenaFull, PinnedArena
-from kv_connector.cache.staging import CacheSuspended, KVStaging
+from kv_connector.cache.staging import CacheSuspended, KVStaging, Staged
 from kv_connector.metadata import LoadRequest, PoolSave
 from kv_connector.stats import StatsRecorder
 from kv_connector.worker.transfer import KVMiss, LoadResult
@@ -37,13 +40,29 @@ from kv_lookup_buffer import TAG, MooncakeStore, StoreError, StoreTimeout, block
 
 logger = logging.getLogger(f"vllm.{__name__}")
 SAVE_TIMEOUT = 10.0  # seconds each store call of a save may take (it runs off the forward path)
-SAVE_ROOM_WAIT = 2.0  # seconds a save waits for room in the host memory before it is dropped
+SAVE_ROOM_WAIT = 2.0  # seconds a held request's copy-out waits for room in the host memory before it is dropped
+SAVE_BACKOFF = 5.0  # seconds no put goes out after one met a pool that did not answer in time
+MAX_PUTS = 16  # saves copied out and waiting for their put; a save beyond them is dropped (counted)
 CHUNK_BYTES = 64 << 20  # a save moves at most this much per store call (and per piece of host memory)
 # a load fetches pieces of this size, the next one while the last is copied into the cache (measured on kv32k's 4 MiB
 # blocks: pieces of 4 blocks kept the engine busy; a get costs ~1 ms besides its bytes)
 LOAD_PIECE_BYTES = 16 << 20
 FETCHERS = 8  # pieces fetched at once, all loads together (each load has one in flight ahead of its copy)
 FAILED_KEPT = 4096  # requests whose loads failed, remembered so that their blocks are never stored
+
+Staging = list[tuple[list[int], torch.Tensor, Any]]  # per chunk: positions in its keys, objects, what holds them
+
+
+def _runs(wanted: list[bool]) -> list[tuple[int, int]]:
+    """The runs ``[lo, hi)`` of consecutive True values."""
+    runs, lo = [], None
+    for i, want in enumerate([*wanted, False]):
+        if want and lo is None:
+            lo = i
+        elif not want and lo is not None:
+            runs.append((lo, i))
+            lo = None
+    return runs
 
 
 def pool_namespace(layout: KVCacheLayout, extra: str = "") -> str:
@@ -54,22 +73,28 @@ def pool_namespace(layout: KVCacheLayout, extra: str = "") -> str:
 
 class KVPool:
     """``store``: the pool's client (this rank's); ``memory_bytes``: host memory to stage puts and gets through
-    (mooncake.json's ``local_buffer_size``; a device cache's pinned arena instead)."""
+    (mooncake.json's ``local_buffer_size``)."""
 
     def __init__(self, store: MooncakeStore, layout: KVCacheLayout, staging: KVStaging, split: HeadSplit,
                  block_size: int, stats: StatsRecorder, memory_bytes: int, namespace: str = "") -> None:
         self.store, self.layout, self.staging, self.split = store, layout, staging, split
         self.block_size, self.stats = block_size, stats
         self.namespace = pool_namespace(layout, namespace)
-        self.memory = staging.arena if staging.arena is not None else PinnedArena(memory_bytes, pinned=False)
+        self.memory = PinnedArena(memory_bytes, pinned=staging.on_device)
         store.register(self.memory.memory)
         self.chunk_blocks = max(1, min(CHUNK_BYTES, self.memory.capacity // 2) // layout.row_bytes)
         self.load_blocks = max(1, min(LOAD_PIECE_BYTES, self.memory.capacity // 4) // layout.row_bytes)
+        # what a get copied out of the registered memory to be checked: memory the store does not know
+        self.private = PinnedArena(min(FETCHERS * LOAD_PIECE_BYTES, memory_bytes), pinned=staging.on_device)
         self._fetches = ThreadPoolExecutor(max_workers=FETCHERS, thread_name_prefix="mooncake-pool-fetch")
-        self._saves = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-save",
-                                         initializer=staging.bind_thread)
-        self._copying: dict[str, threading.Event] = {}  # request -> set once its blocks are copied out
+        self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-copy",
+                                          initializer=staging.bind_thread)
+        self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-put",
+                                        initializer=staging.bind_thread)
+        self._copying: dict[str, Future[None]] = {}  # held request -> its copy out of the cache
         self._failed: OrderedDict[str, None] = OrderedDict()  # requests whose loads failed: never stored
+        self._waiting_puts = 0
+        self._quiet_until = 0.0  # no put before this (time.monotonic()): the pool did not answer a moment ago
         self._lock = threading.Lock()
 
     def keys(self, tokens: list[int], first: int = 0, count: int | None = None) -> list[str]:
@@ -98,7 +123,7 @@ class KVPool:
             assert pending is not None
             asked = time.perf_counter()
             try:
-                got, rows, piece = pending.result(timeout=max(deadline - time.monotonic(), 0.001))
+                got, rows = pending.result(timeout=max(deadline - time.monotonic(), 0.001))
             except FutureTimeout:
                 raise TimeoutError("the pool did not answer by the load's deadline (load_timeout)") from None
             arrived = time.perf_counter()
@@ -106,7 +131,7 @@ class KVPool:
                 if got == len(part) and i + 1 < len(parts) else None
             if got:
                 self.staging.scatter(req.block_ids[written:written + got], rows[:got])
-            del rows, piece  # back to the arena
+            del rows  # its piece of memory goes back
             waited, copying = waited + arrived - asked, copying + time.perf_counter() - arrived
             written += got
             if got < len(part):
@@ -121,23 +146,28 @@ class KVPool:
                           f"piece(s), {seconds * 1e3:.1f} ms: waiting for gets and checks {waited * 1e3:.1f} ms, "
                           f"copies into the KV cache {copying * 1e3:.1f} ms")
 
-    def _fetch(self, keys: list[str], deadline: float) -> tuple[int, torch.Tensor, Any]:
-        """Get and check the objects of ``keys`` into host memory: how many arrived whole and checked, the rows,
-        and the piece of memory holding them."""
+    def _fetch(self, keys: list[str], deadline: float) -> tuple[int, torch.Tensor]:
+        """Get the objects of ``keys`` into the registered memory, copy them out of it (the engine serves that
+        memory to whoever reaches it: the copy is what is checked and written into the cache), and check them: how
+        many arrived whole and checked, and the copy (its rows beyond those undefined)."""
+        shape = [len(keys), len(self.layout.layers), *self.layout.descriptor["block"]]
+        dtype = self.layout.layers[0].dtype
         piece = self.memory.take(len(keys) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0))
-        rows = piece.view([len(keys), len(self.layout.layers), *self.layout.descriptor["block"]],
-                          self.layout.layers[0].dtype)
+        landing = piece.view(shape, dtype)
+        rows = self.private.take(len(keys) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0)).view(
+            shape, dtype)
         try:
-            got = self.store.get_into(keys, rows, timeout=max(deadline - time.monotonic(), 0.001))
+            got = self.store.get_into(keys, landing, timeout=max(deadline - time.monotonic(), 0.001), copy_to=rows)
         except StoreTimeout as e:
             self._keep_until(piece, e)
             raise TimeoutError(f"the pool did not answer by the load's deadline: {e}") from None
-        return got, rows, piece
+        return got, rows
 
     @staticmethod
-    def _keep_until(piece: object, stuck: StoreTimeout) -> None:
-        """A get that outlived its caller may still write into ``piece``: it goes back only once the call ended."""
-        stuck.done.add_done_callback(lambda _: piece)
+    def _keep_until(holder: object, stuck: StoreTimeout) -> None:
+        """A call that outlived its caller may still use ``holder``'s memory: it goes back only once the call
+        ended."""
+        stuck.done.add_done_callback(lambda _: holder)
 
     def load_failed(self, req_ids: set[str]) -> None:
         """Loads of these requests failed (or wrote only some blocks): their blocks are never stored."""
@@ -147,22 +177,29 @@ class KVPool:
             while len(self._failed) > FAILED_KEPT:
                 self._failed.popitem(last=False)
 
-    # ---------------------------------------------------------------- saves (the forward thread queues them)
-    def save(self, save: PoolSave) -> None:
-        """After a step's forward pass. A prompt just computed (``in_step``) is copied out now (its blocks are the
-        running request's: the next step may write after them, never into them) and put in the background; an ended
-        request's held blocks are copied out and put in the background, then reported copied."""
-        copied = threading.Event()
+    # ---------------------------------------------------------------- saves
+    def _skipped(self, save: PoolSave) -> bool:
+        """Nothing of ``save`` is stored: a failed load's blocks, or another rank's (MLA)."""
         with self._lock:
             failed = save.req_id in self._failed
             if not save.in_step:
                 self._failed.pop(save.req_id, None)
-                self._copying[save.req_id] = copied
-        if failed or not self.split.saves:  # nothing to store: a failed load's blocks, or another rank's (MLA)
-            copied.set()
+        return failed or not self.split.saves
+
+    def hold(self, save: PoolSave) -> None:
+        """``start_load_kv``: a request ended and vLLM holds its blocks for this save (vLLM reports held requests
+        before ``wait_for_save`` with speculative decoding): its blocks are copied out in the background, reported
+        copied (``copied``), then put."""
+        if self._skipped(save):
             return
-        if not save.in_step:
-            self._saves.submit(self._save, save, copied)
+        with self._lock:
+            self._copying[save.req_id] = self._copies.submit(self._copy_held, save)
+
+    def save_step(self, save: PoolSave) -> None:
+        """``wait_for_save``, after the forward pass: a prompt just computed (``in_step``), copied out now (a device
+        cache's copy is queued; the scheduler holds the request's blocks when it ends until it ran), put in the
+        background."""
+        if self._skipped(save):
             return
         try:
             keys, staged = self._copy_out(save, wait=False)
@@ -170,62 +207,44 @@ class KVPool:
             self.stats.count("pool_save_errors")
             logger.warning("MooncakeConnector: could not copy the KV of request %s out for the pool: %s", save.req_id, e)
             return
-        self._saves.submit(self._put, save, keys, staged, time.perf_counter())
+        self._queue_put(save, keys, staged, time.perf_counter())
 
     def copied(self, req_id: str) -> bool:
         """Whether the blocks of ``req_id`` are free to go (copied out, or never to be): forgotten once they are."""
         with self._lock:
-            event = self._copying.get(req_id)
-            if event is None or event.is_set():
+            copy = self._copying.get(req_id)
+            if copy is None or copy.done():
                 self._copying.pop(req_id, None)
                 return True
             return False
 
-    def _copy_out(self, save: PoolSave, wait: bool = True, skip: list[bool] | None = None
-                  ) -> tuple[list[str], list[tuple[list[int], torch.Tensor, Any]]]:
-        """The blocks of ``save`` from ``first_block`` (but those ``skip`` says the pool holds) copied into host
-        memory registered with the store, an object each (a block, then room for its tag), a chunk at a time: their
-        keys, and (positions, objects, what holds their memory) per chunk. A device cache's copies are queued
-        (``wait``: waited for here)."""
+    def pending(self) -> list[Future[None]]:
+        """The copies out of held blocks under way (an idle engine step waits a moment for them, not spins)."""
+        with self._lock:
+            return [copy for copy in self._copying.values() if not copy.done()]
+
+    def _copy_out(self, save: PoolSave, wait: bool = True) -> tuple[list[str], Staging]:
+        """The blocks of ``save`` from ``first_block`` copied into the registered memory, an object each (a block,
+        then room for its tag), a chunk at a time: their keys, and (positions, objects, what holds their memory) per
+        chunk. A device cache's copies are queued (laid out as objects by ``_finish_copies``)."""
         keys = self.keys(save.token_ids, save.first_block)
         ids = save.block_ids[save.first_block:save.first_block + len(keys)]
-        todo = [i for i in range(len(keys)) if skip is None or not skip[i]]
         row, slot = self.layout.row_bytes, self.layout.row_bytes + TAG
         out = []
-        for lo in range(0, len(todo), self.chunk_blocks):
-            part = todo[lo:lo + self.chunk_blocks]
+        for lo in range(0, len(keys), self.chunk_blocks):
+            part = list(range(lo, min(lo + self.chunk_blocks, len(keys))))
             piece = self.memory.take(len(part) * slot, SAVE_ROOM_WAIT if wait else 0.0)
             slots = piece.tensor[:len(part) * slot].view(len(part), slot)
-            if self.staging.on_device:  # gathered into pinned memory, then into the objects (in the save thread)
-                out.append((part, slots, (piece, self.staging.gather([ids[i] for i in part], owner=save.req_id))))
+            if self.staging.on_device:  # gathered into the staging's pinned memory, then into the objects
+                gathered: Staged | None = self.staging.gather([ids[i] for i in part], owner=save.req_id)
+                out.append((part, slots, (piece, gathered)))
             else:
                 for i, block in enumerate(part):
                     self.staging.gather([ids[block]], scratch=slots[i, :row])
                 out.append((part, slots, (piece, None)))
         return keys, out
 
-    def _save(self, save: PoolSave, copied: threading.Event) -> None:
-        """An ended request's held blocks: those the pool lacks copied out, reported copied, then put."""
-        start = time.perf_counter()
-        try:
-            keys = self.keys(save.token_ids, save.first_block)
-            there = self.store.present(keys, timeout=SAVE_TIMEOUT)
-            keys, staged = self._copy_out(save, skip=there)
-            self._finish_copies(staged)
-        except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
-            self.stats.count("pool_save_errors")
-            logger.warning("MooncakeConnector: could not store the KV of request %s in the pool: %s", save.req_id, e)
-            return
-        except Exception:
-            self.stats.count("pool_save_errors")
-            logger.exception("MooncakeConnector: storing the KV of request %s in the pool failed unexpectedly",
-                             save.req_id)
-            return
-        finally:
-            copied.set()  # vLLM may reuse the blocks now
-        self._put(save, keys, staged, start, copied_out=True)
-
-    def _finish_copies(self, staged: list[tuple[list[int], torch.Tensor, Any]]) -> None:
+    def _finish_copies(self, staged: Staging) -> None:
         """A device cache's gathers: wait for each, then lay it out as objects."""
         row = self.layout.row_bytes
         for part, slots, (_piece, gathered) in staged:
@@ -233,22 +252,55 @@ class KVPool:
                 gathered.wait()
                 slots[:, :row].copy_(gathered.tensor.reshape(len(part), -1).view(torch.uint8))
 
-    def _put(self, save: PoolSave, keys: list[str], staged: list[tuple[list[int], torch.Tensor, Any]], start: float,
-             copied_out: bool = False) -> None:
-        """Put the objects copied out (skipping those the pool holds by now, for a prompt copied out in its step)."""
+    def _copy_held(self, save: PoolSave) -> None:
+        """An ended request's held blocks: copied out (then vLLM may free them), and queued for their put."""
+        start = time.perf_counter()
+        try:
+            keys, staged = self._copy_out(save)
+            self._finish_copies(staged)
+        except (ArenaFull, CacheSuspended, ValueError) as e:
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: could not copy the KV of request %s out for the pool: %s", save.req_id, e)
+            return
+        except Exception:
+            self.stats.count("pool_save_errors")
+            logger.exception("MooncakeConnector: copying the KV of request %s out for the pool failed unexpectedly",
+                             save.req_id)
+            return
+        self._queue_put(save, keys, staged, start)
+
+    def _queue_put(self, save: PoolSave, keys: list[str], staged: Staging, start: float) -> None:
+        with self._lock:
+            full = self._waiting_puts >= MAX_PUTS
+            if not full:
+                self._waiting_puts += 1
+        if full:
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: the KV of request %s is not stored in the pool: %d saves wait for the "
+                           "pool already", save.req_id, MAX_PUTS)
+            return
+        self._puts.submit(self._put, save, keys, staged, start)
+
+    def _put(self, save: PoolSave, keys: list[str], staged: Staging, start: float) -> None:
+        """Put the objects copied out, but those the pool holds by now."""
         stored = 0
         try:
-            if not copied_out:
-                self._finish_copies(staged)
-                there = self.store.present(keys, timeout=SAVE_TIMEOUT)
-                staged = [(part, slots, holder) for part, slots, holder in staged
-                          if not all(there[i] for i in part)]
+            if time.monotonic() < self._quiet_until:
+                raise StoreError("the pool did not answer a moment ago")
+            self._finish_copies(staged)
+            there = self.store.present(keys, timeout=SAVE_TIMEOUT)
             for part, slots, holder in staged:
-                try:
-                    stored += self.store.put([keys[i] for i in part], slots, timeout=SAVE_TIMEOUT)
-                except StoreTimeout as e:  # the put may still read its objects: they are kept until it ended
-                    self._keep_until(holder, e)
-                    raise
+                for lo, hi in _runs([not there[i] for i in part]):  # objects the pool holds already are left out
+                    try:
+                        stored += self.store.put([keys[i] for i in part[lo:hi]], slots[lo:hi], timeout=SAVE_TIMEOUT)
+                    except StoreTimeout as e:  # the put may still read its objects: they are kept until it ended
+                        self._keep_until(holder, e)
+                        raise
+        except StoreTimeout as e:
+            self._quiet_until = time.monotonic() + SAVE_BACKOFF
+            self.stats.count("pool_save_errors")
+            logger.warning("MooncakeConnector: could not store the KV of request %s in the pool (%s): no put for "
+                           "%.0f s", save.req_id, e, SAVE_BACKOFF)
         except (StoreError, ArenaFull, CacheSuspended, ValueError) as e:
             self.stats.count("pool_save_errors")
             logger.warning("MooncakeConnector: could not store the KV of request %s in the pool: %s", save.req_id, e)
@@ -256,6 +308,9 @@ class KVPool:
             self.stats.count("pool_save_errors")
             logger.exception("MooncakeConnector: storing the KV of request %s in the pool failed unexpectedly",
                              save.req_id)
+        finally:
+            with self._lock:
+                self._waiting_puts -= 1
         seconds = time.perf_counter() - start
         nbytes = self.layout.kv_bytes(stored)
         if stored:
@@ -266,6 +321,6 @@ class KVPool:
                      "its prompt" if save.in_step else "ended", stored, seconds * 1e3)
 
     def close(self) -> None:
-        self._saves.shutdown(wait=False, cancel_futures=True)
-        self._fetches.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._copies, self._puts, self._fetches):
+            pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

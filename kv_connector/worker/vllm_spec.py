@@ -17,11 +17,14 @@ if TYPE_CHECKING:
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
-    """Architecture plus a hash of the model's config (without its path): equal for the same model on any host."""
-    hf = vllm_config.model_config.hf_config.to_dict()
+    """Architecture plus a hash of the model's config (without its path), its revision and its quantization: equal
+    for the same model on any host. (Fine-tunes that keep their base's config look alike: ``pool_namespace``.)"""
+    model = vllm_config.model_config
+    hf = model.hf_config.to_dict()
     for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
         hf.pop(key, None)
-    digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    served = {"revision": getattr(model, "revision", None), "quantization": getattr(model, "quantization", None)}
+    digest = hashlib.sha256(json.dumps([hf, served], sort_keys=True, default=str).encode()).hexdigest()[:12]
     return f"{'/'.join(hf.get('architectures') or ['?'])}:{digest}"
 
 

@@ -217,3 +217,24 @@ def test_fp8_with_scales_vllm_estimates_later_is_refused_naming_the_flag(cache_d
     check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype,
                                                                       calculate_kv_scales=False)))
     check_kv_cache_dtype(SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=True)))
+
+
+@pytest.mark.parametrize("master, secret, allowed, refused", [
+    ("10.0.0.9:50051", "", False, True),  # beyond loopback, no secret: refused
+    ("10.0.0.9:50051", "s" * 40, False, False),
+    ("10.0.0.9:50051", "", True, False),  # allow_unauthenticated
+    ("127.0.0.1:50051", "", False, False),  # all on this host
+])
+def test_a_pool_beyond_loopback_needs_the_secret(tmp_path, monkeypatch, master, secret, allowed, refused):
+    import json
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": master, "auth_secret": secret,
+                                "allow_unauthenticated": allowed}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    if refused:
+        with pytest.raises(ConfigError, match="KV pool reaches beyond this host.*no secret"):
+            ConnectorConfig.from_vllm(vllm_config("kv_both"))
+    else:
+        assert ConnectorConfig.from_vllm(vllm_config("kv_both")).store is not None

@@ -245,3 +245,73 @@ def test_a_client_started_before_its_master_refuses_at_once_and_joins_once_it_is
     finally:
         pool.close()
         master.stop()
+
+
+@pytest.mark.parametrize("size", [1000, (64 << 10) + TAG + 1000])
+def test_an_object_of_another_size_is_refused_and_removed(master, size):
+    """A stranger's object under a fleet key, shorter or longer than a block and its tag: refused and removed (left
+    in the pool, it would keep the fleet's saves of that key away and fail every load of its prefix)."""
+    pool = reader(master)
+    ready, done = ctx.Event(), ctx.Event()
+    key = programs.pool_keys(13, 1)[0]
+    forger = Peer(programs.pool_forge, master.address, key, bytes(size), b"", ready, done)
+    try:
+        assert ready.wait(60)
+        out = torch.zeros(1, 64 << 10, dtype=torch.uint8)
+        pool.register(out)
+        assert pool.get_into([key], out, timeout=10) == 0
+        assert pool.stats["rejected"] == 1
+        deadline = time.monotonic() + 10
+        while pool.contains([key], timeout=5) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.contains([key], timeout=5) == 0
+    finally:
+        pool.close()
+        done.set()
+        forger.result()
+
+
+def test_what_is_checked_is_a_copy_out_of_the_registered_memory(master):
+    """``copy_to``: each object is copied out of the memory the store's engine may write into, and the copy is the
+    one checked and handed back."""
+    holder = Holder(master, seed=14, n=3, size=64 << 10)
+    pool = reader(master)
+    try:
+        landing = torch.zeros(3, 64 << 10, dtype=torch.uint8)
+        pool.register(landing)
+        private = torch.zeros(3, 64 << 10, dtype=torch.uint8)  # not registered
+        assert pool.get_into(programs.pool_keys(14, 3), landing, timeout=10, copy_to=private) == 3
+        assert torch.equal(private, programs.pool_rows(14, 3, 64 << 10))
+    finally:
+        pool.close()
+        holder.release()
+
+
+def test_a_frozen_master_at_start_up_stops_nothing(master):
+    """A master that takes connections and answers nothing (frozen): the engine's own setup would hold the GIL, and
+    so the whole process, as long as it waits; the client tries it in a process of its own first, so the instance
+    goes on, and joins once the master answers."""
+    from kv_lookup_buffer.mooncake_store import MooncakeStore
+    from kv_lookup_buffer.store_config import StoreConfig
+
+    master.freeze()
+    start = time.monotonic()
+    pool = MooncakeStore(StoreConfig(master.address, global_segment_size=16 * MiB, local_buffer_size=16 * MiB),
+                         "127.0.0.1", "P2PHANDSHAKE", secret=SECRET, join_wait=1.0)
+    try:
+        ticks = 0
+        while time.monotonic() - start < 3:  # this process's Python runs on meanwhile
+            ticks += 1
+            time.sleep(0.1)
+        assert ticks >= 20 and not pool.joined
+        with pytest.raises(StoreError, match="not in the KV pool yet"):
+            pool.contains(programs.pool_keys(15, 1), timeout=1)
+        master.thaw()
+        deadline = time.monotonic() + 60
+        while not pool.joined:
+            assert time.monotonic() < deadline, "the client never joined the master once it answered"
+            time.sleep(0.2)
+        assert pool.contains(programs.pool_keys(15, 1), timeout=5) == 0
+    finally:
+        master.thaw()
+        pool.close()
