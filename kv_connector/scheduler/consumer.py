@@ -184,6 +184,9 @@ class ConsumerScheduler:
         first, end = blocks.load_span(local, num_external_tokens, self.block_size)
         block_ids = list(kv_blocks.get_block_ids()[0])  # every block of the request, the cached ones first
         self.loading.add(request.request_id)
+        if self.pool_found is not None and not from_pool and not source.pool_only:
+            # what comes from a producer's hand-off is the producer's to store (every member stores what it computed)
+            self.pool_found(request.request_id, local + num_external_tokens)
         self.loads.append(LoadRequest(request.request_id, list(request.prompt_token_ids or ()), first,
                                       block_ids[first:end], num_external_tokens, source,
                                       lease=0 if lookup is None else lookup.lease, from_pool=from_pool))

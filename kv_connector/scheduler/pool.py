@@ -1,9 +1,9 @@
 """The KV pool's scheduler side, for any role with a pool: which blocks go into the pool, and when.
 
 - **A prompt, as soon as it is computed**: in the step that completes a request's prompt, its whole blocks (but
-  those its lookup found in the pool already) are copied out by the workers after that step's forward pass, while
-  the request goes on decoding, and put in the background: another instance asking for the prompt a moment later
-  (a shared document, the next question) finds it.
+  those its lookup found in the pool already, and those it loaded from a producer, which stores them) are copied out
+  by the workers after that step's forward pass, while the request goes on decoding, and put in the background:
+  another instance asking for the prompt a moment later (a shared document, the next question) finds it.
 - **The rest, when the request ends** (``pool_save_output``): the whole blocks after the prompt's, which hold its
   answer, so that a conversation's next turn finds its whole history. vLLM holds those blocks (``request_finished``
   answers True) until every worker has copied them out and reported the request in ``finished_sending``. A request
@@ -51,8 +51,9 @@ class PoolSaves:
         self.to_save: list[PoolSave] = []
 
     def found(self, req_id: str, tokens: int) -> None:
-        """The pool holds ``tokens`` of the request's prompt (whole blocks from its start)."""
-        self.in_pool[req_id] = tokens
+        """The pool holds ``tokens`` of the request's prompt (whole blocks from its start), or will: the instance
+        that computed them stores them (a producer's hand-off)."""
+        self.in_pool[req_id] = max(tokens, self.in_pool.get(req_id, 0))
 
     def after_alloc(self, request: Request) -> None:
         if request.request_id not in self.stored and poolable(request):
