@@ -25,6 +25,9 @@ pool's load rate against the bare engine: Mooncake Store's own ``batch_get_into`
 objects of one block each per call as each of the pool's loads had), between two processes pinned as the instances
 are.
 
+Also: the document's second question, the first on the other instance: a follow-up with its 2,048-token history
+(the document) on an instance that never saw it.
+
 Run (from the repository root; ~8 minutes)::
 
     .venv/bin/python benchmarks/bench_pool.py
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import re
@@ -251,9 +255,13 @@ def ms(values: list[float] | None, q: float) -> str:
     return "-" if not values else common.fmt(common.percentile(values, q) * 1e3, 0)
 
 
-def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace, dtype: str) -> str:
+TITLE = "The KV pool: multi-turn chat and a shared document on two instances"
+
+
+def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace, dtype: str,
+           header: str | None = None) -> str:
     turns = [f"chat turn {t + 1}" for t in range(args.turns)]
-    lines = [common.header("The KV pool: multi-turn chat and a shared document on two instances", dtype),
+    lines = [header or common.header(TITLE, dtype),
              f"\nkv32k model ({dtype}), block {BLOCK}; chat: {args.conversations} conversations x {args.turns} turns, "
              f"{args.system}-token system prompt, {args.user}-token user messages, {args.answer}-token answers, turn "
              f"t of conversation c on instance (c + t) mod 2 (turn {args.turns}'s history: "
@@ -261,9 +269,9 @@ def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace
              f"{args.questions} questions of 64 tokens, round robin. One request at a time, streamed. Each fleet "
              "started alone, instances on cores 0 and 1.\n",
              "| fleet | prompt tokens | computed | cache hits / reusable | follow-up turns TTFT p50 / p99 (ms) | "
-             f"turn {args.turns} TTFT p50 (ms) | document question TTFT p50 / p99 (ms) | req/s | KV loaded / stored "
-             "(MiB) | pool load GB/s (x bare) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"turn {args.turns} TTFT p50 (ms) | document: the other instance's first question TTFT (ms) | document "
+             "question TTFT p50 / p99 (ms) | req/s | KV loaded / stored (MiB) | pool load GB/s (x bare) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         follow = [s for t in turns[1:] for s in r["ttft_s"].get(t, [])]
         c = r["counts"]
@@ -275,8 +283,10 @@ def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace
         rate = "-" if r["pool_load_gbps"] is None else \
             f"{r['pool_load_gbps']:.2f} ({r['pool_load_gbps'] / bare:.2f}x)" if bare else f"{r['pool_load_gbps']:.2f}"
         share = r["cache_hits"] / r["reusable"] if r["reusable"] else 0.0
+        questions = r["ttft_s"].get("document question") or []
+        second = "-" if len(questions) < 2 else common.fmt(questions[1] * 1e3, 0)
         lines.append(f"| {name} | {r['prompt_tokens']:.0f} | {r['computed']:.0f} | {share:.0%} | {ms(follow, 50)} / "
-                     f"{ms(follow, 99)} | {ms(r['ttft_s'].get(turns[-1]), 50)} | "
+                     f"{ms(follow, 99)} | {ms(r['ttft_s'].get(turns[-1]), 50)} | {second} | "
                      f"{ms(r['ttft_s'].get('document question'), 50)} / {ms(r['ttft_s'].get('document question'), 99)} "
                      f"| {r['requests'] / r['wall_s']:.2f} | {moved} | {rate} |")
     lines += ["", "TTFT p50 by turn (ms):", "", "| fleet | " + " | ".join(turns) + " |",
@@ -311,7 +321,18 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=common.RESULTS)
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the instances' logs there (default: a "
                         "temporary directory)")
+    parser.add_argument("--table-of", type=Path, default=None, help="print the table of a result file written "
+                        "before (its own run's settings), and write nothing")
     args = parser.parse_args()
+    if args.table_of is not None:
+        kept = json.loads(args.table_of.read_text())
+        cpu = kept["cpu"]
+        header = (f"# {TITLE}\n\ncommit {kept['commit']}, {kept['when']}; `{kept['command']}` (table: "
+                  f"`bench_pool.py --table-of {args.table_of.name}` at {common.commit()})\n\nCPU: {cpu['model']}, "
+                  f"{cpu['cores']} cores, flags {' '.join(cpu['flags'])}; dtype {kept['dtype']}\n")
+        print(report(kept["results"], kept["bare_store_gbps"], argparse.Namespace(**kept["args"]), kept["dtype"],
+                     header))
+        return
     dtype = args.dtype or common.native_dtype()
     model = build_model(args.model, quiet=True)
     serve_args = serve_args_for(dtype)

@@ -330,9 +330,12 @@ class MooncakeStore(KVStoreBufferBase):
         registered memory, ``out`` among it, even after the check)."""
         if not keys:
             return 0
+        return self.fetch(keys, out, timeout).check(copy_to)
+
+    def fetch(self, keys: list[str], out: torch.Tensor, timeout: float) -> Fetched:
+        """``get_into``'s first half: the objects of ``keys`` brought into ``out`` (and their tags), not checked yet:
+        ``Fetched.check`` does that (a caller overlaps one fetch with the check of the last)."""
         base, size = self._rows(out, len(keys))
-        if copy_to is not None and (copy_to.shape[0] < len(keys) or copy_to[0].nbytes != size):
-            raise ValueError("copy_to must have a row of the same size per key")
         slots = self._take_tags(len(keys), timeout)
         tags = self._tags.data_ptr()
         done = threading.Event()
@@ -346,13 +349,10 @@ class MooncakeStore(KVStoreBufferBase):
         except BaseException:  # it never started
             self._give_tags(slots)
             raise
-        try:
-            return self._check(keys, out, slots, codes, size, copy_to)
-        finally:
-            self._give_tags(slots)
+        return Fetched(self, keys, out, slots, codes, size)
 
-    def _check(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int,
-               copy_to: torch.Tensor | None) -> int:
+    def _verify(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int,
+                copy_to: torch.Tensor | None) -> int:
         """How many objects, from the first, arrived whole with a tag that matches their key and bytes (checked in
         ``copy_to``, if given, after copying them there). Every object that arrived is checked, and each that fails,
         or that is not of a block's size, is removed from the pool (so that the fleet's next put of its key stores
@@ -406,3 +406,36 @@ class MooncakeStore(KVStoreBufferBase):
             if client is not None:
                 client.close()
         threading.Thread(target=leave, name="mooncake-pool-close", daemon=True).start()
+
+
+class Fetched:
+    """Objects ``fetch`` brought in, to be checked once (``check``: how many, from the first, arrived whole and
+    checked; ``copy_to`` as ``get_into``'s). Their tag slots are held until then."""
+
+    def __init__(self, store: MooncakeStore, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int],
+                 size: int) -> None:
+        self._store, self._keys, self._out, self._slots, self._codes, self._size = store, keys, out, slots, codes, size
+        self._checked = False
+
+    def check(self, copy_to: torch.Tensor | None = None) -> int:
+        if self._checked:
+            raise RuntimeError("fetched objects are checked once")
+        self._checked = True
+        if copy_to is not None and (copy_to.shape[0] < len(self._keys) or copy_to[0].nbytes != self._size):
+            self._store._give_tags(self._slots)
+            raise ValueError("copy_to must have a row of the same size per key")
+        try:
+            return self._store._verify(self._keys, self._out, self._slots, self._codes, self._size, copy_to)
+        finally:
+            self._store._give_tags(self._slots)
+
+    @property
+    def arrived(self) -> bool:
+        """Every object came, of a block's size (its check may still fail)."""
+        return all(code == self._size + TAG for code in self._codes)
+
+    def discard(self) -> None:
+        """Not to be checked: its tag slots go back."""
+        if not self._checked:
+            self._checked = True
+            self._store._give_tags(self._slots)

@@ -36,7 +36,7 @@ from kv_connector.cache.staging import CacheSuspended, KVStaging, Staged
 from kv_connector.metadata import LoadRequest, PoolSave
 from kv_connector.stats import StatsRecorder
 from kv_connector.worker.transfer import KVMiss, LoadResult
-from kv_lookup_buffer import TAG, MooncakeStore, StoreError, StoreTimeout, block_keys
+from kv_lookup_buffer import TAG, Fetched, MooncakeStore, StoreError, StoreTimeout, block_keys
 
 logger = logging.getLogger(f"vllm.{__name__}")
 SAVE_TIMEOUT = 10.0  # seconds each store call of a save may take (it runs off the forward path)
@@ -110,32 +110,42 @@ class KVPool:
 
     # ---------------------------------------------------------------- loads (a loader thread)
     def load(self, req: LoadRequest, deadline: float) -> LoadResult:
-        """Write the pool's blocks of ``req`` into its blocks, a piece at a time: the next piece is fetched and
-        checked while this one is copied into the cache. The first block that is missing or fails its check ends the
-        load there (``LoadResult.written``; the rest is computed). ``KVMiss``: none."""
+        """Write the pool's blocks of ``req`` into its blocks, a piece at a time: the next piece is fetched while this
+        one is copied out of the registered memory, checked and copied into the cache. The first block that is missing
+        or fails its check ends the load there (``LoadResult.written``; the rest is computed). ``KVMiss``: none."""
         start = time.perf_counter()
         n = len(req.block_ids)
         keys = self.keys(req.token_ids, req.first_block, n)
         parts = [keys[lo:lo + self.load_blocks] for lo in range(0, len(keys), self.load_blocks)]
-        written, waited, copying = 0, 0.0, 0.0
+        written, waited, checking, copying = 0, 0.0, 0.0, 0.0
         pending = self._fetches.submit(self._fetch, parts[0], deadline) if parts else None
-        for i, part in enumerate(parts):
-            assert pending is not None
-            asked = time.perf_counter()
-            try:
-                got, rows = pending.result(timeout=max(deadline - time.monotonic(), 0.001))
-            except FutureTimeout:
-                raise TimeoutError("the pool did not answer by the load's deadline (load_timeout)") from None
-            arrived = time.perf_counter()
-            pending = self._fetches.submit(self._fetch, parts[i + 1], deadline) \
-                if got == len(part) and i + 1 < len(parts) else None
-            if got:
-                self.staging.scatter(req.block_ids[written:written + got], rows[:got])
-            del rows  # its piece of memory goes back
-            waited, copying = waited + arrived - asked, copying + time.perf_counter() - arrived
-            written += got
-            if got < len(part):
-                break
+        try:
+            for i, part in enumerate(parts):
+                assert pending is not None
+                asked = time.perf_counter()
+                try:
+                    fetched, landing = pending.result(timeout=max(deadline - time.monotonic(), 0.001))
+                except FutureTimeout:
+                    raise TimeoutError("the pool did not answer by the load's deadline (load_timeout)") from None
+                pending = self._fetches.submit(self._fetch, parts[i + 1], deadline) \
+                    if fetched.arrived and i + 1 < len(parts) else None
+                arrived = time.perf_counter()
+                rows = self.private.take(len(part) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0)
+                                         ).view(list(landing.shape), landing.dtype)
+                got = fetched.check(copy_to=rows)
+                del fetched, landing  # its piece of the registered memory goes back
+                checked = time.perf_counter()
+                if got:
+                    self.staging.scatter(req.block_ids[written:written + got], rows[:got])
+                del rows
+                waited += arrived - asked
+                checking, copying = checking + checked - arrived, copying + time.perf_counter() - checked
+                written += got
+                if got < len(part):
+                    break
+        finally:
+            if pending is not None:  # a piece fetched ahead that is not used: its tag slots go back
+                pending.add_done_callback(lambda f: f.exception() is None and f.result()[0].discard())
         if not written:
             self.stats.count("pool_load_misses")
             raise KVMiss()
@@ -143,25 +153,20 @@ class KVPool:
         self.stats.count("pool_loaded_bytes", nbytes)
         seconds = time.perf_counter() - start
         return LoadResult(written, nbytes, 0, "pool", f"from the pool: {written} of {n} blocks in {len(parts)} "
-                          f"piece(s), {seconds * 1e3:.1f} ms: waiting for gets and checks {waited * 1e3:.1f} ms, "
-                          f"copies into the KV cache {copying * 1e3:.1f} ms")
+                          f"piece(s), {seconds * 1e3:.1f} ms: waiting for gets {waited * 1e3:.1f} ms, checks "
+                          f"{checking * 1e3:.1f} ms, copies into the KV cache {copying * 1e3:.1f} ms")
 
-    def _fetch(self, keys: list[str], deadline: float) -> tuple[int, torch.Tensor]:
-        """Get the objects of ``keys`` into the registered memory, copy them out of it (the engine serves that
-        memory to whoever reaches it: the copy is what is checked and written into the cache), and check them: how
-        many arrived whole and checked, and the copy (its rows beyond those undefined)."""
+    def _fetch(self, keys: list[str], deadline: float) -> tuple[Fetched, torch.Tensor]:
+        """Get the objects of ``keys`` into the registered memory (not checked yet: ``load`` copies them out and
+        checks the copy, as the engine serves that memory to whoever reaches it)."""
         shape = [len(keys), len(self.layout.layers), *self.layout.descriptor["block"]]
-        dtype = self.layout.layers[0].dtype
         piece = self.memory.take(len(keys) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0))
-        landing = piece.view(shape, dtype)
-        rows = self.private.take(len(keys) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0)).view(
-            shape, dtype)
+        landing = piece.view(shape, self.layout.layers[0].dtype)
         try:
-            got = self.store.get_into(keys, landing, timeout=max(deadline - time.monotonic(), 0.001), copy_to=rows)
+            return self.store.fetch(keys, landing, timeout=max(deadline - time.monotonic(), 0.001)), landing
         except StoreTimeout as e:
             self._keep_until(piece, e)
             raise TimeoutError(f"the pool did not answer by the load's deadline: {e}") from None
-        return got, rows
 
     @staticmethod
     def _keep_until(holder: object, stuck: StoreTimeout) -> None:
