@@ -256,11 +256,13 @@ class MooncakeStore(KVStoreBufferBase):
             self.stats.add("timeouts")
             raise StoreTimeout(f"the pool did not answer within {timeout:.1f} s", future) from None
 
-    def _tag(self, key: str, row: torch.Tensor) -> bytes:
+    def _tag(self, key: str, row: torch.Tensor | list[torch.Tensor]) -> bytes:
+        """The tag of an object's bytes: ``row``, or the pieces whose concatenation they are."""
         h = blake3.blake3(key=self._key) if self._key is not None else blake3.blake3()
         h.update(key.encode())
         h.update(b"\0")
-        h.update(row.reshape(-1).view(torch.uint8).numpy())
+        for piece in row if isinstance(row, list) else [row]:
+            h.update(piece.reshape(-1).view(torch.uint8).numpy())
         return h.digest(TAG)
 
     def _rows(self, values: torch.Tensor, n: int) -> tuple[int, int]:
@@ -352,11 +354,11 @@ class MooncakeStore(KVStoreBufferBase):
         return Fetched(self, keys, out, slots, codes, size)
 
     def _verify(self, keys: list[str], out: torch.Tensor, slots: list[int], codes: list[int], size: int,
-                copy_to: torch.Tensor | None) -> int:
+                copy_to: torch.Tensor | None, where: list[list[torch.Tensor]] | None = None) -> int:
         """How many objects, from the first, arrived whole with a tag that matches their key and bytes (checked in
-        ``copy_to``, if given, after copying them there). Every object that arrived is checked, and each that fails,
-        or that is not of a block's size, is removed from the pool (so that the fleet's next put of its key stores
-        the real one)."""
+        ``copy_to``, if given, after copying them there; in ``where[i]``, if given: the pieces the caller copied
+        object i into). Every object that arrived is checked, and each that fails, or that is not of a block's size,
+        is removed from the pool (so that the fleet's next put of its key stores the real one)."""
         good, ended = 0, False
         for i, (key, slot, code) in enumerate(zip(keys, slots, codes, strict=False)):
             if code == -704 or (code < 0 and code not in WRONG_SIZE):  # not there (evicted, holder gone), unreachable
@@ -366,9 +368,11 @@ class MooncakeStore(KVStoreBufferBase):
                 ended = True
                 continue
             tag = bytes(self._tags[slot * TAG:(slot + 1) * TAG].numpy())
-            row = out[i]
-            if copy_to is not None and code == size + TAG:
-                copy_to[i].copy_(row)
+            row: torch.Tensor | list[torch.Tensor] = out[i]
+            if where is not None:
+                row = where[i]
+            elif copy_to is not None and code == size + TAG:
+                copy_to[i].copy_(out[i])
                 row = copy_to[i]
             if code != size + TAG or not hmac.compare_digest(tag, self._tag(key, row)):
                 self.stats.add("rejected")
@@ -417,17 +421,33 @@ class Fetched:
         self._store, self._keys, self._out, self._slots, self._codes, self._size = store, keys, out, slots, codes, size
         self._checked = False
 
-    def check(self, copy_to: torch.Tensor | None = None) -> int:
+    def check(self, copy_to: torch.Tensor | None = None, where: list[list[torch.Tensor]] | None = None) -> int:
+        """``where``: the caller copied each object, as it arrived, out of the registered memory into pieces of memory
+        the store does not know (``where[i]``, in order: e.g. a block's layers in a KV cache): those are checked."""
         if self._checked:
             raise RuntimeError("fetched objects are checked once")
         self._checked = True
         if copy_to is not None and (copy_to.shape[0] < len(self._keys) or copy_to[0].nbytes != self._size):
             self._store._give_tags(self._slots)
             raise ValueError("copy_to must have a row of the same size per key")
+        if where is not None and (len(where) < len(self._keys) or any(
+                sum(p.nbytes for p in pieces) != self._size for pieces in where[:len(self._keys)])):
+            self._store._give_tags(self._slots)
+            raise ValueError("where must give the pieces of a row of the same size per key")
         try:
-            return self._store._verify(self._keys, self._out, self._slots, self._codes, self._size, copy_to)
+            return self._store._verify(self._keys, self._out, self._slots, self._codes, self._size, copy_to, where)
         finally:
             self._store._give_tags(self._slots)
+
+    @property
+    def arrived_count(self) -> int:
+        """How many objects, from the first, came whole (not checked yet)."""
+        n = 0
+        for code in self._codes:
+            if code != self._size + TAG:
+                break
+            n += 1
+        return n
 
     @property
     def arrived(self) -> bool:

@@ -6,8 +6,9 @@ its tokens. The same prefix computed on any instance of the same model and layou
 every rank, is stored by the first rank only and read by all.
 
 Memory: host memory of the pool's own (``local_buffer_size``, pinned for a device cache), registered with the store:
-gets land there and puts go from there. A get is copied out of it before its check (the engine serves registered
-memory to whoever reaches it: what is checked must be what is written into the cache).
+gets land there and puts go from there. What is checked is never that memory (the engine serves registered memory to
+whoever reaches it): a host cache's blocks are checked once copied into them (a block that fails is one vLLM
+computes again), a device cache's objects in a copy of their own before they go to the device.
 
 Saves: copies out of the cache never wait for the pool (an ended request's held blocks are copied out first and
 reported copied, then put); puts run one at a time in the background, at most ``MAX_PUTS`` waiting (more are
@@ -84,8 +85,12 @@ class KVPool:
         store.register(self.memory.memory)
         self.chunk_blocks = max(1, min(CHUNK_BYTES, self.memory.capacity // 2) // layout.row_bytes)
         self.load_blocks = max(1, min(LOAD_PIECE_BYTES, self.memory.capacity // 4) // layout.row_bytes)
-        # what a get copied out of the registered memory to be checked: memory the store does not know
-        self.private = PinnedArena(min(FETCHERS * LOAD_PIECE_BYTES, memory_bytes), pinned=staging.on_device)
+        # a host cache whose blocks lie whole in each layer: what a get brought is copied into the blocks and
+        # checked there; else it is copied out of the registered memory into memory the store does not know, checked
+        # there, and copied into the cache from there
+        self.check_in_cache = layout.on_host and layout.block_dim == 0
+        self.private = PinnedArena(0 if self.check_in_cache else min(FETCHERS * LOAD_PIECE_BYTES, memory_bytes),
+                                   pinned=staging.on_device)
         self._fetches = ThreadPoolExecutor(max_workers=FETCHERS, thread_name_prefix="mooncake-pool-fetch")
         self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-pool-copy",
                                           initializer=staging.bind_thread)
@@ -130,16 +135,27 @@ class KVPool:
                 pending = self._fetches.submit(self._fetch, parts[i + 1], deadline) \
                     if fetched.arrived and i + 1 < len(parts) else None
                 arrived = time.perf_counter()
-                rows = self.private.take(len(part) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0)
-                                         ).view(list(landing.shape), landing.dtype)
-                got = fetched.check(copy_to=rows)
+                ids = req.block_ids[written:written + len(part)]
+                if self.check_in_cache:  # copied into the blocks, then checked there (never where the engine writes)
+                    self.staging.scatter(ids[:fetched.arrived_count], landing)
+                    copied = time.perf_counter()
+                    got = fetched.check(where=[[layer[block] for layer in self.layout.layers] for block in ids])
+                    checked = time.perf_counter()
+                else:  # copied out of the registered memory, checked there, then into the cache
+                    rows = self.private.take(len(part) * self.layout.row_bytes, max(deadline - time.monotonic(), 0.0)
+                                             ).view(list(landing.shape), landing.dtype)
+                    got = fetched.check(copy_to=rows)
+                    checked = time.perf_counter()
+                    if got:
+                        self.staging.scatter(ids[:got], rows[:got])
+                    copied = time.perf_counter()
+                    del rows
                 del fetched, landing  # its piece of the registered memory goes back
-                checked = time.perf_counter()
-                if got:
-                    self.staging.scatter(req.block_ids[written:written + got], rows[:got])
-                del rows
                 waited += arrived - asked
-                checking, copying = checking + checked - arrived, copying + time.perf_counter() - checked
+                if self.check_in_cache:
+                    copying, checking = copying + copied - arrived, checking + checked - copied
+                else:
+                    checking, copying = checking + checked - arrived, copying + copied - checked
                 written += got
                 if got < len(part):
                     break

@@ -4,6 +4,8 @@ it is held; a producer finds the prompts it prefills in the pool too. Bytes and 
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 
 from harness.store import MooncakeMaster
 from harness.vllm import VllmServer
-from tests.kv_connector.instance_stats import kv_stats
+from tests.kv_connector.instance_stats import diff, kv_stats
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, blocks, start_pair
 from tests.kv_connector.pool_traffic import settled, stored_blocks, turn
 from tests.kv_connector.prompts import MAX_TOKENS, prefill, prompt
@@ -84,3 +86,24 @@ def test_the_longer_of_the_hand_off_and_the_pool_is_loaded_from_where_it_is_held
     assert change.get("local_hits") == 3 * BLOCK, change
     assert change.get("fetched_bytes") == (blocks(len(question) - 1) - 3) * ROW_BYTES, change
     assert not change.get("pool_loaded"), change
+
+
+def test_through_the_proxy_a_follow_up_the_pool_holds_skips_its_remote_prefill(pool_pair, proxy_for, reference):
+    """The proxy reads the pool off the instances' /metrics. A first turn goes the usual way (prefill, then decode);
+    the next turn adds a short message to its history: the pool and the consumer hold all but a tail the consumer
+    computes itself, so the proxy sends it straight there (``--pool-tail``), with ``mooncake_pool_only``: no prefill
+    on the producer, the right text."""
+    producer, consumer = pool_pair
+    proxy = proxy_for([producer], [consumer])
+    tokens = prompt(9830, 3 * BLOCK + 40)
+    answer = proxy.post("/v1/completions", {"model": consumer.model, "prompt": tokens, "max_tokens": 24,
+                                            "temperature": 0.0, "return_token_ids": True})["choices"][0]["token_ids"]
+    time.sleep(1.0)  # the decode's pool save, and a moment for the proxy to have read both instances' /metrics
+    follow = tokens + answer + prompt(9831, 20)
+    before_p = kv_stats(producer)
+    assert proxy.complete(follow, MAX_TOKENS) == reference.complete(follow, MAX_TOKENS)
+    prefilled = diff(kv_stats(producer), before_p)
+    assert not prefilled.get("saved"), prefilled  # no remote prefill
+    with urllib.request.urlopen(f"{proxy.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'reason="pooled"' in text and "mooncake_proxy_prefill_skipped_total 1.0" in text
