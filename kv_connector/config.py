@@ -56,6 +56,7 @@ class ConnectorOptions:
     hold_blocks: str = "auto"
     pool_namespace: str = ""
     pool_save_output: bool = True
+    pool_lookups: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorOptions:
@@ -97,7 +98,7 @@ class ConnectorOptions:
                 not 0 <= opts.recompute_tokens <= 4096:
             raise ConfigError("kv_connector_extra_config.recompute_tokens: expected an integer from 1 to 4096 (or 0 "
                               f"for the default), got {opts.recompute_tokens!r}")
-        for name in ("receive_into_cache", "pool_save_output"):
+        for name in ("receive_into_cache", "pool_save_output", "pool_lookups"):
             if not isinstance(getattr(opts, name), bool):
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected true or false")
         if not isinstance(opts.pool_namespace, str) or len(opts.pool_namespace) > 256:
@@ -239,9 +240,13 @@ class ConnectorConfig:
         return self.kv_role == "kv_consumer"
 
     @property
+    def looks_in_pool(self) -> bool:
+        return self.store is not None and self.options.pool_lookups
+
+    @property
     def loads(self) -> bool:
-        """This instance loads KV: a consumer, or any instance with a pool."""
-        return self.has_producer or self.store is not None
+        """This instance loads KV: a consumer, or any instance that looks in a pool."""
+        return self.has_producer or self.looks_in_pool
 
     @property
     def push_mode(self) -> bool:

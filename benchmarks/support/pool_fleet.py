@@ -1,8 +1,9 @@
 """The fleets bench_pool starts, one at a time, on 127.0.0.1, each instance pinned to a core of its own: two
 colocated instances without a pool (``colocated``), two ``kv_both`` instances sharing our KV pool (``pool``), two
 instances sharing a pool through vLLM's own ``MooncakeStoreConnector`` (``vllm-store``), and a disaggregated pair,
-producer and consumer, without and with our pool (``1p1d``, ``1p1d-pool``); a ``mooncake_master`` for the fleets
-with a pool. ``ask`` sends one request the way each fleet is driven and times its first token."""
+producer and consumer, without and with our pool (``1p1d``, ``1p1d-pool``, and ``1p1d-pool-store-only``: its
+producer stores in the pool but never looks there); a ``mooncake_master`` for the fleets with a pool. ``ask`` sends
+one request the way each fleet is driven and times its first token."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from harness.ports import free_port
 from harness.store import MooncakeMaster
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 
-FLEETS = ("colocated", "pool", "vllm-store", "1p1d", "1p1d-pool")
+FLEETS = ("colocated", "pool", "vllm-store", "1p1d", "1p1d-pool", "1p1d-pool-store-only")
 SEGMENT = 1 << 30  # each instance's share of a pool
 BUFFER = 256 << 20
 SECRET = "bench-pool-secret-" + "3" * 32  # our fleets run with one, as deployed: the pool's tags are MACs under it
@@ -44,7 +45,8 @@ class Fleet:
 
 def start(kind: str, model: Path, work: Path, serve_args: list[str]) -> Fleet:
     work.mkdir(parents=True, exist_ok=True)
-    master = MooncakeMaster(work).start() if kind in ("pool", "vllm-store", "1p1d-pool") else None
+    master = MooncakeMaster(work).start() if kind in ("pool", "vllm-store", "1p1d-pool", "1p1d-pool-store-only") \
+        else None
     store = {} if master is None else {"master_server_address": master.address, "global_segment_size": SEGMENT,
                                        "local_buffer_size": BUFFER}
     config = mooncake_json(work / "mooncake.json", timeout=30, **store)
@@ -54,9 +56,10 @@ def start(kind: str, model: Path, work: Path, serve_args: list[str]) -> Fleet:
         roles = [(connector_config("kv_both"), config)] * 2
     elif kind == "vllm-store":
         roles = [({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}, config)] * 2
-    else:
-        roles = [(connector_config("kv_producer"), config), (connector_config("kv_consumer"), config)]
-    env = {"MOONCAKE_KV_SECRET": SECRET} if kind in ("pool", "1p1d", "1p1d-pool") else None  # as deployed
+    else:  # the store-only producer stores what it computes and never looks in the pool (pool_lookups false)
+        producer = connector_config("kv_producer", **({"pool_lookups": False} if kind.endswith("store-only") else {}))
+        roles = [(producer, config), (connector_config("kv_consumer"), config)]
+    env = {"MOONCAKE_KV_SECRET": SECRET} if kind != "vllm-store" and kind != "colocated" else None  # as deployed
     instances = [VllmServer(f"{kind}-{i}", model, free_port(), i, work, transfer, path, serve_args, env)
                  for i, (transfer, path) in enumerate(roles)]
     try:

@@ -149,7 +149,7 @@ class ConsumerScheduler:
             lookup = self.lookups[req_id] = _Lookup(secrets.randbits(62) + 1, source, now)
         lookup.asked = now
         self.to_look.append(LookupRequest(req_id, lookup.lease, list(request.prompt_token_ids or ()), source,
-                                          self.lease_seconds, pool=poolable(request)))
+                                          self.lease_seconds, pool=self.config.looks_in_pool and poolable(request)))
         return None
 
     def _release(self, req_id: str) -> None:

@@ -87,7 +87,8 @@ class ConnectorWorker:
         if self.config.store is not None:
             self.pool = self._pool(self.layout, split, spec.block_size)
         if self.config.is_both:  # no pipe: KV comes from and goes to the pool only
-            self._start_loads(spec.rank)
+            if self.config.loads:
+                self._start_loads(spec.rank)
             self._log_ready(spec.rank, split, "none (kv_both)", "none")
             return
         endpoint = self._endpoint(spec.rank, self.layout)
@@ -195,7 +196,7 @@ class ConnectorWorker:
                                (lambda req: transfer.producers(req.source)) if transfer else lambda req: [],
                                transfer.release if transfer else lambda release: None, rank,
                                self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF,
-                               pool=pool.lookup if pool is not None else None)
+                               pool=pool.lookup if pool is not None and self.config.looks_in_pool else None)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:
         layout = self.layout

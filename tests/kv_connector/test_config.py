@@ -62,6 +62,9 @@ def test_the_pool_is_on_with_a_master_and_kv_both_needs_it(tmp_path, monkeypatch
     assert cfg.store is not None and cfg.store.master_server_address == "127.0.0.1:50051"
     assert (cfg.store.global_segment_size, cfg.store.local_buffer_size) == (1 << 30, 256 << 20)
     assert ConnectorConfig.from_vllm(vllm_config("kv_producer")).loads  # a producer loads from the pool too
+    stores_only = ConnectorConfig.from_vllm(vllm_config("kv_producer", {"pool_lookups": False}))
+    assert not stores_only.loads and not stores_only.looks_in_pool and stores_only.store is not None
+    assert ConnectorConfig.from_vllm(vllm_config("kv_consumer", {"pool_lookups": False})).loads  # its producer
 
 
 @pytest.mark.parametrize("keys, message", [
