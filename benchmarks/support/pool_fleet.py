@@ -7,15 +7,12 @@ one request the way each fleet is driven and times its first token."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.support.stacks import REQUEST_TIMEOUT, post
+from benchmarks.support.stacks import post, stream
 from harness.ports import free_port
 from harness.store import MooncakeMaster
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
@@ -73,32 +70,9 @@ def start(kind: str, model: Path, work: Path, serve_args: list[str]) -> Fleet:
 
 def stream_ids(url: str, body: dict[str, Any]) -> tuple[float, list[int]]:
     """A streamed completion: (seconds to its first chunk, the answer's token ids)."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
-    start = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "return_token_ids": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url} answered {resp.status}: {resp.read(500)!r}")
-        first: float | None = None
-        ids: list[int] = []
-        for line in resp:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter() - start
-            for choice in json.loads(payload).get("choices", []):
-                ids += choice.get("token_ids") or []
-        if first is None:
-            raise RuntimeError(f"{url} streamed no tokens")
-        return first, ids
-    finally:
-        conn.close()
+    ids: list[int] = []
+    first, _, _ = stream(url, "/v1/completions", {**body, "return_token_ids": True}, ids)
+    return first, ids
 
 
 def ask(fleet: Fleet, route: int, tokens: list[int], max_tokens: int) -> tuple[float, list[int]]:

@@ -38,8 +38,9 @@ OURS_FAILED = re.compile(r"MooncakeConnector: (?:loading the KV of request|the p
 
 
 # ----------------------------------------------------------------------------- HTTP client
-def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
-    """POST a streamed completion; returns (seconds to the first chunk, seconds to the end, text)."""
+def stream(url: str, path: str, body: dict[str, Any], ids: list[int] | None = None) -> tuple[float, float, str]:
+    """POST a streamed completion; returns (seconds to the first chunk, seconds to the end, text). ``ids``: gets the
+    answer's token ids (the body asks for them with ``return_token_ids``)."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
     start = time.perf_counter()
@@ -60,6 +61,8 @@ def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str
                 first = time.perf_counter() - start
             for choice in json.loads(payload).get("choices", []):
                 text.append(choice.get("text") or "")
+                if ids is not None:
+                    ids += choice.get("token_ids") or []
         if first is None:
             raise RuntimeError(f"{url}{path} streamed no tokens")
         return first, time.perf_counter() - start, "".join(text)
