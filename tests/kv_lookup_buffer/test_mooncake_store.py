@@ -143,14 +143,14 @@ def test_a_dead_master_answers_at_once_and_a_restarted_one_serves_again(master):
         keys = programs.pool_keys(7, 2)
         master.kill()
         start = time.monotonic()
-        with pytest.raises(StoreError):  # refused at once
+        with pytest.raises(StoreError):  # refused at once (at the latest by its timeout)
             pool.contains(keys, timeout=1)
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 3  # margins for a loaded machine: the engine's own wait is 30 s
         try:  # a put retries the master for a few seconds: it ends by its timeout
             assert pool.put(keys, rows, timeout=1) == 0
         except StoreTimeout:
             pass
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 6
         master.start()  # the same ports; the new master knows no object and no segment yet
         deadline = time.monotonic() + 30
         while pool.put(keys, rows, timeout=5) < 2:
@@ -179,7 +179,7 @@ def test_a_frozen_master_costs_a_caller_its_timeout_only(master):
                 call()
             except StoreTimeout as e:
                 stuck.append(e.done)
-            assert time.monotonic() - start < 2.5
+            assert time.monotonic() - start < 4  # its timeout, with a margin for a loaded machine (not the 30 s)
         assert stuck and pool.stats["timeouts"] == len(stuck)  # the put at least needs the master
         master.thaw()
         for done in stuck:
@@ -303,7 +303,7 @@ def test_a_frozen_master_at_start_up_stops_nothing(master):
         while time.monotonic() - start < 3:  # this process's Python runs on meanwhile
             ticks += 1
             time.sleep(0.1)
-        assert ticks >= 20 and not pool.joined
+        assert ticks >= 10 and not pool.joined  # (a held GIL would have allowed one)
         with pytest.raises(StoreError, match="not in the KV pool yet"):
             pool.contains(programs.pool_keys(15, 1), timeout=1)
         master.thaw()
