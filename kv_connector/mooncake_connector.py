@@ -112,14 +112,12 @@ class MooncakeConnector(KVConnectorBase_V1):
             logger.info("MooncakeConnector: KV pool at master %s: each request %s the pool how much of its prompt "
                         "it holds, loads the longest prefix found, and stores its blocks there when it ends",
                         config.store.master_server_address, "asks its producer and" if config.has_producer else "asks")
-        if not config.has_producer:
-            return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute,
-                                     pool.found if pool is not None else None)
-        logger.info("MooncakeConnector: kv_load_failure_policy=%s: each request asks its producer how much of its "
-                    "prompt it holds and claims only that (found nothing: computed here); %s", "fail" if fail else
-                    "recompute", "a KV load that was found and then fails ends its request with an error (set "
-                    "kv_load_failure_policy to recompute in --kv-transfer-config to recompute the prompt instead)"
-                    if fail else "a KV load that fails is recomputed here")
+        if config.has_producer:
+            logger.info("MooncakeConnector: kv_load_failure_policy=%s: each request asks its producer how much of its "
+                        "prompt it holds and claims only that (found nothing: computed here); %s", "fail" if fail else
+                        "recompute", "a KV load that was found and then fails ends its request with an error (set "
+                        "kv_load_failure_policy to recompute in --kv-transfer-config to recompute the prompt instead)"
+                        if fail else "a KV load that fails is recomputed here")
         return ConsumerScheduler(config, vllm_config.cache_config.block_size, recompute,
                                  pool.found if pool is not None else None)
 

@@ -7,9 +7,9 @@ secret when one is set (a MAC: an object forged, altered or put under another ke
 one (catches corruption only). A get checks each object before it counts; one that fails is counted, removed from
 the pool (its key can be put again) and ends the batch there.
 
-The store's calls block (a frozen master holds one for 30 s): each runs in a thread of this buffer's own and is
-waited for until its timeout, then reported as ``StoreTimeout``; the memory it reads or writes stays the caller's
-to keep until ``StoreTimeout.done`` (the call really ended).
+The store's calls block (a frozen master holds one until the engine's own RPC timeout): each runs in a thread of this
+buffer's own and is waited for until its timeout, then reported as ``StoreTimeout``; the memory it reads or writes
+stays the caller's to keep until ``StoreTimeout.done`` (the call really ended).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ KEY_PREFIX = "mkv1"
 TAG_CONTEXT = "mooncake-kv-transfer pool object tag v1"
 MAX_TAGS = 8192  # objects in flight at once (their tags live in one registered array)
 THREADS = 8
-SETUP_TIMEOUT = 30.0
 JOIN_WAIT = 10.0  # seconds the constructor waits for the client to join the pool (then it joins in the background)
 JOIN_RETRY = 5.0  # seconds between attempts to join a pool whose master did not take the client
 PROBE_TIMEOUT = 2.0  # seconds to connect to the master before an attempt to join
@@ -88,6 +87,11 @@ def block_keys(namespace: str, tokens: Sequence[int], block_size: int, first: in
 
 def _describe(code: int) -> str:
     return f"{code} ({CODES[code]})" if code in CODES else str(code)
+
+
+def _register_with(client: Any, memory: torch.Tensor) -> int:
+    """Register ``memory`` with a store client; its return code."""
+    return client.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
 
 
 class MooncakeStore(KVStoreBufferBase):
@@ -136,8 +140,8 @@ class MooncakeStore(KVStoreBufferBase):
 
     def _join(self, client_cls: type, setup: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Join the pool, trying again every ``JOIN_RETRY`` seconds until it works (a master that is down when the
-        instance starts, or not up yet). One attempt at a time: the engine's setup waits up to ~90 s for a master
-        that does not answer."""
+        instance starts, or not up yet). One attempt at a time: the engine's setup waits long for a master that does
+        not answer."""
         failures = 0
         while not self._closed:
             rc = self._master_answers(setup)
@@ -160,7 +164,7 @@ class MooncakeStore(KVStoreBufferBase):
     def _master_answers(self, setup: tuple[Any, ...]) -> int:
         """0 if a client of the master in a process of its own could join it just now, else -900 (unreachable) or
         -901 (no answer in time). Asked before each attempt to join: the engine's setup holds the GIL (this whole
-        process stops) while it waits for a master, ~90 s for one that is down, for ever for one frozen."""
+        process stops) while it waits for a master, long for one that is down, for ever for one frozen."""
         host, port = parse_host_port(self.config.master_server_address, "master_server_address")
         try:
             socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
@@ -184,7 +188,7 @@ class MooncakeStore(KVStoreBufferBase):
                 threading.Thread(target=client.close, daemon=True).start()
                 return
             for memory in self._registered:
-                rc = client.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
+                rc = _register_with(client, memory)
                 if rc != 0:
                     logger.error("registering %d bytes with the KV pool's client failed (%s): the pool is off",
                                  memory.nbytes, _describe(rc))
@@ -215,7 +219,7 @@ class MooncakeStore(KVStoreBufferBase):
             raise ValueError("only contiguous host memory can be registered with the store")
         with self._lock:
             if self._client is not None:
-                rc = self._client.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
+                rc = _register_with(self._client, memory)
                 if rc != 0:
                     raise StoreError(f"registering {memory.nbytes} bytes with the store failed ({_describe(rc)})")
             self._registered.append(memory)
@@ -452,7 +456,7 @@ class Fetched:
     @property
     def arrived(self) -> bool:
         """Every object came, of a block's size (its check may still fail)."""
-        return all(code == self._size + TAG for code in self._codes)
+        return self.arrived_count == len(self._codes)
 
     def discard(self) -> None:
         """Not to be checked: its tag slots go back."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kv_connector.metadata import PoolSave
+from kv_connector.scheduler.steps import scheduled_starts
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,11 +62,8 @@ class PoolSaves:
 
     def build_meta(self, out: SchedulerOutput) -> list[PoolSave]:
         """The saves of this step: the prompts it completes, and the requests that ended since the last step."""
-        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         state = out.kv_connector_block_state
-        for req_id, start in starts.items():
+        for req_id, start in scheduled_starts(out).items():
             prompt = self.prompts.get(req_id)
             if prompt is None or start + out.num_scheduled_tokens.get(req_id, 0) < len(prompt):
                 continue
@@ -94,18 +92,22 @@ class PoolSaves:
         stored = self.stored.pop(req_id, None)
         if loading or not poolable(request):
             return False
-        copying = stored is not None and self.hold_copies
-        if stored is not None and not self.save_output:
-            if copying:
-                self.held.append(req_id)
-            return copying
+        save = self._output_save(request, block_ids, max(known, stored or 0), stored is not None)
+        if save is not None:
+            self.to_save.append(save)
+            return True
+        copying = stored is not None and self.hold_copies  # its prompt's copy out of the device cache
+        if copying:
+            self.held.append(req_id)
+        return copying
+
+    def _output_save(self, request: Request, block_ids: list[int], first: int, prompt_stored: bool) -> PoolSave | None:
+        """The save of an ended request's whole blocks from ``first`` on (None: nothing left to store)."""
+        if prompt_stored and not self.save_output:
+            return None
         tokens = list(request.all_token_ids if self.save_output else request.prompt_token_ids or ())
         blocks = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.block_size) // self.block_size
         ids = _before_null(list(block_ids[:blocks]))
-        first = max(known, stored or 0)
         if len(ids) <= first:
-            if copying:
-                self.held.append(req_id)
-            return copying
-        self.to_save.append(PoolSave(req_id, tokens[:len(ids) * self.block_size], ids, first))
-        return True
+            return None
+        return PoolSave(request.request_id, tokens[:len(ids) * self.block_size], ids, first)

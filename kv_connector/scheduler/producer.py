@@ -22,6 +22,7 @@ from kv_connector import params as kv_params
 from kv_connector import prompt_blocks as blocks
 from kv_connector.metadata import MooncakeConnectorMetadata, PushStep, SaveRequest
 from kv_connector.param_keys import DO_REMOTE_DECODE
+from kv_connector.scheduler.steps import scheduled_starts
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,10 +72,7 @@ class ProducerScheduler:
         meta = MooncakeConnectorMetadata(idle=out.total_num_scheduled_tokens == 0, abandoned=self.abandoned,
                                          held=self.held, preempted=sorted(out.preempted_req_ids or ()))
         self.abandoned, self.held = [], []
-        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, start in starts.items():
+        for req_id, start in scheduled_starts(out).items():
             prompt = self.prompts.get(req_id)
             if prompt is None or start >= len(prompt):
                 continue

@@ -190,13 +190,11 @@ class ConnectorWorker:
         assert self.staging is not None
         self.loads = Loads(self._load, self.options.load_concurrency, self.options.load_timeout, self.stats,
                            self.staging.bind_thread, fail=self.config.fail_loads)
-        transfer = self.transfer if self.config.has_producer else None
-        pool = self.pool
-        self.lookups = Lookups(transfer.lookup if transfer else _no_producer,
-                               (lambda req: transfer.producers(req.source)) if transfer else lambda req: [],
-                               transfer.release if transfer else lambda release: None, rank,
-                               self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF,
-                               pool=pool.lookup if pool is not None and self.config.looks_in_pool else None)
+        transfer = self.transfer
+        asks = (transfer.lookup, lambda req: transfer.producers(req.source), transfer.release) \
+            if transfer is not None and self.config.has_producer else (None, None, None)  # else the pool only
+        pool = self.pool.lookup if self.pool is not None and self.config.looks_in_pool else None
+        self.lookups = Lookups(*asks, rank, self.options.lookup_timeout, self.stats, LOOKUP_BACKOFF, pool=pool)
 
     def _log_ready(self, rank: int, split: HeadSplit, address: str, peer: str) -> None:
         layout = self.layout
@@ -338,7 +336,3 @@ class ConnectorWorker:
             self.links.close()
         if self.pool is not None:
             self.pool.close()
-
-
-def _no_producer(req, deadline):  # Lookups' producer callback where there is none (kv_both): never asked
-    raise AssertionError("a pool-only lookup asked a producer")

@@ -35,10 +35,11 @@ class ProducerDown(Exception):
 class Lookups:
     """``look(req, deadline)``: the tokens of ``req``'s prompt the producers hold for this rank (raises if it cannot
     tell); ``producers(req)``: the addresses it asks (for the back-off); ``release(release)``: tell them a lease
-    will not be used."""
+    will not be used. All three None: an instance with no producer (its lookups ask the pool only)."""
 
-    def __init__(self, look: Callable[[LookupRequest, float], int], producers: Callable[[LookupRequest], list[str]],
-                 release: Callable[[LeaseRelease], None], rank: int, timeout: float, stats: StatsRecorder,
+    def __init__(self, look: Callable[[LookupRequest, float], int] | None,
+                 producers: Callable[[LookupRequest], list[str]] | None,
+                 release: Callable[[LeaseRelease], None] | None, rank: int, timeout: float, stats: StatsRecorder,
                  backoff: float, thread_init: Callable[[], None] | None = None,
                  pool: Callable[[list[int], float], int] | None = None) -> None:
         """``pool(tokens, deadline)``: the tokens of a prompt the KV pool holds for this rank (None: no pool)."""
@@ -60,6 +61,8 @@ class Lookups:
         self._pool.submit(self._release_quietly, release)
 
     def _release_quietly(self, release: LeaseRelease) -> None:
+        if self._release is None:
+            return
         try:
             self._release(release)
         except Exception as e:  # the lease ends on its own anyway
@@ -68,7 +71,7 @@ class Lookups:
     def _run(self, req: LookupRequest) -> LookupAnswer:
         deadline = time.monotonic() + self.timeout  # from when a thread takes it: its wait in the queue is ours
         asks_pool = self._in_pool is not None and req.pool
-        if req.source.pool_only:
+        if req.source.pool_only or self._look is None:
             pooled = self._ask_pool(req, deadline) if asks_pool else 0
             return LookupAnswer(req.req_id, req.lease, self.rank, 0, "", pooled)
         # both at once, each with the whole deadline: a slow pool must not eat the producer's time, nor the reverse

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kv_connector.cache import block_copy
 from kv_connector.cache.heads import HeadSplit
 from kv_connector.cache.layout import KVCacheLayout
 from kv_connector.cache.pinned import ArenaFull, PinnedArena
@@ -45,25 +46,13 @@ SAVE_ROOM_WAIT = 2.0  # seconds a held request's copy-out waits for room in the 
 SAVE_BACKOFF = 5.0  # seconds no put goes out after one met a pool that did not answer in time
 MAX_PUTS = 16  # saves copied out and waiting for their put; a save beyond them is dropped (counted)
 CHUNK_BYTES = 64 << 20  # a save moves at most this much per store call (and per piece of host memory)
-# a load fetches pieces of this size, the next one while the last is copied into the cache (measured on kv32k's 4 MiB
-# blocks: pieces of 4 blocks kept the engine busy; a get costs ~1 ms besides its bytes)
+# a load fetches pieces of this size, the next one while the last is checked and copied into the cache: small enough
+# to overlap, large enough that a get's fixed cost is small beside its bytes
 LOAD_PIECE_BYTES = 16 << 20
 FETCHERS = 8  # pieces fetched at once, all loads together (each load has one in flight ahead of its copy)
 FAILED_KEPT = 4096  # requests whose loads failed, remembered so that their blocks are never stored
 
 Staging = list[tuple[list[int], torch.Tensor, Any]]  # per chunk: positions in its keys, objects, what holds them
-
-
-def _runs(wanted: list[bool]) -> list[tuple[int, int]]:
-    """The runs ``[lo, hi)`` of consecutive True values."""
-    runs, lo = [], None
-    for i, want in enumerate([*wanted, False]):
-        if want and lo is None:
-            lo = i
-        elif not want and lo is not None:
-            runs.append((lo, i))
-            lo = None
-    return runs
 
 
 def pool_namespace(layout: KVCacheLayout, extra: str = "") -> str:
@@ -311,9 +300,11 @@ class KVPool:
             self._finish_copies(staged)
             there = self.store.present(keys, timeout=SAVE_TIMEOUT)
             for part, slots, holder in staged:
-                for lo, hi in _runs([not there[i] for i in part]):  # objects the pool holds already are left out
+                missing = [j for j, i in enumerate(part) if not there[i]]  # the objects the pool holds are left out
+                for _, lo, n in block_copy.runs(missing):  # each run of them is contiguous: one put
                     try:
-                        stored += self.store.put([keys[i] for i in part[lo:hi]], slots[lo:hi], timeout=SAVE_TIMEOUT)
+                        stored += self.store.put([keys[i] for i in part[lo:lo + n]], slots[lo:lo + n],
+                                                 timeout=SAVE_TIMEOUT)
                     except StoreTimeout as e:  # the put may still read its objects: they are kept until it ended
                         self._keep_until(holder, e)
                         raise
