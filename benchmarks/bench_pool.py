@@ -49,7 +49,6 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.support import common  # noqa: E402
+from benchmarks.support.metrics import scrape  # noqa: E402
 from benchmarks.support.pool_fleet import FLEETS, Fleet, ask, start  # noqa: E402
 from benchmarks.support.stacks import serve_args_for  # noqa: E402
 from harness.store import MooncakeMaster  # noqa: E402
@@ -95,18 +95,6 @@ class Reuse:
 
     def computed(self, tokens: list[int]) -> None:
         self.seen.update(self.chain(tokens))
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:

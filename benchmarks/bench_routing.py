@@ -110,14 +110,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.common import fmt, header, native_dtype, percentile, vllm_version, write  # noqa: E402
+from benchmarks.support.metrics import scrape, scrape_labeled  # noqa: E402
 from benchmarks.support.routing_fleet import (  # noqa: E402
     Fleet,
     cpu_seconds,
     fronts_of,
     kv_bytes_per_token,
     reset_prefix_cache,
-    scrape,
-    scrape_labeled,
 )
 from benchmarks.support.routing_report import (  # noqa: E402
     DECISIONS,

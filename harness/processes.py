@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +21,15 @@ STOP_TIMEOUT = 10.0
 
 class ServerUnavailable(RuntimeError):
     """A server binary is missing or would not start, or no port is free; the message says what to do."""
+
+
+def wheel_binary(name: str) -> str:
+    """A program the Mooncake Transfer Engine wheel installs beside this Python (``mooncake_master``, ...)."""
+    path = Path(sys.executable).parent / name
+    if not path.is_file():
+        raise ServerUnavailable(f"{path} not found: run scripts/setup.sh, which installs the Mooncake Transfer Engine "
+                                f"wheel (it ships {name})")
+    return str(path)
 
 
 def log_tail(log: Path, lines: int = 20) -> str:

@@ -11,17 +11,9 @@ import sys
 from pathlib import Path
 
 from harness.ports import HOST, free_port
-from harness.processes import ServerUnavailable, kill, start, stop
+from harness.processes import ServerUnavailable, kill, start, stop, wheel_binary
 
 ATTEMPTS = 3
-
-
-def find_master() -> str:
-    path = Path(sys.executable).parent / "mooncake_master"
-    if not path.is_file():
-        raise ServerUnavailable(f"{path} not found: run scripts/setup.sh, which installs the Mooncake Transfer Engine "
-                                "wheel (it ships mooncake_master)")
-    return str(path)
 
 
 def _listening(port: int, host: str, prefix: list[str]) -> bool:
@@ -58,7 +50,7 @@ class MooncakeMaster:
             if fresh:
                 here = HOST if self.prefix else self.host  # a fresh namespace has every port free
                 self.rpc_port, self.metrics_port = free_port(here), free_port(here)
-            cmd = [*self.prefix, find_master(), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
+            cmd = [*self.prefix, wheel_binary("mooncake_master"), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
                    f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}", *self.args]
             try:
                 self.proc = start(cmd, self.log, lambda: _listening(self.rpc_port, self.host, self.prefix),

@@ -12,7 +12,6 @@ import contextlib
 import json
 import shutil
 import socket
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from harness.ports import HOST, free_port
-from harness.processes import ServerUnavailable, http_ok, log_tail, start, stop
+from harness.processes import ServerUnavailable, http_ok, log_tail, start, stop, wheel_binary
 
 ATTEMPTS = 3  # a free port can be taken between picking it and the server binding it: retry with new ones
 
@@ -31,14 +30,6 @@ def find_etcd() -> str:
         raise ServerUnavailable("the etcd binary was not found (PATH, /usr/bin/etcd): run scripts/setup.sh, "
                                 "which installs the Debian package etcd-server")
     return path
-
-
-def find_http_metadata_server() -> str:
-    path = Path(sys.executable).parent / "mooncake_http_metadata_server"
-    if not path.is_file():
-        raise ServerUnavailable(f"{path} not found: run scripts/setup.sh, which installs the Mooncake Transfer Engine "
-                                "wheel (it provides mooncake_http_metadata_server)")
-    return str(path)
 
 
 def _metadata_answers(port: int, log: Path) -> Callable[[], bool]:
@@ -97,7 +88,7 @@ def etcd_server(data_root: Path, host: str = HOST, prefix: list[str] | None = No
 @contextlib.contextmanager
 def http_metadata_server(log_dir: Path) -> Iterator[str]:
     """The wheel's HTTP metadata server on 127.0.0.1; yields "http://127.0.0.1:PORT/metadata"."""
-    binary = find_http_metadata_server()
+    binary = wheel_binary("mooncake_http_metadata_server")
     error: ServerUnavailable | None = None
     for attempt in range(ATTEMPTS):
         port = free_port()

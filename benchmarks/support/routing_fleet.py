@@ -4,7 +4,6 @@ their metrics, their processes' CPU time, their prefix caches emptied between ru
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -21,39 +20,9 @@ from harness.processes import http_ok, spawn, stop, wait_ready
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 
 DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-# ----------------------------------------------------------------------------- instance metrics
-def samples(url: str) -> list[str]:
-    """The sample lines of ``url``/metrics (Prometheus text format, comments left out)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return [line for line in text.splitlines() if line and not line.startswith("#")]
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of ``url``/metrics summed over labels (``name`` -> value)."""
-    out: dict[str, float] = {}
-    for line in samples(url):
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def scrape_labeled(url: str, metric: str, labels: tuple[str, ...]) -> dict[str, float]:
-    """The samples of one ``metric`` of ``url``/metrics, kept apart by ``labels``: their values joined by "/" ->
-    value (the route decisions' reasons are what tells a skip rule's choices apart, which ``scrape`` sums away)."""
-    out: dict[str, float] = {}
-    for line in samples(url):
-        if line.split("{", 1)[0].split(" ", 1)[0] != metric:
-            continue
-        found = dict(LABEL.findall(line.rsplit(" ", 1)[0]))
-        key = "/".join(found.get(label, "") for label in labels)
-        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
+# ----------------------------------------------------------------------------- instance processes
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of the process ``pid`` and its live descendants (a vLLM instance's API server and
     engine core), in seconds."""

@@ -403,12 +403,13 @@ def pool_keys(seed: int, n: int) -> list[str]:
     return block_keys(f"test-{seed}", list(range(seed, seed + 4 * n)), 4)
 
 
-def open_pool(master: str, segment: int, secret: bytes = b""):
+def open_pool(master: str, segment: int, secret: bytes = b"", **kwargs: Any):
+    """A client of the pool at ``master`` (``kwargs``: ``MooncakeStore``'s own, such as ``join_wait``)."""
     from kv_lookup_buffer.mooncake_store import MooncakeStore
     from kv_lookup_buffer.store_config import StoreConfig
 
     config = StoreConfig(master, global_segment_size=segment, local_buffer_size=16 << 20)
-    return MooncakeStore(config, "127.0.0.1", "P2PHANDSHAKE", secret=secret)
+    return MooncakeStore(config, "127.0.0.1", "P2PHANDSHAKE", secret=secret, **kwargs)
 
 
 def with_tags(rows: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,16 @@ class Holder:
         return self.peer.result()
 
 
-def reader(master: MooncakeMaster, secret: bytes = SECRET, segment: int = 16 * MiB):
+def reader(master: MooncakeMaster, secret: bytes = SECRET, segment: int = 16 * MiB, **kwargs):
     """This process's client (what the holder put lies in the holder's segment: puts go to the putter's first)."""
-    return programs.open_pool(master.address, segment, secret)
+    return programs.open_pool(master.address, segment, secret, **kwargs)
+
+
+def wait_joined(pool, within: float, why: str) -> None:
+    deadline = time.monotonic() + within
+    while not pool.joined:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.2)
 
 
 def test_block_keys_name_prefixes():
@@ -221,23 +228,17 @@ def test_a_client_started_before_its_master_refuses_at_once_and_joins_once_it_is
     """An instance may start before the pool's master (a fleet restarted in any order): it starts at once, its calls
     are refused without waiting, and it joins the pool in the background once the master answers."""
     from harness.ports import free_port
-    from kv_lookup_buffer.mooncake_store import MooncakeStore
-    from kv_lookup_buffer.store_config import StoreConfig
 
     master = MooncakeMaster(tmp_path)
     master.rpc_port, master.metrics_port = free_port(), free_port()
     start = time.monotonic()
-    pool = MooncakeStore(StoreConfig(master.address, global_segment_size=16 * MiB, local_buffer_size=16 * MiB),
-                         "127.0.0.1", "P2PHANDSHAKE", secret=SECRET, join_wait=0.5)
+    pool = reader(master, join_wait=0.5)
     try:
         assert time.monotonic() - start < 5 and not pool.joined
         with pytest.raises(StoreError, match="not in the KV pool yet"):
             pool.contains(programs.pool_keys(12, 1), timeout=5)
         master.start()
-        deadline = time.monotonic() + 30
-        while not pool.joined:
-            assert time.monotonic() < deadline, "the client never joined the master that came up"
-            time.sleep(0.2)
+        wait_joined(pool, 30, "the client never joined the master that came up")
         rows = programs.with_tags(programs.pool_rows(12, 1, 64 << 10))
         pool.register(rows)  # registered after joining, as before
         assert pool.put(programs.pool_keys(12, 1), rows, timeout=5) == 1
@@ -291,13 +292,9 @@ def test_a_frozen_master_at_start_up_stops_nothing(master):
     """A master that takes connections and answers nothing (frozen): the engine's own setup would hold the GIL, and
     so the whole process, as long as it waits; the client tries it in a process of its own first, so the instance
     goes on, and joins once the master answers."""
-    from kv_lookup_buffer.mooncake_store import MooncakeStore
-    from kv_lookup_buffer.store_config import StoreConfig
-
     master.freeze()
     start = time.monotonic()
-    pool = MooncakeStore(StoreConfig(master.address, global_segment_size=16 * MiB, local_buffer_size=16 * MiB),
-                         "127.0.0.1", "P2PHANDSHAKE", secret=SECRET, join_wait=1.0)
+    pool = reader(master, join_wait=1.0)
     try:
         ticks = 0
         while time.monotonic() - start < 3:  # this process's Python runs on meanwhile
@@ -307,10 +304,7 @@ def test_a_frozen_master_at_start_up_stops_nothing(master):
         with pytest.raises(StoreError, match="not in the KV pool yet"):
             pool.contains(programs.pool_keys(15, 1), timeout=1)
         master.thaw()
-        deadline = time.monotonic() + 60
-        while not pool.joined:
-            assert time.monotonic() < deadline, "the client never joined the master once it answered"
-            time.sleep(0.2)
+        wait_joined(pool, 60, "the client never joined the master once it answered")
         assert pool.contains(programs.pool_keys(15, 1), timeout=5) == 0
     finally:
         master.thaw()
