@@ -11,10 +11,11 @@ from tests.kv_connector.instance_stats import diff, flush, kv_stats
 from tests.kv_connector.instances import BLOCK
 
 
-def turn(server: VllmServer, tokens: list[int], max_tokens: int = 24) -> tuple[str, list[int]]:
-    """One completion: its text and its token ids."""
+def turn(server: VllmServer, tokens: list[int], max_tokens: int = 24, cache_salt: str | None = None
+         ) -> tuple[str, list[int]]:
+    """One completion: its text and its token ids (``cache_salt``: vLLM's, which the pool leaves alone)."""
     body = {"model": server.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True}
+            "return_token_ids": True, **({"cache_salt": cache_salt} if cache_salt else {})}
     choice = server.post("/v1/completions", body)["choices"][0]
     return choice["text"], choice["token_ids"]
 

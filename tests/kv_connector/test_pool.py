@@ -7,8 +7,10 @@ fleet has a secret), a master restart, a killed instance holding objects, and a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from harness.ports import free_port
 from harness.store import MooncakeMaster
 from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
 from kv_lookup_buffer import block_keys
-from tests.kv_connector.instance_stats import kv_stats
+from tests.kv_connector.instance_stats import kv_stats, wait_idle
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, SERVE_ARGS
 from tests.kv_connector.pool_traffic import settled, stored_blocks, turn
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
@@ -96,6 +98,43 @@ def test_a_shared_prefix_is_stored_once_and_served_to_every_question(fleet, refe
     change = settled(b, before, "pool_loaded", 1)
     assert change.get("pool_loaded") == 1 and change.get("pool_loaded_bytes") == 4 * ROW_BYTES, change
     assert change.get("local_hits", 0) >= 2 * 4 * BLOCK, change  # the later questions: its own prefix cache
+
+
+def test_next_turns_sent_at_once_and_abandoned_ones_load_right(fleet, reference):
+    """Eight conversations' next turns reach the other instance at once, two of them given up by their client 50 ms
+    in (most likely during their load): every answer kept is right, every load that ended moved exactly its history,
+    nothing failed, and the instance serves the abandoned turns right afterwards."""
+    a, b = fleet
+    turns = [conversation(a, 9800 + 2 * i, 300, 60) for i in range(8)]
+    history_blocks = {stored_blocks(len(history)) for _, history in turns}
+    assert len(history_blocks) == 1, history_blocks  # one size, so that the bytes add up per load
+    per_load = history_blocks.pop() * ROW_BYTES
+    before = kv_stats(b)
+
+    def send(i: int) -> str | None:
+        second = turns[i][0]
+        if i % 4:
+            return turn(b, second, MAX_TOKENS)[0]
+        try:
+            answer = b.complete(second, 200, timeout=0.05)
+        except (TimeoutError, urllib.error.URLError):
+            return None
+        # the instance was quicker than the client's patience: still the right text
+        assert answer == reference.complete(second, 200)
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        answers = list(threads.map(send, range(8)))
+    for i, answer in enumerate(answers):
+        if i % 4:
+            assert answer == reference.complete(turns[i][0], MAX_TOKENS), i
+    wait_idle(b)  # the abandoned requests are aborted, and their loads end, in later steps
+    change = settled(b, before, "pool_loaded", 6)
+    assert 6 <= change.get("pool_loaded", 0) <= 8, change
+    assert change.get("pool_loaded_bytes") == change["pool_loaded"] * per_load, change
+    assert not change.get("load_failures") and not change.get("pool_rejected"), change
+    for second, _ in turns[::4]:
+        assert turn(b, second, MAX_TOKENS)[0] == reference.complete(second, MAX_TOKENS)
 
 
 def pool_namespace(server: VllmServer) -> str:
