@@ -25,13 +25,30 @@ pytestmark = pytest.mark.vllm
 def pool_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     work = tmp_path_factory.mktemp("pool-pd")
     with MooncakeMaster(work) as master:
-        producer, consumer = start_pair(tiny_model, work, "pool-pd", master_server_address=master.address,
-                                        global_segment_size=32 << 20, local_buffer_size=16 << 20)
+        # vLLM's default kv_load_failure_policy (fail), as users run it
+        producer, consumer = start_pair(tiny_model, work, "pool-pd", failure_policy=None,
+                                        master_server_address=master.address, global_segment_size=32 << 20,
+                                        local_buffer_size=16 << 20)
         try:
             yield producer, consumer
         finally:
             producer.stop()
             consumer.stop()
+
+
+def test_the_seeds_flow_without_params_hands_off_beside_the_pool(pool_pair, reference):
+    """The seed's proxy sends no kv_transfer_params: a max_tokens=1 prefill on the producer, then the request on the
+    consumer. With a pool beside the hand-off, under vLLM's default policy, the consumer still loads the whole
+    prompt (but its last token) from the producer, the longer of the two: the pool holds only its whole blocks."""
+    producer, consumer = pool_pair
+    tokens = prompt(9850, 3 * BLOCK + 40)
+    before, before_p = kv_stats(consumer), kv_stats(producer)
+    producer.complete(tokens, 1)
+    assert consumer.complete(tokens, MAX_TOKENS) == reference.complete(tokens, MAX_TOKENS)
+    change = settled(consumer, before, "loaded", 1)
+    assert change.get("loaded") == 1 and change.get("fetched_bytes") == blocks(len(tokens) - 1) * ROW_BYTES, change
+    assert not change.get("load_failures") and not change.get("pool_loaded"), change
+    assert settled(producer, before_p, "pool_saved_blocks", 3).get("pool_saved_blocks") == 3  # and it pooled them
 
 
 def test_a_follow_up_turns_prefill_finds_the_previous_answer_in_the_pool(pool_pair, reference):
