@@ -18,7 +18,8 @@ setup(
         "aiohttp>=3.9",
         "prometheus_client>=0.17",
         "xxhash>=4.1",  # the end-to-end KV digest (kv_connector/worker/digest.py)
-        "blake3>=0.4",  # the KV pool's object tags (kv_lookup_buffer/mooncake_store.py)
+        "blake3>=0.4",  # the KV pool's object tags: key derivation (kv_lookup_buffer/mooncake_store.py)
+        "cryptography>=42",  # the KV pool's object tags: AES-GMAC
     ],
     extras_require={
         # CPU hosts (and this project's CI): the non-CUDA engine build and vLLM's CPU wheel with its torch pin.

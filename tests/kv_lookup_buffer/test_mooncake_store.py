@@ -100,11 +100,12 @@ def test_a_missing_object_ends_the_run(master):
         holder.release()
 
 
-@pytest.mark.parametrize("forgery", ["stranger", "other key", "other secret", "no secret"])
+@pytest.mark.parametrize("forgery", ["stranger", "other key", "other nonce", "other secret", "no secret"])
 def test_objects_the_fleet_did_not_put_under_their_key_are_refused_and_removed(master, forgery):
     """With a secret a get checks each object's MAC over its key and bytes: a stranger's object (its own tag), a
-    fleet object copied under another key, one tagged with another secret or with none fail, are counted, removed
-    from the pool, and each ends the run there (every one that arrived is checked, and removed if it fails)."""
+    fleet object copied under another key, one whose MAC is the fleet's but whose nonce is not (the MAC key is the
+    nonce's), one tagged with another secret or with none fail, are counted, removed from the pool, and each ends
+    the run there (every one that arrived is checked, and removed if it fails)."""
     size = 64 << 10
     holder = Holder(master, seed=5, n=2, size=size, secret={"other secret": b"o" * 40, "no secret": b""}.get(
         forgery, SECRET))
@@ -112,13 +113,14 @@ def test_objects_the_fleet_did_not_put_under_their_key_are_refused_and_removed(m
     forger = None
     try:
         keys = programs.pool_keys(5, 2)
-        if forgery in ("stranger", "other key"):
+        if forgery in ("stranger", "other key", "other nonce"):
             row = programs.pool_rows(9, 1, size)[0]
             target = programs.pool_keys(6, 1)[0]  # the next block of the fleet's prompt
+            fleets = programs.pool_rows(5, 1, size)[0]
             # "other key": the row and tag a fleet member put under its own key (anyone may read the pool), copied
-            tag = pool._tag(keys[0], programs.pool_rows(5, 1, size)[0]) if forgery == "other key" else bytes(TAG)
-            payload = bytes(programs.pool_rows(5, 1, size)[0].numpy()) if forgery == "other key" else \
-                bytes(row.numpy())
+            tag = {"other key": lambda: pool._tag(keys[0], fleets),
+                   "other nonce": lambda: bytes(16) + pool._tag(target, fleets)[16:]}.get(forgery, lambda: bytes(TAG))()
+            payload = bytes(fleets.numpy()) if forgery != "stranger" else bytes(row.numpy())
             ready, done = ctx.Event(), ctx.Event()
             forger = (Peer(programs.pool_forge, master.address, target, payload, tag, ready, done), done)
             assert ready.wait(60)
