@@ -172,7 +172,8 @@ def run_workloads(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
 
 def _store(master: str, segment: int) -> Any:
     """This project's layer 2 (``MooncakeStore``, the fleet's secret) in a process of the bare measurement: its own
-    client is the bare engine's too, so both columns use one client, one placement (the putter's segment first)."""
+    client is the bare engine's too, so both columns use one client and one placement: the master's, as the instances'
+    (both processes give the pool a segment of ``segment`` bytes)."""
     from benchmarks.support.pool_fleet import SECRET
     from kv_lookup_buffer import MooncakeStore
     from kv_lookup_buffer.store_config import StoreConfig
@@ -210,7 +211,9 @@ def _bare_getter(master: str, sizes: list[int], size: int, ready: Any, out: Any)
     os.sched_setaffinity(0, {1})
     import torch
 
-    store = _store(master, 16 << 20)
+    from kv_lookup_buffer import TAG
+
+    store = _store(master, 2 * (sum(sizes) + 16) * (size + TAG))
     client = store._client
     dst = torch.zeros(max(sizes), size, dtype=torch.uint8)
     private = torch.ones(max(sizes), size, dtype=torch.uint8)
@@ -309,7 +312,7 @@ def report(results: dict[str, Any], bare: float | None, args: argparse.Namespace
         sizes = [n for r in results.values() for n in r["pool_load_blocks"]]
         lines.append(f"\nBare engine: Mooncake Store's own batch_get_into of the same loads ({len(sizes)} loads, "
                      f"{sum(sizes)} objects of one block each), from a process on core 1 of objects a process on core "
-                     f"0 put in its own segment, as the instances are: {bare:.2f} GB/s. Pool load GB/s: the "
+                     f"0 put, placed by the master as the instances' are: {bare:.2f} GB/s. Pool load GB/s: the "
                      "connector's pool load histogram (get, check, copy into the KV cache), all loads together.")
         if layer2:
             lines.append(f"\nLike for like, in the same two processes and with the same client, each load in turn: "

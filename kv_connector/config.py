@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 TRANSFER_MODES = ("pull", "push")
 DIGEST_MODES = ("off", "sampled", "always")  # kv_connector/worker/digest.py
 HOLD_MODES = ("auto", "always")
+PLACEMENTS = ("spread", "local")  # where pool puts go: the master's choice, or this instance's segment first
 
 GiB = 1 << 30
 
@@ -57,6 +58,7 @@ class ConnectorOptions:
     pool_namespace: str = ""
     pool_save_output: bool = True
     pool_lookups: bool = True
+    pool_placement: str = "spread"
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorOptions:
@@ -101,6 +103,10 @@ class ConnectorOptions:
         for name in ("receive_into_cache", "pool_save_output", "pool_lookups"):
             if not isinstance(getattr(opts, name), bool):
                 raise ConfigError(f"kv_connector_extra_config.{name}: expected true or false")
+        if opts.pool_placement not in PLACEMENTS:
+            raise ConfigError("kv_connector_extra_config.pool_placement: expected \"spread\" (the master places each "
+                              "object, Mooncake's default) or \"local\" (this instance's own segment first), got "
+                              f"{opts.pool_placement!r}")
         if not isinstance(opts.pool_namespace, str) or len(opts.pool_namespace) > 256:
             raise ConfigError("kv_connector_extra_config.pool_namespace: expected a string of at most 256 characters")
         return opts

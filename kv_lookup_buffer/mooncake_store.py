@@ -105,12 +105,15 @@ class MooncakeStore(KVStoreBufferBase):
     """A client of the pool at ``config.master_server_address``. ``local_hostname``: this host's address as the
     other clients reach it (its segment's data moves over the store's own Transfer Engine); ``metadata_server``,
     ``protocol``, ``device_name``: as the pipe's (mooncake.json's). ``secret``: the fleet's (tags are MACs); b"":
-    plain hashes. Rows put or got must lie in memory given to ``register``. ``on_count``: see ``Counts``."""
+    plain hashes. Rows put or got must lie in memory given to ``register``. ``on_count``: see ``Counts``.
+    ``local_first``: puts go to this client's own segment while it has room (else: where the master places them,
+    Mooncake's default)."""
 
     def __init__(self, config: StoreConfig, local_hostname: str, metadata_server: str, protocol: str = "tcp",
                  device_name: str = "", secret: bytes = b"", on_count: Callable[[str, int], None] | None = None,
-                 client: Any = None, join_wait: float = JOIN_WAIT) -> None:
+                 client: Any = None, join_wait: float = JOIN_WAIT, local_first: bool = False) -> None:
         self.config = config
+        self.local_first = local_first
         self.stats = Counts(COUNTS, on_count)
         self._key = blake3.blake3(secret, derive_key_context=TAG_CONTEXT).digest()  # no secret: a public key
         self._calls = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="mooncake-pool")
@@ -201,13 +204,13 @@ class MooncakeStore(KVStoreBufferBase):
                                  memory.nbytes, _describe(rc))
                     return
             self._client = client
-            self._placement = self._local_first(client, self.config)
+            self._placement = self._local_first(client, self.config) if self.local_first else None
             self._joined.set()
 
     @staticmethod
     def _local_first(client: Any, config: StoreConfig) -> Any:
         """Puts go to this client's own segment while it has room (then anywhere in the pool): each instance holds
-        what it computed, and a get of one's own blocks is a local copy."""
+        what it computed, and its puts never cross the network."""
         if not config.global_segment_size:
             return None
         try:

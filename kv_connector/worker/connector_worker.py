@@ -106,7 +106,8 @@ class ConnectorWorker:
         mooncake = self.config.mooncake
         store = MooncakeStore(store_config, store_host(self.config), mooncake.metadata.conn, mooncake.protocol,
                               mooncake.device_for(split.rank), self.config.secret,
-                              on_count=self.stats.counter(STORE_COUNTS))
+                              on_count=self.stats.counter(STORE_COUNTS),
+                              local_first=self.options.pool_placement == "local")
         pool = KVPool(store, layout, self.staging, split, block_size, self.stats, store_config.local_buffer_size,
                       self.options.pool_namespace)
         logger.info("MooncakeConnector: KV pool at master %s (TP rank %d): objects of %d bytes, one per block, under "

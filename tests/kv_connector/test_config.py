@@ -191,6 +191,7 @@ def test_defaults():
     ({"recompute_tokens": -1}, "recompute_tokens: expected an integer from 1 to 4096"),
     ({"recompute_tokens": True}, "recompute_tokens: expected an integer"),
     ({"hold_blocks": "never"}, "hold_blocks: expected \"auto\" or \"always\""),
+    ({"pool_placement": "nearest"}, "pool_placement: expected \"spread\" .* or \"local\""),
     ([1], "must be a JSON object"),
 ])
 def test_bad_options(extra, message):

@@ -40,13 +40,15 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
           master: MooncakeMaster) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Two kv_both instances (cores 0 and 1) sharing the pool, with a secret."""
+    """Two kv_both instances (cores 0 and 1) sharing the pool, with a secret: A stores in its own segment
+    (``pool_placement`` local: what a dead A takes with it is known), B where the master places (the default)."""
     work = tmp_path_factory.mktemp("pool")
     config = mooncake_json(work / "mooncake.json", master_server_address=master.address,
                            global_segment_size=SEGMENT, local_buffer_size=16 << 20)
     env = {"MOONCAKE_KV_SECRET": SECRET}
-    a, b = (VllmServer(name, tiny_model, free_port(), core, work, connector_config("kv_both"), config, SERVE_ARGS,
-                       env, worker_process=False) for name, core in (("pool-a", 0), ("pool-b", 1)))
+    a, b = (VllmServer(name, tiny_model, free_port(), core, work, connector_config("kv_both", pool_placement=placement),
+                       config, SERVE_ARGS, env, worker_process=False)
+            for name, core, placement in (("pool-a", 0, "local"), ("pool-b", 1, "spread")))
     try:
         start_vllm(a, b)
         yield a, b

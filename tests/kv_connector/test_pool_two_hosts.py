@@ -57,8 +57,11 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "timeout": 5, "auth_secret": SECRET,
                 "engine_ports": ENGINE_PORTS, "master_server_address": master.address, "local_hostname": host.kv,
                 "global_segment_size": 32 << 20, "local_buffer_size": 16 << 20}))
+            # A keeps what it stores in its own segment, so that B's loads cross the wire (B: the master places)
+            placement = "local" if host is host_a else "spread"
             servers.append(VllmServer(name, tiny_model, free_port(), core, work,
-                                      connector_config("kv_both", load_timeout=LOAD_TIMEOUT), config, SERVE_ARGS,
+                                      connector_config("kv_both", load_timeout=LOAD_TIMEOUT, pool_placement=placement),
+                                      config, SERVE_ARGS,
                                       host=host.http, prefix=host.prefix(), worker_process=False))
         try:
             start_vllm(*servers)

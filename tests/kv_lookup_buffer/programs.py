@@ -423,7 +423,7 @@ def with_tags(rows: torch.Tensor) -> torch.Tensor:
 
 def pool_put(master: str, seed: int, n: int, size: int, segment: int, secret: bytes, ready: Any, done: Any) -> int:
     """Join the pool, put ``n`` rows under ``pool_keys(seed, n)``, say ``ready``, hold the segment until ``done``."""
-    pool = open_pool(master, segment, secret)
+    pool = open_pool(master, segment, secret, local_first=True)  # a holder: what it put lies in its segment
     rows = with_tags(pool_rows(seed, n, size))
     pool.register(rows)
     stored = pool.put(pool_keys(seed, n), rows, timeout=30.0)

@@ -46,7 +46,7 @@ class Holder:
 
 
 def reader(master: MooncakeMaster, secret: bytes = SECRET, segment: int = 16 * MiB, **kwargs):
-    """This process's client (what the holder put lies in the holder's segment: puts go to the putter's first)."""
+    """This process's client (what the holder put lies in the holder's segment: its puts go to its own first)."""
     return programs.open_pool(master.address, segment, secret, **kwargs)
 
 
