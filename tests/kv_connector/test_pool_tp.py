@@ -36,10 +36,14 @@ def tp2_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         args = [*SERVE_ARGS, "--tensor-parallel-size", str(TP)]
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "MOONCAKE_KV_SECRET": SECRET}
         # lookup_timeout 5 s and load_timeout 30 s, as test_tensor_parallel's pair: four TP workers that spin after
-        # each step share this box's two cores with the engines, and a get is served by the holder's workers
-        transfer = connector_config("kv_both", lookup_timeout=5.0, load_timeout=30.0)
-        a, b = (VllmServer(name, tiny_model, free_port(), core, work, transfer, config, args, env)
-                for name, core in (("pool-tp2-a", 0), ("pool-tp2-b", 1)))
+        # each step share this box's two cores with the engines, and a get is served by the holder's workers. A
+        # stores in its own segments: with objects placed in B's, B's gets waited for B's own busy workers past the
+        # objects' 10 s lease (LEASE_EXPIRED, the prompt computed) - this box's two cores, as SETTLE in
+        # test_tensor_parallel. B stores where the master places.
+        a, b = (VllmServer(name, tiny_model, free_port(), core, work,
+                           connector_config("kv_both", lookup_timeout=5.0, load_timeout=30.0,
+                                            pool_placement=placement), config, args, env)
+                for name, core, placement in (("pool-tp2-a", 0, "local"), ("pool-tp2-b", 1, "spread")))
         try:
             start_vllm(a, b)
             yield a, b
