@@ -104,8 +104,8 @@ def _register_with(client: Any, memory: torch.Tensor) -> int:
 class MooncakeStore(KVStoreBufferBase):
     """A client of the pool at ``config.master_server_address``. ``local_hostname``: this host's address as the
     other clients reach it (its segment's data moves over the store's own Transfer Engine); ``metadata_server``,
-    ``protocol``, ``device_name``: as the pipe's (mooncake.json's). ``secret``: the fleet's (tags are MACs); b"":
-    plain hashes. Rows put or got must lie in memory given to ``register``. ``on_count``: see ``Counts``.
+    ``protocol``, ``device_name``: as the pipe's (mooncake.json's). ``secret``: the fleet's (tags are MACs); b"": tags
+    that catch corruption only. Rows put or got must lie in memory given to ``register``. ``on_count``: see ``Counts``.
     ``local_first``: puts go to this client's own segment while it has room (else: where the master places them,
     Mooncake's default)."""
 
