@@ -443,14 +443,12 @@ class Fetched:
         if self._checked:
             raise RuntimeError("fetched objects are checked once")
         self._checked = True
-        if copy_to is not None and (copy_to.shape[0] < len(self._keys) or copy_to[0].nbytes != self._size):
-            self._store._give_tags(self._slots)
-            raise ValueError("copy_to must have a row of the same size per key")
-        if where is not None and (len(where) < len(self._keys) or any(
-                sum(p.nbytes for p in pieces) != self._size for pieces in where[:len(self._keys)])):
-            self._store._give_tags(self._slots)
-            raise ValueError("where must give the pieces of a row of the same size per key")
-        try:
+        try:  # the tag slots go back whatever happens
+            if copy_to is not None and (copy_to.shape[0] < len(self._keys) or copy_to[0].nbytes != self._size):
+                raise ValueError("copy_to must have a row of the same size per key")
+            if where is not None and (len(where) < len(self._keys) or any(
+                    sum(p.nbytes for p in pieces) != self._size for pieces in where[:len(self._keys)])):
+                raise ValueError("where must give the pieces of a row of the same size per key")
             return self._store._verify(self._keys, self._out, self._slots, self._codes, self._size, copy_to, where)
         finally:
             self._store._give_tags(self._slots)

@@ -255,12 +255,14 @@ class KVPool:
         return keys, out
 
     def _finish_copies(self, staged: Staging) -> None:
-        """A device cache's gathers: wait for each, then lay it out as objects."""
+        """A device cache's gathers: wait for each, then lay it out as objects, once (a held request's are finished
+        before it is reported copied, and its put calls this again): each laid out lets go of its pinned memory."""
         row = self.layout.row_bytes
-        for part, slots, (_piece, gathered) in staged:
+        for k, (part, slots, (piece, gathered)) in enumerate(staged):
             if gathered is not None:
                 gathered.wait()
                 slots[:, :row].copy_(gathered.tensor.reshape(len(part), -1).view(torch.uint8))
+                staged[k] = (part, slots, (piece, None))
 
     def _copy_held(self, save: PoolSave) -> None:
         """An ended request's held blocks: copied out (then vLLM may free them), and queued for their put."""
