@@ -184,3 +184,14 @@ def start_vllm(*servers: VllmServer) -> None:
         for server in servers:
             server.stop()
         raise
+
+
+@contextlib.contextmanager
+def serving(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
+    """``start_vllm``, then the servers until the block ends, when every one is stopped (a fixture's life)."""
+    try:
+        start_vllm(*servers)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

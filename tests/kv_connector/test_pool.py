@@ -18,7 +18,7 @@ import pytest
 
 from harness.ports import free_port
 from harness.store import MooncakeMaster
-from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
+from harness.vllm import VllmServer, connector_config, mooncake_json, serving
 from kv_lookup_buffer import block_keys
 from tests.kv_connector.instance_stats import kv_stats, wait_idle
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, SERVE_ARGS
@@ -49,12 +49,8 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     a, b = (VllmServer(name, tiny_model, free_port(), core, work, connector_config("kv_both", pool_placement=placement),
                        config, SERVE_ARGS, env, worker_process=False)
             for name, core, placement in (("pool-a", 0, "local"), ("pool-b", 1, "spread")))
-    try:
-        start_vllm(a, b)
+    with serving(a, b):
         yield a, b
-    finally:
-        a.stop()
-        b.stop()
 
 
 def conversation(a: VllmServer, seed: int, first: int, then: int) -> tuple[list[int], list[int]]:

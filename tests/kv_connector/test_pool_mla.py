@@ -13,7 +13,7 @@ import pytest
 
 from harness.ports import free_port
 from harness.store import MooncakeMaster
-from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, start_vllm
+from harness.vllm import VllmServer, build_model, connector_config, mooncake_json, serving
 from tests.kv_connector.instance_stats import kv_stats
 from tests.kv_connector.pool_traffic import settled, turn
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
@@ -32,12 +32,8 @@ def mla_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Layout
         a, b = (VllmServer(name, model, free_port(), core, work, connector_config("kv_both"), config,
                            serve_args(mla=True), worker_process=False)
                 for name, core in (("pool-mla-a", 0), ("pool-mla-b", 1)))
-        try:
-            start_vllm(a, b)
+        with serving(a, b):
             yield Layout(model), a, b
-        finally:
-            a.stop()
-            b.stop()
 
 
 def test_an_mla_conversations_next_turn_loads_its_history_from_the_pool(mla_fleet):

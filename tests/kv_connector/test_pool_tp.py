@@ -7,6 +7,7 @@ history on both ranks, the bytes are the whole history's KV (each rank's half), 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +15,12 @@ import pytest
 
 from harness.ports import free_port
 from harness.store import MooncakeMaster
-from harness.vllm import VllmServer, connector_config, mooncake_json, start_vllm
+from harness.vllm import VllmServer, connector_config, mooncake_json, serving
 from tests.kv_connector.instance_stats import kv_stats
 from tests.kv_connector.instances import BLOCK, ROW_BYTES, SERVE_ARGS
 from tests.kv_connector.pool_traffic import settled, stored_blocks, turn
 from tests.kv_connector.prompts import MAX_TOKENS, prompt
+from tests.kv_connector.test_tensor_parallel import SETTLE
 
 pytestmark = pytest.mark.vllm
 
@@ -44,12 +46,8 @@ def tp2_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                            connector_config("kv_both", lookup_timeout=5.0, load_timeout=30.0,
                                             pool_placement=placement), config, args, env)
                 for name, core, placement in (("pool-tp2-a", 0, "local"), ("pool-tp2-b", 1, "spread")))
-        try:
-            start_vllm(a, b)
+        with serving(a, b):
             yield a, b
-        finally:
-            a.stop()
-            b.stop()
 
 
 def namespaces(server: VllmServer) -> dict[int, str]:
@@ -66,6 +64,7 @@ def test_each_rank_pools_its_own_heads_and_the_next_turn_loads_them_on_both_rank
     history = tokens + answer
     blocks = stored_blocks(len(history))
     assert settled(a, before, "pool_saved_blocks", TP * blocks).get("pool_saved_blocks") == TP * blocks  # per rank
+    time.sleep(SETTLE)  # A's workers, which serve B's gets, just stepped (``settled`` flushes A): they spin a while
     second = history + prompt(9601, 60)
     before = kv_stats(b)
     text, _ = turn(b, second, MAX_TOKENS)
